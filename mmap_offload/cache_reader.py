@@ -1,0 +1,239 @@
+"""Open a published cache: check it (docs/FORMAT.md, "Validity"), map layer files, hand out views.
+
+Opening reads the manifest and stats the layer files; nothing else. Layer files are mapped on first
+use (private, copy-on-write mappings: pages are shared with the page cache, and the views are
+writable tensors without copies). ``verify`` reads every byte and checks every checksum.
+
+    cache = open_cache("cache/", tp_rank=0, tp_size=1, expect=identity)
+    cache.expert_extent(layer, expert)      # Extent(path, offset, nbytes): what engines read
+    cache.tensor(layer, expert, "w2_weight") # zero-copy torch view
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cache_format import (
+    ALIGNMENT,
+    JOURNAL_NAME,
+    MANIFEST_NAME,
+    CacheIdentity,
+    Extent,
+    Manifest,
+    TensorSpec,
+    checksum,
+    rank_dir_name,
+)
+from .errors import CacheError, CorruptCacheError, StaleCacheError
+
+
+def rank_dir(cache_dir: str | os.PathLike, tp_rank: int = 0, tp_size: int = 1) -> Path:
+    """The directory holding one rank's cache: ``cache_dir`` itself if it has a manifest."""
+    root = Path(cache_dir)
+    if (root / MANIFEST_NAME).exists() or (root / JOURNAL_NAME).exists():
+        return root
+    return root / rank_dir_name(tp_rank, tp_size)
+
+
+def current_layout_version(name: str) -> int | None:
+    """The version this build writes for layout ``name`` (None if unknown here)."""
+    try:
+        from .layout import LAYOUT_VERSIONS
+    except ImportError:  # pragma: no cover - layout module always ships
+        return None
+    return LAYOUT_VERSIONS.get(name)
+
+
+@dataclass
+class VerifyReport:
+    layers: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    mismatches: list[tuple[int, int, str]] = field(default_factory=list)  # (layer, expert, name)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+class Cache:
+    """One rank's published cache. Cheap to create; thread-safe lazy mapping of layer files."""
+
+    def __init__(self, directory: Path, manifest: Manifest):
+        self.dir = directory
+        self.manifest = manifest
+        self.identity: CacheIdentity = manifest.identity
+        self.layers: list[int] = [l["layer"] for l in manifest.layers]
+        self.num_experts: int = int(manifest.moe["num_experts"])
+        self.expert_specs: list[TensorSpec] = manifest.record
+        self.record_nbytes: int = manifest.record_nbytes
+        self._spec_by_name = {s.name: s for s in self.expert_specs}
+        self._layer_info = {l["layer"]: l for l in manifest.layers}
+        self._maps: dict[int, mmap.mmap] = {}
+        self._arrays: dict[int, np.ndarray] = {}
+        self._map_lock = threading.Lock()
+
+    # -- where bytes are ------------------------------------------------------------------------
+    def layer_file(self, layer: int) -> Path:
+        return self.dir / self._layer_info[layer]["file"]
+
+    def layer_extent(self, layer: int) -> Extent:
+        return Extent(self.layer_file(layer), 0, int(self._layer_info[layer]["nbytes"]))
+
+    def expert_extent(self, layer: int, expert: int) -> Extent:
+        if not 0 <= expert < self.num_experts:
+            raise IndexError(f"expert {expert} out of range [0, {self.num_experts})")
+        return Extent(self.layer_file(layer), expert * self.record_nbytes, self.record_nbytes)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._spec_by_name[name]
+
+    def expected_checksums(self, layer: int, expert: int) -> list[str]:
+        """Checksums of the expert's tensors, in ``expert_specs`` order."""
+        per_layer = len(self.expert_specs) * self.num_experts
+        start = self.layers.index(layer) * per_layer + expert * len(self.expert_specs)
+        return [row[8] for row in self.manifest.tensors[start : start + len(self.expert_specs)]]
+
+    # -- zero-copy views ------------------------------------------------------------------------
+    def _array(self, layer: int) -> np.ndarray:
+        arr = self._arrays.get(layer)
+        if arr is None:
+            with self._map_lock:
+                arr = self._arrays.get(layer)
+                if arr is None:
+                    with open(self.layer_file(layer), "rb") as f:
+                        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    self._maps[layer] = mm
+                    arr = np.frombuffer(mm, dtype=np.uint8)
+                    self._arrays[layer] = arr
+        return arr
+
+    def expert_buffer(self, layer: int, expert: int) -> np.ndarray:
+        ext = self.expert_extent(layer, expert)
+        return self._array(layer)[ext.offset : ext.offset + ext.nbytes]
+
+    def tensor(self, layer: int, expert: int, name: str) -> torch.Tensor:
+        s = self.spec(name)
+        start = expert * self.record_nbytes + s.offset
+        raw = self._array(layer)[start : start + s.nbytes]
+        return torch.from_numpy(raw).view(s.torch_dtype).view(s.shape)
+
+    def close(self) -> None:
+        """Drop the mappings (views handed out keep theirs alive until they are freed)."""
+        with self._map_lock:
+            self._arrays.clear()
+            self._maps.clear()
+
+    # -- full check -----------------------------------------------------------------------------
+    def verify(self, progress=None) -> VerifyReport:
+        """Read every byte (pread, not the mapping) and check every checksum."""
+        report = VerifyReport()
+        buf = np.empty(self.record_nbytes, dtype=np.uint8)
+        for layer in self.layers:
+            path = self.layer_file(layer)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for e in range(self.num_experts):
+                    n = os.preadv(fd, [buf], e * self.record_nbytes)
+                    if n != self.record_nbytes:
+                        raise CorruptCacheError(f"{path} is truncated", "rerun `mmap-offload warmup` to rebuild it")
+                    for spec, want in zip(self.expert_specs, self.expected_checksums(layer, e)):
+                        got = checksum(buf[spec.offset : spec.offset + spec.nbytes])
+                        report.tensors += 1
+                        if got != want:
+                            report.mismatches.append((layer, e, spec.name))
+                    report.bytes += self.record_nbytes
+            finally:
+                os.close(fd)
+            report.layers += 1
+            if progress is not None:
+                progress(layer, report)
+        return report
+
+
+def open_cache(
+    cache_dir: str | os.PathLike,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    expect: CacheIdentity | None = None,
+) -> Cache:
+    """Open one rank's cache; raise a one-line CacheError subtype if it cannot be served."""
+    directory = rank_dir(cache_dir, tp_rank, tp_size)
+    manifest_path = directory / MANIFEST_NAME
+    fix_build = f"run `mmap-offload warmup CHECKPOINT --cache-dir {cache_dir} --tp-size {tp_size}`"
+    if not manifest_path.exists():
+        if (directory / JOURNAL_NAME).exists():
+            raise CacheError(f"the cache in {directory} is incomplete (a warm-up was interrupted)", f"{fix_build} to resume it")
+        if Path(cache_dir).exists() and not directory.exists():
+            present = sorted(p.name for p in Path(cache_dir).glob("rank-*-of-*"))
+            if present:
+                raise StaleCacheError(
+                    f"{cache_dir} holds {', '.join(present)}, not {directory.name}",
+                    f"{fix_build} for this TP size",
+                )
+        raise CacheError(f"no cache in {directory}", fix_build)
+    try:
+        data = manifest_path.read_bytes()
+    except OSError as e:
+        raise CacheError(f"cannot read {manifest_path} ({e.strerror})", "check the path and permissions") from None
+    manifest = Manifest.loads(data, str(manifest_path))
+
+    ident = manifest.identity
+    if (ident.tp_rank, ident.tp_size) != (tp_rank, tp_size) and expect is None:
+        expect = CacheIdentity(ident.fingerprint, ident.quantization, ident.layout_name, ident.layout_version, tp_rank, tp_size)
+    if expect is not None:
+        diffs = ident.differences(expect)
+        if diffs:
+            raise StaleCacheError(
+                f"the cache in {directory} was made for another {diffs[0]}"
+                + (f" (and {len(diffs) - 1} more difference(s))" if len(diffs) > 1 else ""),
+                f"{fix_build} to rebuild it",
+            )
+    version = current_layout_version(ident.layout_name)
+    if version is not None and version != ident.layout_version:
+        raise StaleCacheError(
+            f"the cache in {directory} has layout {ident.layout_name} v{ident.layout_version}; this "
+            f"mmap-offload serves v{version}",
+            f"{fix_build} to rebuild it",
+        )
+
+    _check_consistency(directory, manifest)
+    return Cache(directory, manifest)
+
+
+def _check_consistency(directory: Path, m: Manifest) -> None:
+    fix = "rerun `mmap-offload warmup` to rebuild the cache"
+    E = int(m.moe["num_experts"])
+    if m.record_nbytes % ALIGNMENT or any(s.offset % ALIGNMENT for s in m.record):
+        raise CorruptCacheError(f"{directory / MANIFEST_NAME} has unaligned offsets", fix)
+    for l in m.layers:
+        path = directory / l["file"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise CorruptCacheError(f"{path} is missing", fix) from None
+        if int(l["nbytes"]) != E * m.record_nbytes:
+            raise CorruptCacheError(f"{directory / MANIFEST_NAME} gives {path.name} a wrong size", fix)
+        if size != int(l["nbytes"]):
+            what = "truncated" if size < int(l["nbytes"]) else "longer than recorded"
+            raise CorruptCacheError(f"{path} is {what} ({size} of {l['nbytes']} bytes)", fix)
+    n = len(m.record)
+    if len(m.tensors) != len(m.layers) * E * n:
+        raise CorruptCacheError(f"{directory / MANIFEST_NAME} has an incomplete tensor table", fix)
+    for i, row in enumerate(m.tensors):
+        li, rem = divmod(i, E * n)
+        e, t = divmod(rem, n)
+        spec = m.record[t]
+        layer = m.layers[li]
+        if (
+            row[0] != layer["layer"] or row[1] != e or row[2] != spec.name or row[5] != layer["file"]
+            or row[6] != e * m.record_nbytes + spec.offset or row[7] != spec.nbytes
+        ):
+            raise CorruptCacheError(f"{directory / MANIFEST_NAME} row {i} disagrees with the record layout", fix)

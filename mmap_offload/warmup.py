@@ -1,0 +1,233 @@
+"""Build the cache from a checkpoint: read -> layout transform -> checksum -> append, per expert.
+
+Memory stays bounded by one expert: each expert's checkpoint tensors are read with ``pread`` (never a
+mapped shard), transformed for every TP rank being built (on CUDA when a GPU is present), written as
+one record per rank, and dropped. Layers are committed one at a time (docs/FORMAT.md, "Writing"), so an
+interrupted warm-up resumes after the last complete layer and a finished one is a no-op.
+
+    report = warmup("ckpt/", "cache/", tp_size=2)          # all ranks
+    cache = ensure_cache("ckpt/", "cache/", tp_rank=1, tp_size=2)   # open, or build then open
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .cache_format import CacheIdentity, Manifest, layer_file_name, layout_specs, rank_dir_name
+from .cache_reader import Cache, open_cache
+from .cache_writer import RankWriter, make_dir
+from .checkpoint import Checkpoint, open_checkpoint
+from .errors import CacheError, StorageError, UnsupportedError
+from .layout import Layout, layout_for
+
+
+@dataclass
+class WarmupReport:
+    rank_dirs: list[Path] = field(default_factory=list)
+    layers_written: int = 0
+    layers_reused: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def quantization_dict(quant) -> dict:
+    """The quantization facts a cache is keyed on (manifest ``quantization``)."""
+    d = {
+        "kind": quant.kind,
+        "group_size": int(getattr(quant, "group_size", -1) or -1),
+        "actorder": bool(getattr(quant, "actorder", False)),
+        "symmetric": bool(getattr(quant, "symmetric", True)),
+        "num_bits": int(getattr(quant, "num_bits", 16) or 16),
+    }
+    if quant.kind == "unquantized":
+        d["dtype"] = str(getattr(quant, "weight_dtype", torch.bfloat16)).removeprefix("torch.")
+    return d
+
+
+def cache_identity(ckpt: Checkpoint, layout: Layout, tp_rank: int, tp_size: int) -> CacheIdentity:
+    return CacheIdentity(
+        fingerprint=ckpt.fingerprint,
+        quantization=quantization_dict(ckpt.quant),
+        layout_name=layout.name,
+        layout_version=layout.version,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+
+
+def moe_dict(ckpt: Checkpoint) -> dict:
+    moe = ckpt.moe
+    return {
+        "num_experts": int(moe.num_experts),
+        "hidden": int(moe.hidden),
+        "intermediate": int(moe.intermediate),
+        "top_k": int(moe.top_k),
+        "layers": [int(l) for l in moe.layers],
+    }
+
+
+def plan_manifest(ckpt: Checkpoint, layout: Layout, tp_rank: int, tp_size: int) -> Manifest:
+    """The manifest a complete cache of this rank will have, minus the checksum table."""
+    specs, record_nbytes = layout_specs(layout.expert_tensor_specs(ckpt.moe, ckpt.quant, tp_rank, tp_size))
+    E = int(ckpt.moe.num_experts)
+    return Manifest(
+        checkpoint_path=str(Path(ckpt.path).resolve()),
+        identity=cache_identity(ckpt, layout, tp_rank, tp_size),
+        moe=moe_dict(ckpt),
+        record_nbytes=record_nbytes,
+        record=specs,
+        layers=[{"layer": int(l), "file": layer_file_name(int(l)), "nbytes": E * record_nbytes} for l in ckpt.moe.layers],
+        created_by=f"mmap-offload {__version__}",
+    )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def warmup(
+    checkpoint: str | os.PathLike | Checkpoint,
+    cache_dir: str | os.PathLike,
+    *,
+    tp_size: int = 1,
+    tp_ranks: list[int] | None = None,
+    device: str | torch.device | None = "auto",
+    progress: bool = False,
+    wait: bool = False,
+    fsync: bool = True,
+) -> WarmupReport:
+    """Build (or resume, or confirm) the cache of ``checkpoint`` for the given TP ranks."""
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    if tp_size < 1:
+        raise UnsupportedError(f"--tp-size must be >= 1, got {tp_size}", "pass a positive TP size")
+    ranks = list(range(tp_size)) if tp_ranks is None else list(tp_ranks)
+    for r in ranks:
+        if not 0 <= r < tp_size:
+            raise UnsupportedError(f"--tp-rank {r} is outside TP size {tp_size}", f"pass a rank in 0..{tp_size - 1}")
+    layout = layout_for(ckpt.quant)
+    dev = resolve_device(device)
+    # Every shape rule is checked here, for every rank, before anything is written.
+    plans = {r: plan_manifest(ckpt, layout, r, tp_size) for r in ranks}
+
+    root = Path(cache_dir)
+    make_dir(root)
+    report = WarmupReport()
+    t0 = time.perf_counter()
+    with ExitStack() as stack:
+        writers = {}
+        for r in ranks:
+            d = root / rank_dir_name(r, tp_size)
+            writers[r] = stack.enter_context(RankWriter(d, plans[r], wait=wait, fsync=fsync))
+            report.rank_dirs.append(d)
+        todo_bytes = sum(
+            l["nbytes"] for r, w in writers.items() if not w.complete for l in plans[r].layers if l["layer"] not in w.done_layers
+        )
+        _check_free_space(root, todo_bytes)
+
+        layers = list(ckpt.moe.layers)
+        bar = _progress(len(layers), enabled=progress)
+        try:
+            for layer in layers:
+                pending = [r for r, w in writers.items() if not w.complete and layer not in w.done_layers]
+                if not pending:
+                    report.layers_reused += 1
+                    bar.update(1)
+                    continue
+                _write_layer(ckpt, layout, layer, {r: writers[r] for r in pending}, tp_size, dev, report)
+                report.layers_written += 1
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix_str(f"{report.bytes_written / max(elapsed, 1e-9) / 1e9:.2f} GB/s")
+                bar.update(1)
+        finally:
+            bar.close()
+        for w in writers.values():
+            w.publish()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, dev, report) -> None:
+    layer_writers = {r: w.begin_layer(layer) for r, w in writers.items()}
+    try:
+        for e in range(int(ckpt.moe.num_experts)):
+            refs = ckpt.expert_refs(layer, e)
+            tensors = {proj: {k: ckpt.read(ref) for k, ref in parts.items()} for proj, parts in refs.items()}
+            report.bytes_read += sum(t.numel() * t.element_size() for parts in tensors.values() for t in parts.values())
+            if dev.type != "cpu":
+                tensors = {p: {k: t.to(dev, non_blocking=True) for k, t in parts.items()} for p, parts in tensors.items()}
+            for r, lw in layer_writers.items():
+                out = layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev)
+                lw.write_expert(e, out)
+        for lw in layer_writers.values():
+            lw.commit()
+            report.bytes_written += lw.bytes_written
+    except BaseException:
+        for lw in layer_writers.values():
+            lw.abort()
+        raise
+
+
+def _check_free_space(root: Path, needed: int) -> None:
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise StorageError(
+            f"not enough free space in {root}: the cache needs {needed / 2**30:.2f} GiB more, "
+            f"{free / 2**30:.2f} GiB are free",
+            "free space or pass another --cache-dir",
+        )
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="layer", desc="warm-up", dynamic_ncols=True)
+
+
+def ensure_cache(
+    checkpoint: str | os.PathLike | Checkpoint,
+    cache_dir: str | os.PathLike,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    device: str | torch.device | None = "auto",
+    rebuild: bool = True,
+    progress: bool = False,
+) -> Cache:
+    """Open this rank's cache if it is valid for ``checkpoint``; else build it (``rebuild``) or refuse."""
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    expect = cache_identity(ckpt, layout_for(ckpt.quant), tp_rank, tp_size)
+    try:
+        return open_cache(cache_dir, tp_rank, tp_size, expect=expect)
+    except CacheError:
+        if not rebuild:
+            raise
+    warmup(ckpt, cache_dir, tp_size=tp_size, tp_ranks=[tp_rank], device=device, progress=progress, wait=True)
+    return open_cache(cache_dir, tp_rank, tp_size, expect=expect)
