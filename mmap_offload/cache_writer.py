@@ -19,6 +19,7 @@ import errno
 import fcntl
 import json
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,23 @@ from .cache_format import (
 from .errors import CacheLockedError, MmapOffloadError, StorageError
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_FAULT_COUNTS: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Crash-test hook: ``MMAP_OFFLOAD_FAULT=name:N`` SIGKILLs this process the N-th time it passes ``name``.
+
+    The crash tests use it to kill a warm-up at exact points of the publish protocol; unset, it costs
+    one dict lookup."""
+    spec = os.environ.get("MMAP_OFFLOAD_FAULT")
+    if not spec:
+        return
+    want, _, count = spec.partition(":")
+    if want != name:
+        return
+    _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
+    if _FAULT_COUNTS[name] >= int(count or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsync_dir(path: Path) -> None:
@@ -155,6 +173,7 @@ class RankWriter:
         if manifest_path.exists():
             if self._existing_manifest_matches(manifest_path):
                 self.complete = True
+                (self.dir / JOURNAL_NAME).unlink(missing_ok=True)  # a crash right after publish
                 return
             manifest_path.unlink()  # stale: stop it being valid before touching any data file
             fsync_dir(self.dir)
@@ -184,9 +203,9 @@ class RankWriter:
         # Rewrite the journal with exactly what is trusted (drops torn or stale lines).
         self._journal_rewrite(header)
         keep = {layer_file_name(l) for l in self.done_layers}
-        for p in self.dir.glob("layer-*.bin*"):
+        for p in [*self.dir.glob("layer-*.bin*"), *self.dir.glob("*.partial")]:
             if p.name not in keep:
-                p.unlink()
+                p.unlink(missing_ok=True)
 
     def _existing_manifest_matches(self, path: Path) -> bool:
         try:
@@ -263,12 +282,14 @@ class RankWriter:
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
+            fault_point("manifest-written")
             os.replace(tmp, path)
             if self.fsync:
                 fsync_dir(self.dir)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise storage_error(e, path) from None
+        fault_point("manifest-renamed")
         (self.dir / JOURNAL_NAME).unlink(missing_ok=True)
         self.complete = True
         return m
@@ -314,6 +335,7 @@ class LayerWriter:
                      base + spec.offset, spec.nbytes, checksum(dst)]
                 )
             _write_all(self._fd, memoryview(self._record), self.partial)
+            fault_point("expert-written")
         except BaseException:
             self.abort()
             raise
@@ -336,10 +358,12 @@ class LayerWriter:
             os.replace(self.partial, self.path)
             if owner.fsync:
                 fsync_dir(owner.dir)
+            fault_point("layer-renamed")
         except BaseException:
             self.abort()
             raise
         owner._layer_done(self.layer, self.rows)
+        fault_point("layer-journaled")
 
     def abort(self) -> None:
         if self._fd >= 0:
