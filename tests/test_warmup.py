@@ -223,7 +223,7 @@ def test_peak_rss_is_bounded_by_the_largest_layer_not_the_checkpoint(tmp_path):
     # 3 GiB of W4A16 experts in ~64 MiB layers: the bound is 2 x 64 MiB + 1 GiB.
     ckpt = make_checkpoint(
         tmp_path / "big", arch="mixtral", quant="w4a16", num_layers=48, num_experts=8, hidden=2048,
-        intermediate=2752, top_k=2, vocab_size=256, num_heads=4, num_kv_heads=2, group_size=128,
+        intermediate=2816, top_k=2, vocab_size=256, num_heads=4, num_kv_heads=2, group_size=128,
     )
     c = open_checkpoint(ckpt)
     layout = layout_for(c.quant)
