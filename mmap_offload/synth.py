@@ -430,13 +430,15 @@ def _generate(p: _Plan, seed: int) -> Iterator[memoryview]:
     if p.kind == "shape":
         yield memoryview(np.array(p.values, dtype="<i8")).cast("B")
         return
-    bitgen = _rng(seed, p.name)
     if p.kind == "g_idx":
+        # gate and up share their input, so real GPTQ gives them one g_idx (and vLLM keeps one for both)
+        bitgen = _rng(seed, p.name.replace(".w3.", ".w1.").replace(".up_proj.", ".gate_proj."))
         k, g = n, p.values[0]
         ids = np.arange(k, dtype=np.int32) // np.int32(g)
         np.random.Generator(bitgen).shuffle(ids)
         yield memoryview(ids.astype("<i4")).cast("B")
         return
+    bitgen = _rng(seed, p.name)
     per_chunk = max(1, CHUNK_BYTES // p.dtype.itemsize)
     done = 0
     while done < n:

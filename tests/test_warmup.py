@@ -39,6 +39,11 @@ def w4a16_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def actorder_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("act") / "ckpt", quant="w4a16", group_size=64, actorder=True, **SMALL)
+
+
+@pytest.fixture(scope="module")
 def bf16_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt", quant="bf16", **SMALL)
 
@@ -47,10 +52,10 @@ def expert_inputs(ckpt, layer, expert):
     return {p: {k: ckpt.read(r) for k, r in parts.items()} for p, parts in ckpt.expert_refs(layer, expert).items()}
 
 
-@pytest.mark.parametrize("flavour", ["w4a16", "bf16"])
+@pytest.mark.parametrize("flavour", ["w4a16", "bf16", "w4a16-actorder"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_cache_bytes_equal_the_layout_of_the_checkpoint(flavour, tp, w4a16_ckpt, bf16_ckpt, tmp_path):
-    path = w4a16_ckpt if flavour == "w4a16" else bf16_ckpt
+def test_cache_bytes_equal_the_layout_of_the_checkpoint(flavour, tp, w4a16_ckpt, bf16_ckpt, actorder_ckpt, tmp_path):
+    path = {"w4a16": w4a16_ckpt, "bf16": bf16_ckpt, "w4a16-actorder": actorder_ckpt}[flavour]
     warmup(path, tmp_path, tp_size=tp, device="cpu")
     ckpt = open_checkpoint(path)
     layout = layout_for(ckpt.quant)
