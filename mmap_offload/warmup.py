@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,8 @@ def warmup(
 
         layers = list(ckpt.moe.layers)
         bar = _progress(len(layers), enabled=progress)
+        pool = (stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-read")),
+                stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-write")))
         try:
             for layer in layers:
                 pending = [r for r, w in writers.items() if not w.complete and layer not in w.done_layers]
@@ -148,7 +151,7 @@ def warmup(
                     report.layers_reused += 1
                     bar.update(1)
                     continue
-                _write_layer(ckpt, layout, layer, {r: writers[r] for r in pending}, tp_size, dev, report)
+                _write_layer(ckpt, layout, layer, {r: writers[r] for r in pending}, tp_size, dev, report, pool)
                 report.layers_written += 1
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix_str(f"{report.bytes_written / max(elapsed, 1e-9) / 1e9:.2f} GB/s")
@@ -161,25 +164,55 @@ def warmup(
     return report
 
 
-def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, dev, report) -> None:
+def _read_expert(ckpt, layer: int, expert: int) -> dict[str, dict[str, torch.Tensor]]:
+    refs = ckpt.expert_refs(layer, expert)
+    return {proj: {k: ckpt.read(ref) for k, ref in parts.items()} for proj, parts in refs.items()}
+
+
+def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, dev, report, pool) -> None:
+    """One layer, as a three-stage pipeline: read expert e+1 | transform expert e | write expert e-1.
+
+    At most two experts are read ahead and two written behind, so memory stays a few experts."""
+    read_pool, write_pool = pool
     layer_writers = {r: w.begin_layer(layer) for r, w in writers.items()}
+    E = int(ckpt.moe.num_experts)
+    writes: list = []
     try:
-        for e in range(int(ckpt.moe.num_experts)):
-            refs = ckpt.expert_refs(layer, e)
-            tensors = {proj: {k: ckpt.read(ref) for k, ref in parts.items()} for proj, parts in refs.items()}
+        reads = [read_pool.submit(_read_expert, ckpt, layer, e) for e in range(min(2, E))]
+        for e in range(E):
+            tensors = reads[e].result()
+            reads[e] = None
+            if e + 2 < E:
+                reads.append(read_pool.submit(_read_expert, ckpt, layer, e + 2))
             report.bytes_read += sum(t.numel() * t.element_size() for parts in tensors.values() for t in parts.values())
             if dev.type != "cpu":
                 tensors = {p: {k: t.to(dev, non_blocking=True) for k, t in parts.items()} for p, parts in tensors.items()}
-            for r, lw in layer_writers.items():
-                out = layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev)
-                lw.write_expert(e, out)
+            outs = {r: layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev) for r in layer_writers}
+            del tensors
+            while len(writes) >= 2:
+                writes.pop(0).result()
+            writes.append(write_pool.submit(_write_expert_all, layer_writers, e, outs))
+        while writes:
+            writes.pop(0).result()
         for lw in layer_writers.values():
             lw.commit()
             report.bytes_written += lw.bytes_written
     except BaseException:
+        for f in writes:
+            f.cancel()
+        for f in writes:
+            try:
+                f.result()
+            except BaseException:
+                pass
         for lw in layer_writers.values():
             lw.abort()
         raise
+
+
+def _write_expert_all(layer_writers, expert: int, outs: dict) -> None:
+    for r, lw in layer_writers.items():
+        lw.write_expert(expert, outs[r])
 
 
 def _check_free_space(root: Path, needed: int) -> None:
