@@ -1,0 +1,463 @@
+"""The user's host OOM, reproduced at reduced scale, and the same checkpoint served by mmap-offload.
+
+    python benchmarks/oom_repro.py                       # CPU, ~200 MB of experts, < 60 s
+    python benchmarks/oom_repro.py --expert-mib 4096     # larger (GPU machine), --real-pin on CUDA
+
+Two child processes run the same synthetic W4A16 checkpoint (``synth.make_checkpoint``) under the same
+memory cap:
+
+``uva``   what vLLM's ``--offload-backend uva`` does at load (DESIGN.md section 1): every expert
+          parameter ``[E, ...]`` of every layer is loaded (GPTQ orientation, as vLLM's loader
+          transposes it) into memory pinned the way ``Tensor.pin_memory()`` pins it: torch's
+          CachingHostAllocator rounds each block up to a power of two, and freed blocks stay cached,
+          never returned to the OS. On CPU that is emulated with plain allocations of the rounded size,
+          every page touched (``--real-pin`` on CUDA uses ``torch.empty(pin_memory=True)``). Then the
+          Marlin repack runs layer by layer: a new full-size tensor per parameter, copied to host
+          pageable and pinned again, while the old pinned block stays in the allocator's cache. Peak
+          host memory is (rounded experts) + (rounded repacked copy) >= 2x the experts.
+``mmap``  ``warmup.warmup`` builds the cache (one expert at a time), then every layer is served
+          through the real transfer engine (``make_engine("mmap")``) into a layer buffer, and every
+          tensor's xxh3 checksum is compared with the manifest.
+
+The cap defaults to ``baseline + 1.25 x expert bytes`` (``--cap-factor``), where ``baseline`` is the
+cgroup peak of a child that only imports what both modes import. Where it runs: a child memory
+cgroup (v2 ``memory.max``, or v1 ``memory.limit_in_bytes``) created under this process's own cgroup
+(root needed). Without cgroups: ``RLIMIT_DATA`` (private writable memory) in the child, which the
+report says. Prints one JSON document with both children's outcome and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+MIB = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------
+# memory caps
+# ----------------------------------------------------------------------------------------------
+
+
+class MemCap:
+    """A child memory cgroup (v2 or v1) with ``limit`` bytes, or an rlimit fallback."""
+
+    def __init__(self, name: str, limit: int | None):
+        self.limit = limit
+        self.kind = "none"
+        self.path: Path | None = None
+        self.reason = ""
+        try:
+            self.path, self.kind = _make_cgroup(name)
+        except Exception as exc:  # no cgroup we may write: fall back to an rlimit in the child
+            self.reason = f"{type(exc).__name__}: {exc}"
+            self.kind = "rlimit-data"
+            return
+        if limit is not None:
+            if self.kind == "v2":
+                (self.path / "memory.max").write_text(str(limit))
+                if (self.path / "memory.swap.max").exists():
+                    (self.path / "memory.swap.max").write_text("0")
+            else:
+                (self.path / "memory.limit_in_bytes").write_text(str(limit))
+                sw = self.path / "memory.memsw.limit_in_bytes"
+                if sw.exists():
+                    try:
+                        sw.write_text(str(limit))
+                    except OSError:
+                        pass
+
+    def preexec(self):
+        """Run in the child after fork: join the cgroup (or set the rlimit) before Python starts."""
+        path, kind, limit = self.path, self.kind, self.limit
+
+        def enter():
+            if kind in ("v1", "v2"):
+                with open(path / "cgroup.procs", "w") as f:
+                    f.write(str(os.getpid()))
+            elif limit is not None:
+                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+        return enter
+
+    def peak(self) -> int | None:
+        if self.kind == "v2":
+            p = self.path / "memory.peak"
+            return int(p.read_text()) if p.exists() else None
+        if self.kind == "v1":
+            return int((self.path / "memory.max_usage_in_bytes").read_text())
+        return None
+
+    def oom_kills(self) -> int | None:
+        try:
+            if self.kind == "v2":
+                for line in (self.path / "memory.events").read_text().splitlines():
+                    k, v = line.split()
+                    if k == "oom_kill":
+                        return int(v)
+            if self.kind == "v1":
+                for line in (self.path / "memory.oom_control").read_text().splitlines():
+                    k, v = line.split()
+                    if k == "oom_kill":
+                        return int(v)
+        except OSError:
+            pass
+        return None
+
+    def remove(self) -> None:
+        if self.path is None:
+            return
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def _own_cgroup() -> tuple[str, str]:
+    v1 = v2 = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if hid == "0" and ctrls == "":
+            v2 = path
+        elif "memory" in ctrls.split(","):
+            v1 = path
+    return v1, v2
+
+
+def _make_cgroup(name: str) -> tuple[Path, str]:
+    v1, v2 = _own_cgroup()
+    root = Path("/sys/fs/cgroup")
+    if v1 is not None and (root / "memory").is_dir():
+        base = root / "memory" / v1.lstrip("/")
+        path = base / name
+        path.mkdir(exist_ok=True)
+        return path, "v1"
+    if v2 is not None and (root / "cgroup.controllers").exists():
+        own = root / v2.lstrip("/")
+        # a v2 group with processes cannot delegate controllers to children, except the root
+        for base in (own, own.parent) if own != root else (root,):
+            try:
+                ctl = (base / "cgroup.subtree_control").read_text().split()
+                if "memory" not in ctl:
+                    (base / "cgroup.subtree_control").write_text("+memory")
+                path = base / name
+                path.mkdir(exist_ok=True)
+                if (path / "memory.max").exists():
+                    return path, "v2"
+            except OSError:
+                continue
+        raise OSError("no writable cgroup v2 parent with the memory controller")
+    raise OSError("no cgroup memory controller mounted")
+
+
+# ----------------------------------------------------------------------------------------------
+# children
+# ----------------------------------------------------------------------------------------------
+
+
+def _emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _vm_hwm() -> int:
+    return _status("VmHWM")
+
+
+def _imports():
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+
+    from mmap_offload import cache_reader, checkpoint, transfer, warmup  # noqa: F401
+    from mmap_offload.cache_format import checksum  # noqa: F401
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+class _HostAllocatorEmulation:
+    """Tensor.pin_memory() as torch's CachingHostAllocator does it: power-of-two blocks, cached on free."""
+
+    def __init__(self, real: bool):
+        self.real = real
+        self.blocks = []  # never released: the caching allocator keeps freed pinned blocks
+        self.requested = 0
+        self.reserved = 0
+
+    def empty(self, shape, dtype):
+        import torch
+
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        size = _next_pow2(n)
+        if self.real:
+            raw = torch.empty(n, dtype=torch.uint8, pin_memory=True)  # the allocator rounds it itself
+        else:
+            raw = torch.empty(size, dtype=torch.uint8)
+            raw.fill_(0)  # touch every page: pinned pages are resident, unlike a lazy malloc
+        self.blocks.append(raw)
+        self.requested += n
+        self.reserved += size
+        return raw[:n].view(dtype).view(*shape)
+
+
+def _repack(t, kind: str, group: int):
+    """vLLM's process_weights_after_loading for one [E, ...] parameter: a new full-size tensor holding
+    the Marlin repack (``repack.marlin_repack`` per expert) or the permuted scales, old one still alive."""
+    import torch
+
+    from mmap_offload import repack as rp
+
+    if kind == "packed":  # [E, K/8, N] -> [E, K/16, 2N]
+        e, k8, n = t.shape
+        out = torch.empty((e, k8 // 2, 2 * n), dtype=torch.int32)
+        for i in range(e):
+            rp.marlin_repack(t[i].t().contiguous(), out=out[i])
+        return out
+    e, g, n = t.shape  # scales [E, K/g, N], permuted in place of a copy
+    size_k = g * group
+    return torch.stack([rp.permute_scales(t[i], size_k, group) for i in range(e)])
+
+
+def child_uva(args) -> int:
+    import torch
+
+    from mmap_offload.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(args.ckpt)
+    moe = ckpt.moe
+    E, H, I = moe.num_experts, moe.hidden, moe.intermediate
+    group = ckpt.quant.group_size if ckpt.quant.group_size > 0 else H
+    alloc = _HostAllocatorEmulation(real=args.real_pin and torch.cuda.is_available())
+    params = []
+    _emit(event="start", mode="uva", layers=len(moe.layers), experts=E)
+    # 1. load: every expert parameter pinned (weight loader: transpose to [K/8, N] / [K/g, N])
+    for layer in moe.layers:
+        p = {}
+        for e in range(E):
+            refs = ckpt.expert_refs(layer, e)
+            for proj, key in (("gate", "w13"), ("up", "w13"), ("down", "w2")):
+                for suffix in ("weight_packed", "weight_scale"):
+                    ref = refs[proj][suffix]
+                    src = ckpt.read(ref)  # [N, K/8] int32 or [N, K/g]
+                    name = f"{key}_{suffix}"
+                    if name not in p:
+                        n_out = ref.shape[0] * (2 if key == "w13" else 1)
+                        p[name] = alloc.empty((E, ref.shape[1], n_out), src.dtype)
+                    col = ref.shape[0] if proj == "up" else 0
+                    p[name][e, :, col : col + ref.shape[0]].copy_(src.t())
+        params.append(p)
+        _emit(event="loaded", layer=layer, pinned_reserved=alloc.reserved, vm_hwm=_vm_hwm())
+    # 2. process_weights_after_loading: repack per parameter, back to host, pinned again
+    for li, p in enumerate(params):
+        for name in list(p):
+            new = _repack(p[name], "packed" if name.endswith("packed") else "scale", group)
+            pinned = alloc.empty(tuple(new.shape), new.dtype)
+            pinned.copy_(new)
+            del new
+            p[name] = pinned  # the old pinned block stays in the allocator's cache
+        _emit(event="repacked", layer=moe.layers[li], pinned_reserved=alloc.reserved, vm_hwm=_vm_hwm())
+    _emit(event="done", mode="uva", pinned_requested=alloc.requested, pinned_reserved=alloc.reserved, vm_hwm=_vm_hwm())
+    return 0
+
+
+def child_mmap(args) -> int:
+    import torch
+
+    from mmap_offload.cache_format import Extent, checksum
+    from mmap_offload.cache_reader import open_cache
+    from mmap_offload.transfer import Copy, make_engine
+    from mmap_offload.warmup import warmup
+
+    _emit(event="start", mode="mmap")
+    t0 = time.perf_counter()
+    rep = warmup(args.ckpt, args.cache, tp_size=1, device=args.warmup_device, progress=False)
+    _emit(event="warm", seconds=time.perf_counter() - t0, bytes=int(getattr(rep, "bytes_written", 0)), vm_hwm=_vm_hwm())
+    cache = open_cache(args.cache)
+    dev = torch.device(args.device)
+    engine = make_engine("mmap", dev, pinned_bytes=args.ring_mib * MIB, threads=4)
+    E, rec = cache.num_experts, cache.record_nbytes
+    buf = torch.empty((E, rec), dtype=torch.uint8, device=dev)
+    ok = bad = 0
+    t0 = time.perf_counter()
+    try:
+        for layer in cache.layers:
+            ext = cache.layer_extent(layer)
+            dst = [(e * rec, rec, buf[e]) for e in range(E)]
+            engine.wait(engine.submit([Copy(src=Extent(ext.path, ext.offset, E * rec), dst=dst)]))
+            host = buf.cpu() if dev.type != "cpu" else buf
+            for e in range(E):
+                want = cache.expected_checksums(layer, e)
+                for spec, w in zip(cache.expert_specs, want):
+                    got = checksum(host[e, spec.offset : spec.offset + spec.nbytes].numpy())
+                    ok += got == w
+                    bad += got != w
+            _emit(event="served", layer=layer, ok=ok, bad=bad, vm_hwm=_vm_hwm())
+        pinned = int(engine.metrics.get("pinned_bytes", 0))
+    finally:
+        engine.close()
+    _emit(event="done", mode="mmap", checksums_ok=ok, checksums_bad=bad, serve_s=time.perf_counter() - t0,
+          pinned_bytes=pinned, vm_hwm=_vm_hwm(), rss_anon=_status("RssAnon"))
+    return 0 if bad == 0 else 1
+
+
+def child_baseline(args) -> int:
+    _imports()
+    _emit(event="done", mode="baseline", vm_hwm=_vm_hwm(), vm_data=_status("VmData"))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+# ----------------------------------------------------------------------------------------------
+
+
+def run_child(mode: str, args, cap: MemCap, timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--ckpt", str(args.ckpt),
+           "--cache", str(args.cache), "--device", args.device, "--warmup-device", args.warmup_device,
+           "--ring-mib", str(args.ring_mib)] + (["--real-pin"] if args.real_pin else [])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=cap.preexec())
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    events = []
+    for line in out.splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    rc = proc.returncode
+    last = events[-1] if events else {}
+    if rc == -signal.SIGKILL:
+        outcome = "killed (SIGKILL: out of memory)" if cap.kind in ("v1", "v2") else "killed (SIGKILL)"
+    elif rc == 0 and last.get("event") == "done":
+        outcome = "completed"
+    elif "MemoryError" in err or "out of memory" in err.lower() or "alloc" in err.lower():
+        outcome = "failed to allocate"
+    else:
+        outcome = f"failed (rc {rc})"
+    return dict(mode=mode, outcome=outcome, returncode=rc, seconds=time.perf_counter() - t0,
+                cgroup_peak_bytes=cap.peak(), oom_kills=cap.oom_kills(), last_event=last,
+                progress=[e for e in events if e.get("event") in ("loaded", "repacked", "served")][-3:],
+                stderr_tail=err.strip().splitlines()[-3:] if rc else [])
+
+
+def choose_shapes(expert_mib: float) -> dict:
+    """Layers x experts adding up to ~expert_mib MiB; E and I are not powers of two (as in real MoEs),
+    so the allocator's power-of-two rounding shows."""
+    hidden, inter, experts = 1024, 768, 48
+    per_expert = 3 * hidden * inter // 2 + 3 * hidden * inter // 128 * 2
+    if expert_mib >= 2048:  # bigger experts so the per-tensor overhead does not dominate
+        hidden, inter, experts = 4096, 1536, 64
+        per_expert = 3 * hidden * inter // 2 + 3 * hidden * inter // 128 * 2
+    layers = max(2, round(expert_mib * MIB / (per_expert * experts)))
+    return dict(hidden=hidden, inter=inter, experts=experts, layers=layers, expert_bytes=layers * experts * per_expert)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--expert-mib", type=float, default=192.0, help="total routed expert bytes of the checkpoint")
+    p.add_argument("--cap-factor", type=float, default=1.25, help="cap = baseline + factor x expert bytes")
+    p.add_argument("--cap-mib", type=float, default=None, help="absolute cap (overrides --cap-factor)")
+    p.add_argument("--device", default="cpu", help="where mmap-offload serves layers (cpu or cuda)")
+    p.add_argument("--warmup-device", default="cpu", help="device of the warm-up repack")
+    p.add_argument("--real-pin", action="store_true", help="UVA child pins with torch (CUDA) instead of emulating")
+    p.add_argument("--ring-mib", type=int, default=64)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--child", choices=("uva", "mmap", "baseline"), help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return {"uva": child_uva, "mmap": child_mmap, "baseline": child_baseline}[args.child](args)
+
+    from mmap_offload.synth import make_checkpoint
+
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="oom-repro-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shp = choose_shapes(args.expert_mib)
+    args.ckpt, args.cache = work / "ckpt", work / "cache"
+    if args.cache.exists():
+        shutil.rmtree(args.cache)
+    t0 = time.perf_counter()
+    make_checkpoint(args.ckpt, arch="mixtral", quant="w4a16", num_layers=shp["layers"], num_experts=shp["experts"],
+                    hidden=shp["hidden"], intermediate=shp["inter"], top_k=2, vocab_size=256, num_heads=1,
+                    num_kv_heads=1, head_dim=128, group_size=128)
+    synth_s = time.perf_counter() - t0
+    result = dict(shapes=shp, synth_s=synth_s, workdir=str(work))
+    tag = f"mmo-oom-{os.getpid()}"
+    caps = []
+    try:
+        base_cap = MemCap(tag + "-base", None)
+        caps.append(base_cap)
+        base = run_child("baseline", args, base_cap, 120)
+        if base["outcome"] != "completed":
+            raise RuntimeError(f"the baseline child failed: {base['stderr_tail']}")
+        if base_cap.kind in ("v1", "v2"):
+            baseline = base["cgroup_peak_bytes"] or base["last_event"]["vm_hwm"]
+        else:  # RLIMIT_DATA counts private writable memory: the baseline is the child's VmData
+            baseline = base["last_event"]["vm_data"]
+        cap_bytes = int(args.cap_mib * MIB) if args.cap_mib else int(baseline + args.cap_factor * shp["expert_bytes"])
+        result.update(cap_kind=base_cap.kind, cap_fallback_reason=base_cap.reason, baseline_bytes=baseline,
+                      cap_bytes=cap_bytes,
+                      uva_needs_at_least=baseline + 2 * shp["expert_bytes"])
+        for mode in ("uva", "mmap"):
+            cap = MemCap(f"{tag}-{mode}", cap_bytes)
+            caps.append(cap)
+            result[mode] = run_child(mode, args, cap, args.timeout)
+    finally:
+        for c in caps:
+            c.remove()
+        if not args.keep and not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    u, m = result["uva"], result["mmap"]
+    result["reproduced"] = u["outcome"] != "completed"
+    result["mmap_ok"] = (m["outcome"] == "completed" and m["last_event"].get("checksums_bad") == 0
+                         and m["last_event"].get("checksums_ok", 0) > 0)
+    doc = json.dumps(result, indent=1)
+    print(doc)
+    mib = lambda n: f"{(n or 0) / MIB:.0f} MiB"  # noqa: E731
+    print(f"cap {mib(cap_bytes)} ({result['cap_kind']}); experts {mib(shp['expert_bytes'])}, baseline {mib(baseline)}")
+    print(f"uva : {u['outcome']}; peak: cgroup (incl. page cache) {mib(u['cgroup_peak_bytes'])}, "
+          f"process RSS {mib(u['last_event'].get('vm_hwm'))} at its last report")
+    print(f"mmap: {m['outcome']}; peak: cgroup (incl. reclaimable page cache) {mib(m['cgroup_peak_bytes'])}, "
+          f"process RSS {mib(m['last_event'].get('vm_hwm'))}, anon at end {mib(m['last_event'].get('rss_anon'))}; "
+          f"checksums ok {m['last_event'].get('checksums_ok')} bad {m['last_event'].get('checksums_bad')}")
+    if args.json:
+        Path(args.json).write_text(doc)
+    return 0 if result["reproduced"] and result["mmap_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
