@@ -1,0 +1,135 @@
+"""Synthetic MoE routing traces for the expert cache: uniform, and skewed with temporal locality.
+
+A trace is an ``int64`` array ``[steps, layers, batch, top_k]``: for every decode step, MoE layer
+and sequence of the batch, the ``top_k`` distinct experts the router picked. ``trace_stats`` measures
+what the benchmark and the tests need from one (expert popularity, reuse between steps, distinct
+experts per call).
+
+The skewed model (``skewed_trace``), stated plainly:
+
+1. **Popularity** per layer is Zipf over experts: the expert of rank ``r`` (1-based) has weight
+   ``r ** -zipf_s``; the ranking is an independent random permutation per layer (hot experts differ
+   between layers). A fresh pick draws ``top_k`` distinct experts without replacement in proportion
+   to the weights (Gumbel-top-k).
+2. **Temporal locality** per sequence: at each step each of a sequence's ``top_k`` choices keeps the
+   expert it had at the previous step (same layer) with probability ``sticky_p``; the others are
+   fresh picks that avoid the kept ones. Sequences of a batch are independent.
+3. **Drift** (optional): every ``drift_every`` steps the ranking of one layer in ``drift_frac`` of
+   the layers is re-drawn, so that a policy cannot rely on frequencies forever.
+
+Where the parameters come from, and what is an assumption:
+
+- Mixtral 8x7B (Jiang et al. 2024, arXiv:2401.04088, section 5 "Routing analysis") reports that
+  consecutive tokens get the same expert much more often than chance: at middle and late layers the
+  first choice repeats in roughly 22-28% of consecutive tokens against 12.5% for uniform routing,
+  and it finds little topic specialisation (so only mild popularity skew). For 8 experts, top-2,
+  ``zipf_s`` = 0.5 and ``sticky_p`` = 0.2 reproduce a ~30% repeat (``trace_stats`` prints it); the
+  benchmark uses those for its Mixtral-class rows. The calibration is ours, to one published ratio.
+- Fine-grained MoE (64-128 experts, top-6/8: DeepSeek, Qwen3): decode popularity is skewed and
+  long-tailed: MoE-Infinity (Xue et al. 2024, arXiv:2401.14361) reports that decode activates a
+  small, skewed set of experts per request; Lin et al. 2025 (arXiv:2511.05814) trace expert
+  activations and find LFU beats LRU because of that skew; mixtral-offloading (Eliseev & Mazur
+  2023, arXiv:2312.17238) gets useful LRU hit rates from 2-4 cached experts of 8 per layer. None
+  gives a Zipf exponent or a reuse probability for these models: the defaults ``zipf_s`` = 1.0
+  (the most popular of 128 experts gets ~18% of single picks, ~23x a fair share) and ``sticky_p``
+  = 0.3 are assumptions, not measurements; the benchmark sweeps ``zipf_s`` so a conclusion does
+  not hang on one value.
+- Hot sets that differ by layer and drift slowly are assumptions too (observed qualitatively in the
+  papers above; no numbers).
+Replace these traces with recorded router outputs of a real model when one can be run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["uniform_trace", "skewed_trace", "trace_stats", "zipf_weights"]
+
+
+def zipf_weights(num_experts: int, s: float) -> np.ndarray:
+    """Normalised Zipf weights ``r ** -s`` for ranks 1..num_experts (s = 0 is uniform)."""
+    w = np.arange(1, num_experts + 1, dtype=np.float64) ** (-float(s))
+    return w / w.sum()
+
+
+def _check(num_experts: int, top_k: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+
+
+def _gumbel_topk(rng: np.random.Generator, logw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """``n`` draws of ``k`` distinct indices without replacement, in proportion to ``exp(logw)``;
+    returned in draw order (a prefix of a draw is itself a valid smaller draw)."""
+    g = logw[None, :] + rng.gumbel(size=(n, logw.shape[0]))
+    return np.argsort(-g, axis=1)[:, :k]
+
+
+def uniform_trace(steps: int, layers: int, num_experts: int, top_k: int, batch: int = 1,
+                  seed: int = 0) -> np.ndarray:
+    """Every pick uniform over experts, independent across steps: the worst case for any cache."""
+    _check(num_experts, top_k)
+    rng = np.random.default_rng(seed)
+    logw = np.zeros(num_experts)
+    out = _gumbel_topk(rng, logw, steps * layers * batch, top_k)
+    return out.reshape(steps, layers, batch, top_k).astype(np.int64)
+
+
+def skewed_trace(steps: int, layers: int, num_experts: int, top_k: int, batch: int = 1,
+                 zipf_s: float = 1.0, sticky_p: float = 0.3, drift_every: int = 0,
+                 drift_frac: float = 0.25, seed: int = 0) -> np.ndarray:
+    """Per-layer Zipf popularity plus per-sequence stickiness (the model in the module docstring)."""
+    _check(num_experts, top_k)
+    if not 0.0 <= sticky_p <= 1.0:
+        raise ValueError(f"sticky_p={sticky_p} must be in [0, 1]")
+    rng = np.random.default_rng(seed)
+    base = np.log(zipf_weights(num_experts, zipf_s))
+    perms = [rng.permutation(num_experts) for _ in range(layers)]
+
+    def layer_logw(layer: int) -> np.ndarray:
+        lw = np.empty(num_experts)
+        lw[perms[layer]] = base  # expert perms[layer][r] has rank r
+        return lw
+
+    logws = [layer_logw(li) for li in range(layers)]
+    out = np.empty((steps, layers, batch, top_k), dtype=np.int64)
+    for t in range(steps):
+        if drift_every and t and t % drift_every == 0:
+            for li in np.flatnonzero(rng.random(layers) < drift_frac):
+                perms[li] = rng.permutation(num_experts)
+                logws[li] = layer_logw(li)
+        for li in range(layers):
+            # 2*top_k fresh candidates per sequence, enough to replace any choice that is not kept
+            fresh = _gumbel_topk(rng, logws[li], batch, min(num_experts, 2 * top_k))
+            if t == 0 or sticky_p == 0.0:
+                out[t, li] = fresh[:, :top_k]
+                continue
+            prev = out[t - 1, li]
+            keep = rng.random((batch, top_k)) < sticky_p
+            for b in range(batch):
+                row = np.where(keep[b], prev[b], -1)
+                kept = set(row[keep[b]].tolist())
+                cand = (int(e) for e in fresh[b] if int(e) not in kept)
+                for j in range(top_k):
+                    if row[j] < 0:
+                        row[j] = next(cand)
+                out[t, li, b] = row
+    return out
+
+
+def trace_stats(trace: np.ndarray, num_experts: int) -> dict:
+    """What a trace looks like: share of the most popular expert per layer (mean over layers),
+    first-choice repeat rate between consecutive steps, distinct experts per (step, layer) call."""
+    steps, layers, batch, top_k = trace.shape
+    top_share = []
+    for li in range(layers):
+        counts = np.bincount(trace[:, li].ravel(), minlength=num_experts)
+        top_share.append(counts.max() / counts.sum())
+    repeat = float((trace[1:, :, :, 0] == trace[:-1, :, :, 0]).mean()) if steps > 1 else 0.0
+    distinct = [len(np.unique(trace[t, li])) for t in range(steps) for li in range(layers)]
+    return {
+        "top_expert_share": float(np.mean(top_share)),
+        "fair_share": 1.0 / num_experts,
+        "first_choice_repeat": repeat,
+        "first_choice_repeat_uniform": 1.0 / num_experts,
+        "distinct_per_call": float(np.mean(distinct)),
+    }

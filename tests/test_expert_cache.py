@@ -1,0 +1,261 @@
+"""ExpertCache: remapped ids point at slots holding exactly the asked experts, capacity is kept,
+no needed expert is evicted, counters add up, bytes moved stay within the bar; plus the traces."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fakes import (
+    DeferredEngine, FailingEngine, SyncEngine, engine_factories, expert_matches, make_cache, real_engines,
+)
+from mmap_offload.errors import CacheError, UnsupportedError
+from mmap_offload.expert_cache import POLICIES, ExpertCache
+from mmap_offload.traces import skewed_trace, trace_stats, uniform_trace
+
+LAYERS = (0, 2, 5)
+E = 8
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("cache"), layers=LAYERS, num_experts=E)
+
+
+def check_call(ec: ExpertCache, cache, layer: int, ids, out) -> None:
+    """The contract of ensure(): same shape, and every slot holds the expert asked for."""
+    ids_t = torch.as_tensor(ids)
+    assert tuple(out.shape) == tuple(ids_t.shape)
+    slots = ec.slots(layer)
+    for e, s in zip(ids_t.reshape(-1).tolist(), out.reshape(-1).tolist()):
+        assert 0 <= s < ec.slots_per_pool
+        assert expert_matches(cache, layer, e, slots, s), f"slot {s} does not hold expert {e} of layer {layer}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("make_engine", engine_factories(), ids=lambda f: getattr(f, "name", f.__name__))
+def test_remap_points_at_the_asked_experts(cache, policy, shared, make_engine):
+    eng = make_engine()
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS), policy=policy, shared=shared)
+    rng = np.random.default_rng(1)
+    ptrs = {l: [t.data_ptr() for t in ec.slots(l).values()] for l in LAYERS}
+    for step in range(25):
+        for layer in LAYERS:
+            ids = torch.from_numpy(rng.integers(0, E, size=(2, 2))).to(torch.int32)  # batch 2, top-2
+            out = ec.ensure(layer, ids)
+            assert out.dtype == torch.int32
+            check_call(ec, cache, layer, ids, out)
+    assert {l: [t.data_ptr() for t in ec.slots(l).values()] for l in LAYERS} == ptrs
+    eng.close()
+
+
+def test_capacity_and_no_eviction_of_needed(cache):
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=3 * len(LAYERS), policy="lru")
+    assert ec.slots_per_pool == 3
+    assert all(t.shape[0] == 3 for t in ec.slots(0).values())
+    assert ec.capacity_bytes == 3 * len(LAYERS) * sum(s.nbytes for s in cache.expert_specs)
+    rng = random.Random(0)
+    for _ in range(200):
+        layer = rng.choice(LAYERS)
+        ids = rng.sample(range(E), rng.randint(1, 3))  # up to a full pool in one call
+        out = ec.ensure(layer, ids)
+        assert len(set(out.tolist())) == len(ids)  # distinct experts, distinct slots
+        check_call(ec, cache, layer, ids, out)
+        res = ec.resident(layer)
+        assert len(res) <= 3 and all(res[e] == s for e, s in zip(ids, out.tolist()))
+    with pytest.raises(UnsupportedError, match="routes 4 distinct experts .* 3 slots"):
+        ec.ensure(0, [0, 1, 2, 3])
+
+
+def test_capacity_in_bytes(cache):
+    nbytes = sum(s.nbytes for s in cache.expert_specs)
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_bytes=7 * nbytes * len(LAYERS) + nbytes - 1)
+    assert ec.slots_per_pool == 7
+    with pytest.raises(UnsupportedError, match="fewer than one per pool"):
+        ExpertCache(cache, SyncEngine(), "cpu", capacity_bytes=nbytes)
+    shared = ExpertCache(cache, SyncEngine(), "cpu", capacity_bytes=nbytes * 5, shared=True)
+    assert shared.slots_per_pool == 5
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_counters_add_up(cache, policy):
+    eng = SyncEngine()
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS), policy=policy)
+    tr = skewed_trace(40, len(LAYERS), E, top_k=2, batch=2, seed=3)
+    distinct = 0
+    for t in range(tr.shape[0]):
+        for li, layer in enumerate(LAYERS):
+            ec.ensure(layer, tr[t, li])
+            distinct += len(np.unique(tr[t, li]))
+    m = ec.metrics
+    nb = ec.expert_nbytes
+    assert m["calls"] == 40 * len(LAYERS)
+    assert m["hits"] + m["misses"] == distinct
+    assert m["routed_bytes"] == distinct * nb
+    assert m["miss_bytes"] == m["misses"] * nb == m["bytes_moved"] == eng.bytes  # no hints: only misses move
+    assert m["evictions"] == m["misses"] - 4 * len(LAYERS)  # every miss after the pools filled evicts one
+    s = ec.summary()
+    assert s["hit_rate"] == m["hits"] / distinct and s["moved_over_needed"] == 1.0
+
+
+def test_hints_fetch_ahead_and_bytes_stay_within_bar(cache):
+    """Hints for the next layer from the previous step's routing: moved bytes <= 1.25x the routed
+    experts that had to be fetched, hinted experts arrive intact, counters stay consistent."""
+    eng = DeferredEngine(seed=5)
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS), policy="lfu-decay")
+    tr = skewed_trace(80, len(LAYERS), E, top_k=2, batch=1, sticky_p=0.3, seed=4)
+    rng = np.random.default_rng(0)
+    for t in range(tr.shape[0]):
+        for li, layer in enumerate(LAYERS):
+            out = ec.ensure(layer, tr[t, li])
+            check_call(ec, cache, layer, tr[t, li], out)
+            if li + 1 < len(LAYERS):  # a predictor: the next layer's true experts plus a wrong guess
+                guess = np.concatenate([tr[t, li + 1].ravel(), rng.integers(0, E, 2)])
+                ec.prefetch_hint(LAYERS[li + 1], guess)
+    ec.sync()
+    s = ec.summary()
+    assert s["hint_fetches"] > 0 and s["hint_used"] > 0
+    assert s["hint_used"] + s["hint_wasted"] <= s["hint_fetches"]
+    assert s["bytes_moved"] == (s["misses"] + s["hint_fetches"]) * ec.expert_nbytes
+    assert s["moved_over_needed"] <= 1.25, s
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("shared", [False, True])
+def test_random_interleavings_with_late_copies(cache, seed, shared):
+    """ensure / prefetch_hint in random order against an engine that poisons at submit and copies
+    late: every ensure hands out intact experts, and they stay intact until the pool's next call."""
+    rng = random.Random(seed)
+    reals = real_engines()
+    eng = DeferredEngine(inner=reals[0]() if reals and seed % 2 else None, seed=seed)
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=3 * len(LAYERS), shared=shared,
+                     policy=rng.choice(POLICIES), half_life_steps=rng.choice([1, 8, 64]))
+    live = None
+    for _ in range(120):
+        layer = rng.choice(LAYERS)
+        ids = [rng.randrange(E) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.35:
+            ec.prefetch_hint(layer, ids)
+            if live and (shared or live[0] == layer):
+                check_call(ec, cache, *live)  # hints never touch the slots of the latest ensure
+        else:
+            out = ec.ensure(layer, ids)
+            check_call(ec, cache, layer, ids, out)
+            live = (layer, ids, out)
+    ec.sync()
+    eng.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_lfu_decay_beats_lru_on_a_skewed_trace(tmp_path, shared):
+    """The claim of the benchmark, small: on a Zipf + sticky trace with a small cache, lfu-decay
+    gets a higher hit rate than LRU (the same trace, the same capacity), per-layer or shared."""
+    c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=32, specs=[("w", "uint8", (16,))])
+    tr = skewed_trace(300, 4, 32, top_k=2, batch=1, zipf_s=1.0, sticky_p=0.3, seed=0)
+    rates = {}
+    for policy in ("lru", "lfu-decay"):
+        ec = ExpertCache(c, SyncEngine(), "cpu", capacity_experts=4 * 8, policy=policy, shared=shared)
+        for t in range(tr.shape[0]):
+            for li in range(4):
+                ec.ensure(li, tr[t, li])
+        rates[policy] = ec.summary()["hit_rate"]
+    assert rates["lfu-decay"] > rates["lru"] + 0.02, rates
+
+
+def test_failed_copy_is_never_served(cache):
+    """A read error surfaces as the engine's CacheError; the experts of the failed copy (a miss
+    fetch, or a hint) are not left looking resident: the next call fetches them again."""
+    eng = FailingEngine(fail={1, 3})
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS))
+    with pytest.raises(CacheError, match="injected"):
+        ec.ensure(0, [1, 2])
+    assert ec.resident(0) == {}
+    check_call(ec, cache, 0, [1, 2], ec.ensure(0, [1, 2]))  # submit 2: refetched, intact
+    assert ec.prefetch_hint(0, [3, 4]) == 1  # budget: 0.25 x 4 misses so far; submit 3 fails
+    with pytest.raises(CacheError, match="injected"):
+        ec.ensure(0, [3, 1])
+    assert 3 not in ec.resident(0)
+    check_call(ec, cache, 0, [3, 1], ec.ensure(0, [3, 1]))
+
+
+def test_bad_ids_and_layers(cache):
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=3 * len(LAYERS))
+    with pytest.raises(IndexError):
+        ec.ensure(0, [E])
+    with pytest.raises(KeyError, match="not an MoE layer"):
+        ec.ensure(1, [0])
+    with pytest.raises(ValueError):
+        ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=3, policy="fifo")
+    assert ec.ensure(0, torch.empty(0, 2, dtype=torch.int64)).shape == (0, 2)
+
+
+def test_expert_map_matches_remap(cache):
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=4 * len(LAYERS))
+    out = ec.ensure(2, [[1, 5], [5, 7]])
+    emap = ec.expert_map(2)
+    assert emap.shape == (E,) and emap.dtype == torch.int32
+    assert emap[torch.tensor([[1, 5], [5, 7]])].tolist() == out.tolist()
+    assert (emap >= 0).sum().item() == 3
+
+
+# -- traces ---------------------------------------------------------------------------------------
+
+def test_traces_shape_range_and_skew():
+    u = uniform_trace(200, 4, 16, top_k=2, batch=3, seed=0)
+    s = skewed_trace(200, 4, 16, top_k=2, batch=3, zipf_s=1.2, sticky_p=0.4, seed=0)
+    for tr in (u, s):
+        assert tr.shape == (200, 4, 3, 2) and tr.dtype == np.int64
+        assert tr.min() >= 0 and tr.max() < 16
+        assert (tr[..., 0] != tr[..., 1]).all()  # top-k picks are distinct
+    su, ss = trace_stats(u, 16), trace_stats(s, 16)
+    assert abs(su["first_choice_repeat"] - 1 / 16) < 0.03
+    assert ss["first_choice_repeat"] > 2.5 * su["first_choice_repeat"]
+    assert ss["top_expert_share"] > 2 * su["top_expert_share"]
+    assert np.array_equal(s, skewed_trace(200, 4, 16, top_k=2, batch=3, zipf_s=1.2, sticky_p=0.4, seed=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("engine_kind", ["sync", "real"])
+def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
+    """CUDA: a kernel on the current stream reads the remapped slots while later calls refill
+    other slots; gathered bytes (checked on the GPU, in stream order) equal the cache."""
+    c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=16,
+                   specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
+    if engine_kind == "real":
+        makers = real_engines(device="cuda")
+        if not makers:
+            pytest.skip("transfer.make_engine not available")
+        eng = makers[0]()
+    else:
+        eng = SyncEngine()
+    dev = torch.device("cuda")
+    want = {(l, e): {s.name: c.tensor(l, e, s.name).contiguous().view(-1).view(torch.uint8).sum().item()
+                     for s in c.expert_specs} for l in c.layers for e in range(16)}
+    stream = torch.cuda.Stream(dev)
+    tr = skewed_trace(30, 4, 16, top_k=2, batch=2, seed=0)
+    got = []
+    with torch.cuda.stream(stream):
+        for shared in (False, True):
+            ec = ExpertCache(c, eng, dev, capacity_experts=16 if shared else 4 * 4, shared=shared)
+            for t in range(tr.shape[0]):
+                for li, layer in enumerate(c.layers):
+                    ids = torch.from_numpy(tr[t, li]).to(dev)
+                    out = ec.ensure(layer, ids)
+                    x = torch.randn(1024, 1024, device=dev)
+                    x = x @ x  # keep the stream busy so refills would race a careless cache
+                    slots = ec.slots(layer)
+                    for e, s in zip(tr[t, li].reshape(-1).tolist(), out.reshape(-1).tolist()):
+                        sums = {n: v[s].view(-1).view(torch.uint8).sum() for n, v in slots.items()}
+                        got.append(((layer, e), sums))
+                    if li + 1 < 4:
+                        ec.prefetch_hint(c.layers[li + 1], tr[t - 1, li + 1] if t else [])
+            ec.sync()
+        torch.cuda.synchronize()
+    for key, sums in got:
+        assert {n: v.item() for n, v in sums.items()} == want[key]
+    eng.close()
