@@ -1,0 +1,1178 @@
+"""Transfer engines: byte ranges of cache files -> tensors on a device. Knows nothing of layers.
+
+    engine = make_engine("auto" | "mmap" | "pread" | "kvikio", device,
+                         pinned_bytes=256 << 20, slot_bytes=16 << 20, threads=8)
+    ticket = engine.submit([Copy(src=Extent(path, offset, nbytes),
+                                 dst=[(offset_in_extent, nbytes, dst_tensor), ...]), ...])
+    engine.wait(ticket)     # see "Completion" below
+    engine.metrics          # dict: bytes_moved, pinned_bytes (exact), copies, stall_seconds, ...
+    engine.close()          # idempotent
+
+``dst_tensor`` is any contiguous tensor on ``device`` (any dtype); the bytes of the extent range
+are copied into its first ``nbytes`` bytes verbatim. Cache extents start at 4096-aligned offsets;
+other offsets and lengths work too (the O_DIRECT engine reads the covering aligned range).
+
+Engines (class relation: TransferEngine <- _RingEngine <- MmapEngine, PreadEngine;
+TransferEngine <- KvikioEngine):
+
+    mmap    warm path. Each file is mapped once per engine, read-only, 2 MiB-aligned (large
+            page-cache folios map as PMDs); ``threads`` workers copy from the mapping into free
+            slots of an exact-size PinnedRing with a 4-stream non-temporal AVX2 copy
+            (csrc/fastcopy.c, built on first use with ``cc``; libc memcpy where it cannot be), the GIL
+            released, so it does not depend on OMP_NUM_THREADS; each filled slot goes to the
+            device with ``non_blocking`` on the ONE copy stream of that device (``copy_stream()``),
+            and the event recorded after it frees the slot: a slot is never refilled before its
+            H2D completed. A region is pre-faulted once per engine (MADV_POPULATE_READ) so later
+            passes copy at memory speed. Optional ``direct_threads``: workers that register a
+            read-only window of the mapping with ``cudaHostRegister`` and DMA straight from the
+            page cache (no CPU copy); their windows count in ``pinned_bytes`` (off by default:
+            the driver serialises registration at ~17-20 GB/s, measured no gain).
+    pread   cold path. Same ring, filled by parallel ``os.preadv`` of the covering 4096-aligned
+            range with O_DIRECT (no page-cache pollution, queue depth = threads); buffered
+            ``preadv`` where the file system refuses O_DIRECT (metrics say which).
+    kvikio  ``kvikio.CuFile(path).pread`` straight into the destination (GPUDirect Storage where
+            the nvidia-fs driver runs, else kvikio's POSIX compat mode with its own bounce
+            buffers). Needs ``pip install 'mmap-offload[gds]'``.
+    auto    kvikio on a CUDA device where kvikio imports (16 threads, 8 MiB tasks: measured 90% of
+            pinned H2D warm, at par with O_DIRECT cold); else mmap. docs/TRANSFER.md has numbers.
+
+Completion. ``wait(ticket)`` blocks the host until every chunk of the ticket has been read from
+the file and its device copy issued; on CUDA it then makes the caller's current stream (or
+``stream=``) wait on ``ticket.event``, an event recorded on the copy stream after the ticket's
+last copy: no host sync with the GPU, kernels queued after ``wait`` see the bytes. On CPU (and for
+kvikio) the bytes are in place when ``wait`` returns. ``synchronize(ticket)`` also waits for the
+device. Destinations must not be read or written by pending kernels when the ticket starts:
+``submit(..., after=event)`` makes the copy stream wait on ``event`` first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .cache_format import ALIGNMENT, Extent
+from .errors import CacheError, MmapOffloadError, UnsupportedError
+from .pinned import (
+    CUDA_HOST_REGISTER_READ_ONLY, MADV_COLLAPSE, MADV_HUGEPAGE, MADV_POPULATE_READ, MAP_ANONYMOUS,
+    MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, PAGE, PROT_READ,
+    PinnedRing, RingClosedError, Slot, account_window, address_tensor, cuda_host_register,
+    cuda_host_unregister, madvise, memcpy, mincore_count, os_mmap, os_munmap, page_align_up,
+)
+
+ENGINE_KINDS = ("auto", "mmap", "pread", "kvikio")
+GDS_INSTALL_HINT = "pip install 'mmap-offload[gds]'"
+
+
+def _align_down(n: int) -> int:
+    return n // ALIGNMENT * ALIGNMENT
+
+
+def _align_up(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ranges of one extent: each ``(offset_in_extent, nbytes, dst_tensor)`` fills the first
+    ``nbytes`` bytes of ``dst_tensor`` with bytes ``[offset, offset + nbytes)`` of ``src``."""
+
+    src: Extent
+    dst: Sequence[tuple[int, int, torch.Tensor]]
+
+
+# --- page cache helpers ----------------------------------------------------------------------
+
+def resident_fraction(path: str | os.PathLike, offset: int = 0, nbytes: int | None = None) -> float:
+    """Fraction (0..1) of the file's pages (or of a byte range) in the page cache (``mincore``).
+
+    Maps the file read-only just for the query; reading residency faults nothing in."""
+    path = Path(path)
+    size = path.stat().st_size
+    end = size if nbytes is None else min(size, offset + nbytes)
+    start = offset // PAGE * PAGE
+    if end <= start:
+        return 1.0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        length = page_align_up(end - start)
+        addr = os_mmap(length, PROT_READ, MAP_SHARED, fd, start)
+        try:
+            resident = mincore_count(addr, length)
+        finally:
+            os_munmap(addr, length)
+    finally:
+        os.close(fd)
+    return resident / (length // PAGE)
+
+
+def evict_page_cache(path: str | os.PathLike) -> None:
+    """Ask the kernel to drop the file's clean cached pages (POSIX_FADV_DONTNEED).
+
+    Pages some process still maps stay resident: close engines (their mappings) first."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# --- copy streams and events -----------------------------------------------------------------
+
+_streams_lock = threading.Lock()
+_copy_streams: dict[int, "torch.cuda.Stream"] = {}
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The one dedicated host-to-device copy stream of ``device`` in this process."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        s = _copy_streams.get(index)
+        if s is None:
+            s = torch.cuda.Stream(device=torch.device("cuda", index))
+            _copy_streams[index] = s
+        return s
+
+
+class _CpuEvent:
+    """CPU stand-in for a CUDA event: set when the CPU copy stream reaches it."""
+
+    __slots__ = ("_flag",)
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+
+class _CpuCopyStream:
+    """A FIFO of copies run by one thread: the CPU model of a CUDA copy stream (async, ordered).
+
+    ``before_copy`` is a test hook called with (dst, src) before each copy runs."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.before_copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="mmap-offload-cpu-stream",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if isinstance(item, _CpuEvent):
+                item._flag.set()
+                continue
+            dst, src = item
+            hook = self.before_copy
+            if hook is not None:
+                hook(dst, src)
+            dst.copy_(src)
+
+    def enter_thread(self) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._q.put((dst, src))
+
+    def record(self) -> _CpuEvent:
+        ev = _CpuEvent()
+        self._q.put(ev)
+        return ev
+
+    def wait_event(self, event: Any) -> None:
+        event.synchronize()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
+class _CudaCopyStream:
+    """The device's copy stream, used from worker threads (each calls ``enter_thread`` once)."""
+
+    def __init__(self, device: torch.device, blocking_events: bool = True) -> None:
+        self.device = device
+        self.stream = copy_stream(device)
+        # blocking: a waiting worker sleeps instead of spinning on a core the copiers need
+        self.blocking = blocking_events
+
+    def enter_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self.stream)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self) -> "torch.cuda.Event":
+        ev = torch.cuda.Event(blocking=self.blocking)
+        ev.record(self.stream)
+        return ev
+
+    def wait_event(self, event: Any) -> None:
+        self.stream.wait_event(event)
+
+    def close(self) -> None:
+        pass
+
+
+# --- tickets ---------------------------------------------------------------------------------
+
+class Ticket:
+    """A submitted batch. ``event`` (after issue) is recorded after its last device copy."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, nbytes: int, nchunks: int):
+        self.id = next(Ticket._ids)
+        self.nbytes = nbytes
+        self.event: Any = None
+        self.error: BaseException | None = None
+        self._remaining = nchunks
+        self._lock = threading.Lock()
+        self._issued = threading.Event()
+        self.futures: list[Any] = []  # kvikio
+        if nchunks == 0:
+            self._issued.set()
+
+    def issued(self) -> bool:
+        """True once every chunk was read and its device copy issued (or the ticket failed)."""
+        return self._issued.is_set()
+
+    def _chunk_done(self, stream: Any, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+            if last:
+                # every other chunk issued its copies before decrementing: this event follows them
+                self.event = stream.record()
+        if last:
+            self._issued.set()
+
+
+def _dst_bytes(dst: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(dst, torch.Tensor):
+        raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
+    if not dst.is_contiguous():
+        raise ValueError("dst tensor must be contiguous (call .contiguous() on a copy)")
+    if dst.device.type != device.type or (device.index is not None and dst.device.index is not None
+                                          and dst.device.index != device.index):
+        raise ValueError(f"dst tensor is on {dst.device}, the engine copies to {device}")
+    return dst.reshape(-1).view(torch.uint8)
+
+
+def _normalize_device(device: torch.device | str | None) -> torch.device:
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UnsupportedError(f"device {device} requested but CUDA is not available",
+                                   "use device='cpu' or a CUDA build of torch")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise UnsupportedError(f"device {device} is not supported", "use a cuda or cpu device")
+    return device
+
+
+# --- engines ---------------------------------------------------------------------------------
+
+class TransferEngine:
+    """Base: the submit / wait / metrics / close contract. Subclasses implement ``_submit``."""
+
+    kind = "base"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._closed = False
+        self._stall = 0.0
+        self._stall_lock = threading.Lock()
+        self._counters: dict[str, float] = {"bytes_moved": 0, "copies": 0, "tickets": 0}
+
+    # planning shared by every engine: (path, file_offset, nbytes, dst_u8 slice)
+    def _pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, torch.Tensor]]:
+        pieces = []
+        for c in copies:
+            ext = c.src
+            for off, n, dst in c.dst:
+                off, n = int(off), int(n)
+                if off < 0 or n < 0 or off + n > ext.nbytes:
+                    raise ValueError(f"range [{off}, {off + n}) is outside the extent of "
+                                     f"{ext.nbytes} bytes of {ext.path}")
+                d = _dst_bytes(dst, self.device)
+                if n > d.numel():
+                    raise ValueError(f"dst holds {d.numel()} bytes, {n} were asked for")
+                if n:
+                    pieces.append((Path(ext.path), int(ext.offset) + off, n, d[:n]))
+        return pieces
+
+    def submit(self, copies: Sequence[Copy], *, after: Any = None) -> Ticket:
+        """Start copying; returns at once. ``after``: an event the copies must wait for."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        return self._submit(list(copies), after)
+
+    def _submit(self, copies: list[Copy], after: Any) -> Ticket:  # pragma: no cover
+        raise NotImplementedError
+
+    def _wait_issued(self, ticket: Ticket) -> None:
+        t0 = time.perf_counter()
+        ticket._issued.wait()
+        futures, ticket.futures = ticket.futures, []
+        for fut in futures:
+            try:
+                fut.get()
+            except BaseException as e:  # kvikio read error: reported like the ring engines'
+                if ticket.error is None:
+                    ticket.error = e
+        with self._stall_lock:
+            self._stall += time.perf_counter() - t0
+        if ticket.error is not None:
+            err = ticket.error
+            if isinstance(err, MmapOffloadError):
+                raise err
+            if isinstance(err, OSError):
+                raise CacheError(f"reading the cache failed: {err}",
+                                 "check the cache files (mmap-offload verify DIR)") from err
+            raise err
+
+    def wait(self, ticket: Ticket, stream: Any = None) -> None:
+        """Block until the ticket is issued; then the current (or given) stream waits on its event
+        (CUDA), or the copies are complete (CPU). Raises the read error, if any."""
+        self._wait_issued(ticket)
+        ev = ticket.event
+        if ev is None:
+            return
+        if self.device.type == "cuda":
+            (stream or torch.cuda.current_stream(self.device)).wait_event(ev)
+        else:
+            t0 = time.perf_counter()
+            ev.synchronize()
+            with self._stall_lock:
+                self._stall += time.perf_counter() - t0
+
+    def synchronize(self, ticket: Ticket) -> None:
+        """Block the host until every byte of the ticket is on the device."""
+        self._wait_issued(ticket)
+        if ticket.event is not None:
+            t0 = time.perf_counter()
+            ticket.event.synchronize()
+            with self._stall_lock:
+                self._stall += time.perf_counter() - t0
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"engine": self.kind, "device": str(self.device)}
+        m.update(self._counters)
+        m["stall_seconds"] = self._stall
+        m.setdefault("pinned_bytes", 0)
+        return m
+
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class _Part:
+    path: Path
+    start: int  # file offset of the first byte wanted
+    end: int  # file offset past the last byte wanted
+    slot_off: int  # 4096-aligned offset in the slot of the aligned window start
+    dst: torch.Tensor  # uint8, end - start bytes
+
+    @property
+    def window(self) -> int:
+        return _align_down(self.start)
+
+
+@dataclass
+class _Chunk:
+    ticket: Ticket
+    parts: list[_Part]
+
+
+class _WorkerStats:
+    __slots__ = ("fill_s", "issue_s", "chunks", "direct_bytes", "direct_fallbacks", "odirect_bytes",
+                 "buffered_bytes", "populate_s")
+
+    def __init__(self) -> None:
+        for k in self.__slots__:
+            setattr(self, k, 0)
+
+
+class _MappedFile:
+    """A read-only shared mapping of a whole file, kept for the engine's lifetime.
+
+    The mapping starts on a 2 MiB boundary so the kernel can map large page-cache folios with
+    one PMD entry each (``FilePmdMapped`` in /proc/self/smaps) instead of 512 PTEs."""
+
+    GRANULE = 2 << 20
+
+    def __init__(self, path: Path, hugepage: bool, collapse: bool = False):
+        self.path = path
+        self.collapse = collapse
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.length = max(PAGE, page_align_up(self.size))
+            self.addr = _map_aligned(fd, self.length, self.GRANULE)
+        finally:
+            os.close(fd)
+        if hugepage:
+            madvise(self.addr, self.length, MADV_HUGEPAGE)
+        self.populated = np.zeros((self.length + self.GRANULE - 1) // self.GRANULE, dtype=bool)
+
+    def populate(self, start: int, end: int) -> bool:
+        """Pre-fault the page tables of [start, end) once (MADV_POPULATE_READ). False if refused."""
+        g0, g1 = start // self.GRANULE, (end - 1) // self.GRANULE + 1
+        todo = np.flatnonzero(~self.populated[g0:g1])
+        if todo.size == 0:
+            return True
+        a = (g0 + int(todo[0])) * self.GRANULE
+        b = min(self.length, (g0 + int(todo[-1]) + 1) * self.GRANULE)
+        ok = madvise(self.addr + a, b - a, MADV_POPULATE_READ)
+        if self.collapse:
+            madvise(self.addr + a, b - a, MADV_COLLAPSE)  # best effort: 2 MiB folios
+        self.populated[g0:g1] = True
+        return ok
+
+    def close(self) -> None:
+        if self.addr:
+            os_munmap(self.addr, self.length)
+            self.addr = 0
+
+
+def spread_cpus() -> list[int]:
+    """The allowed logical CPUs ordered one per physical core first (SMT siblings last)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    first, rest, seen = [], [], set()
+    for cpu in allowed:
+        try:
+            sib = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+        except OSError:
+            sib = str(cpu)
+        key = sib.strip()
+        (rest if key in seen else first).append(cpu)
+        seen.add(key)
+    return first + rest
+
+
+def _map_aligned(fd: int, length: int, align: int) -> int:
+    """Map ``length`` bytes of ``fd`` read-only at an address that is a multiple of ``align``."""
+    if length < align:
+        return os_mmap(length, PROT_READ, MAP_SHARED, fd, 0)
+    base = os_mmap(length + align, 0, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)  # reserve
+    addr = (base + align - 1) // align * align
+    try:
+        got = _libc_mmap_fixed(addr, length, fd)
+    except OSError:
+        os_munmap(base, length + align)
+        raise
+    assert got == addr
+    if addr > base:
+        os_munmap(base, addr - base)
+    tail = base + length + align - (addr + length)
+    if tail:
+        os_munmap(addr + length, tail)
+    return addr
+
+
+def _libc_mmap_fixed(addr: int, length: int, fd: int) -> int:
+    from .pinned import _libc
+
+    got = _libc.mmap(addr, length, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0)
+    if got is None or got == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), "mmap of a cache file failed")
+    return int(got)
+
+
+# --- copy kernels of the fill step -------------------------------------------------------------
+
+COPY_IMPLS = ("auto", "libc", "torch", "numpy", "movsb", "nt", "nt4", "tc")  # +"-pf<bytes>"
+_native_lib: Any = None
+_native_lock = threading.Lock()
+_CSRC = Path(__file__).resolve().parents[1] / "csrc" / "fastcopy.c"
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " avx2" in line
+    except OSError:
+        pass
+    return False
+
+
+def _build_native(src: Path) -> Path | None:
+    """Compile csrc/fastcopy.c with the system C compiler into build/ (or ~/.cache); None if
+    there is no compiler, no source or no AVX2. Atomic (temp file + rename): ranks may race."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc or not src.exists() or not _has_avx2():
+        return None
+    for d in (src.parents[1] / "build", Path.home() / ".cache" / "mmap-offload"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+            os.close(fd)
+            r = subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", str(src), "-o", tmp],
+                               capture_output=True, timeout=60)
+            if r.returncode != 0:
+                os.unlink(tmp)
+                return None
+            out = d / "libmo_fastcopy.so"
+            os.replace(tmp, out)
+            return out
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
+
+
+def native_copy_lib(build: bool = True) -> Any:
+    """The optional copy kernels of csrc/fastcopy.c, or None (then libc memcpy is used).
+
+    Looked up at $MMAP_OFFLOAD_FASTCOPY, build/libmo_fastcopy.so, ~/.cache/mmap-offload/; built
+    there once with ``cc`` when missing (needs the repo's csrc/ and an AVX2 CPU)."""
+    global _native_lib
+    with _native_lock:
+        if _native_lib is None or (_native_lib is False and build and not _native_tried_build):
+            _native_lib = _load_native(build) or False
+    return _native_lib or None
+
+
+_native_tried_build = False
+
+
+def _load_native(build: bool) -> Any:
+    global _native_tried_build
+    if not _has_avx2():
+        return None
+    cands = [os.environ.get("MMAP_OFFLOAD_FASTCOPY", ""),
+             str(_CSRC.parents[1] / "build" / "libmo_fastcopy.so"),
+             str(Path.home() / ".cache" / "mmap-offload" / "libmo_fastcopy.so")]
+    path = next((c for c in cands if c and os.path.exists(c)), None)
+    if path is None and build:
+        _native_tried_build = True
+        built = _build_native(_CSRC)
+        path = str(built) if built else None
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.mo_copy_movsb.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.mo_copy_nt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                   ctypes.c_size_t]
+        lib.mo_copy_nt4.argtypes = lib.mo_copy_nt.argtypes
+        lib.mo_copy_tc.argtypes = lib.mo_copy_nt.argtypes
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def _copier(impl: str) -> tuple[str, Callable[[int, int, int], None]]:
+    """(name, function (dst_addr, src_addr, nbytes)) that copies with the GIL released.
+    "auto": the 4-stream non-temporal AVX2 kernel where it builds (measured fastest, TRANSFER.md),
+    else libc memcpy."""
+    if impl == "auto":
+        impl = "nt4" if native_copy_lib() is not None else "libc"
+    return impl, _copier_fn(impl)
+
+
+def _copier_fn(impl: str) -> Callable[[int, int, int], None]:
+    if impl == "libc":
+        return memcpy
+    if impl == "torch":
+        return lambda d, s, n: address_tensor(d, n).copy_(address_tensor(s, n))
+    if impl == "numpy":
+        return lambda d, s, n: np.copyto(address_tensor(d, n).numpy(), address_tensor(s, n).numpy())
+    lib = native_copy_lib()
+    if lib is None:
+        raise UnsupportedError(f"copy_impl {impl!r} needs the native library",
+                               "build it: cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c "
+                               "-o build/libmo_fastcopy.so")
+    if impl == "movsb":
+        return lib.mo_copy_movsb
+    base, _, pf = impl.partition("-pf")  # "nt", "nt4", or with a prefetch distance: "nt-pf4096"
+    dist = int(pf) if pf.isdigit() else 1024
+    if base == "nt":
+        return lambda d, s, n: lib.mo_copy_nt(d, s, n, dist)
+    if base == "nt4":
+        return lambda d, s, n: lib.mo_copy_nt4(d, s, n, dist)
+    if base == "tc":
+        return lambda d, s, n: lib.mo_copy_tc(d, s, n, dist)
+    raise UnsupportedError(f"unknown copy_impl {impl!r}", f"choose one of {', '.join(COPY_IMPLS)}")
+
+
+class _RingEngine(TransferEngine):
+    """Shared machinery of mmap and pread: planning into slot-sized chunks, worker threads, ring,
+    copy stream, ticket bookkeeping. Subclasses implement ``_fill(chunk, slot, stats)``."""
+
+    def __init__(self, device: torch.device, *, pinned_bytes: int, slot_bytes: int, threads: int,
+                 reserve_bytes: int = 0, blocking_events: bool = True):
+        super().__init__(device)
+        if threads < 1 or threads > 64:
+            raise ValueError(f"threads must be in 1..64, got {threads}")
+        self.slot_bytes = page_align_up(max(ALIGNMENT, int(slot_bytes)))
+        ring_bytes = int(pinned_bytes) - int(reserve_bytes)
+        num_slots = max(2, ring_bytes // self.slot_bytes)
+        self.threads = int(threads)
+        self.ring = PinnedRing(num_slots, self.slot_bytes, pin=device.type == "cuda")
+        self.stream: Any = (_CudaCopyStream(device, blocking_events) if device.type == "cuda"
+                            else _CpuCopyStream())
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats: list[_WorkerStats] = []
+        self._lock = threading.Lock()
+        self._workers = [self._start_worker(i) for i in range(self.threads)]
+
+    # -- planning
+    def _plan(self, pieces: list[tuple[Path, int, int, torch.Tensor]]) -> list[list[_Part]]:
+        """Cut pieces into slot-sized chunks; every part starts at a 4096-aligned slot offset."""
+        chunks: list[list[_Part]] = []
+        cur: list[_Part] = []
+        used = 0
+        S = self.slot_bytes
+        for path, start, n, dst in pieces:
+            end = start + n
+            s = start
+            while s < end:
+                w = _align_down(s)
+                e = min(end, w + S)
+                foot = _align_up(e) - w
+                if cur and used + foot > S:
+                    chunks.append(cur)
+                    cur, used = [], 0
+                cur.append(_Part(path, s, e, used, dst[s - start:e - start]))
+                used += foot
+                s = e
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _check_files(self, pieces: list[tuple[Path, int, int, torch.Tensor]]) -> None:
+        sizes: dict[Path, int] = {}
+        for path, start, n, _ in pieces:
+            if path not in sizes:
+                try:
+                    sizes[path] = self._file_size(path)
+                except FileNotFoundError as e:
+                    raise CacheError(f"cache file {path} is missing",
+                                     "rebuild the cache (mmap-offload warmup)") from e
+            if start + n > sizes[path]:
+                raise CacheError(f"cache file {path} ends at {sizes[path]} bytes, a read needs "
+                                 f"{start + n} (truncated?)", "run mmap-offload verify DIR")
+
+    def _file_size(self, path: Path) -> int:
+        return path.stat().st_size
+
+    def _submit(self, copies: list[Copy], after: Any) -> Ticket:
+        pieces = self._pieces(copies)
+        self._check_files(pieces)
+        nbytes = sum(p[2] for p in pieces)
+        chunks = self._plan(pieces)
+        ticket = Ticket(nbytes, len(chunks))
+        if after is not None:
+            self.stream.wait_event(after)
+        with self._lock:
+            self._counters["tickets"] += 1
+            self._counters["copies"] += len(pieces)
+            self._counters["chunks"] = self._counters.get("chunks", 0) + len(chunks)
+        for parts in chunks:
+            self._q.put(_Chunk(ticket, parts))
+        return ticket
+
+    # -- workers
+    def _start_worker(self, i: int) -> threading.Thread:
+        stats = _WorkerStats()
+        self._stats.append(stats)
+        t = threading.Thread(target=self._worker, args=(stats, i), daemon=True,
+                             name=f"mmap-offload-{self.kind}-{i}")
+        t.start()
+        return t
+
+    def _worker(self, stats: _WorkerStats, index: int) -> None:
+        self.stream.enter_thread()
+        if getattr(self, "affinity", None) == "spread":
+            cpus = spread_cpus()
+            if cpus:
+                os.sched_setaffinity(0, {cpus[index % len(cpus)]})
+        while True:
+            chunk = self._q.get()
+            if chunk is None:
+                return
+            self._run_chunk(chunk, stats)
+
+    def _run_chunk(self, chunk: _Chunk, stats: _WorkerStats) -> None:
+        if self._closed:
+            chunk.ticket._chunk_done(self.stream, MmapOffloadError(
+                "transfer cancelled: the engine was closed"))
+            return
+        err: BaseException | None = None
+        try:
+            self._ring_chunk(chunk, stats)
+        except RingClosedError:
+            err = MmapOffloadError("transfer cancelled: the engine was closed")
+        except BaseException as e:  # reported to the waiter
+            err = e
+        chunk.ticket._chunk_done(self.stream, err)
+
+    def _ring_chunk(self, chunk: _Chunk, stats: _WorkerStats) -> None:
+        slot = self.ring.acquire()
+        try:
+            t0 = time.perf_counter()
+            self._fill(chunk, slot, stats)
+            t1 = time.perf_counter()
+            for p in chunk.parts:
+                o = p.slot_off + (p.start - p.window)
+                self.stream.copy(p.dst, slot.tensor[o:o + (p.end - p.start)])
+            ev = self.stream.record()
+            stats.issue_s += time.perf_counter() - t1
+            stats.fill_s += t1 - t0
+        except BaseException:
+            self.ring.release(slot, None)
+            raise
+        self.ring.release(slot, ev)
+        stats.chunks += 1
+        n = sum(p.end - p.start for p in chunk.parts)
+        with self._lock:
+            self._counters["bytes_moved"] += n
+
+    def _fill(self, chunk: _Chunk, slot: Slot, stats: _WorkerStats) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        m = super().metrics
+        m["pinned_bytes"] = self.ring.pinned_bytes
+        m["ring_bytes"] = self.ring.nbytes
+        m["ring_slots"] = self.ring.num_slots
+        m["slot_bytes"] = self.slot_bytes
+        m["threads"] = self.threads
+        m["ring_wait_seconds"] = self.ring.wait_seconds
+        m["fill_seconds"] = sum(s.fill_s for s in self._stats)
+        m["issue_seconds"] = sum(s.issue_s for s in self._stats)
+        m.setdefault("chunks", 0)
+        return m
+
+    def close(self) -> None:
+        """Cancel chunks not started, finish those in flight, free the ring. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._q.put(None)
+        for t in self._workers:
+            t.join()
+        self.ring.close()  # synchronizes the events of in-flight copies first
+        self.stream.close()
+        self._close_files()
+
+    def _close_files(self) -> None:
+        pass
+
+
+class MmapEngine(_RingEngine):
+    """Warm path: persistent read-only mappings -> pinned ring (memcpy, GIL released) -> device."""
+
+    kind = "mmap"
+
+    def __init__(self, device: torch.device, *, pinned_bytes: int = 256 << 20,
+                 slot_bytes: int = 16 << 20, threads: int = 8, direct_threads: int = 0,
+                 direct_depth: int = 2, populate: bool = True, hugepage: bool = True,
+                 blocking_events: bool = True, copy_impl: str = "auto", collapse: bool = False,
+                 affinity: str | None = None):
+        self.affinity = affinity
+        self.populate = populate
+        self.hugepage = hugepage
+        self.collapse = collapse
+        self.copy_impl, self._copy = _copier(copy_impl)
+        self.direct_threads = int(direct_threads) if device.type == "cuda" else 0
+        self.direct_depth = max(1, int(direct_depth))
+        self._maps: dict[Path, _MappedFile] = {}
+        self._maps_lock = threading.Lock()
+        self._window_peak = 0
+        self._window_now = 0
+        slot = page_align_up(max(ALIGNMENT, int(slot_bytes)))
+        reserve = self.direct_threads * self.direct_depth * slot
+        super().__init__(device, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes,
+                         threads=threads, reserve_bytes=reserve, blocking_events=blocking_events)
+        self._populate_ok = populate
+        for i in range(self.direct_threads):
+            self._workers.append(self._start_direct_worker(i))
+
+    def _map(self, path: Path) -> _MappedFile:
+        m = self._maps.get(path)
+        if m is None:
+            with self._maps_lock:
+                m = self._maps.get(path)
+                if m is None:
+                    m = _MappedFile(path, self.hugepage, self.collapse)
+                    self._maps[path] = m
+        return m
+
+    def _file_size(self, path: Path) -> int:
+        m = self._maps.get(path)
+        return m.size if m is not None else self._map(path).size
+
+    def _fill(self, chunk: _Chunk, slot: Slot, stats: _WorkerStats) -> None:
+        for p in chunk.parts:
+            m = self._map(p.path)
+            if self._populate_ok:
+                t0 = time.perf_counter()
+                if not m.populate(p.start, p.end):
+                    self._populate_ok = False  # kernel < 5.14: plain faults
+                stats.populate_s += time.perf_counter() - t0
+            self._copy(slot.ptr + p.slot_off + (p.start - p.window), m.addr + p.start,
+                       p.end - p.start)
+
+    # -- direct (registered window) workers: DMA from the page cache, no CPU copy
+    def _start_direct_worker(self, i: int) -> threading.Thread:
+        stats = _WorkerStats()
+        self._stats.append(stats)
+        t = threading.Thread(target=self._direct_worker, args=(stats,), daemon=True,
+                             name=f"mmap-offload-direct-{i}")
+        t.start()
+        return t
+
+    def _direct_worker(self, stats: _WorkerStats) -> None:
+        self.stream.enter_thread()
+        pending: deque[tuple[int, int, Any]] = deque()
+        try:
+            while True:
+                chunk = self._q.get()
+                if chunk is None:
+                    return
+                if self._closed or len(chunk.parts) != 1:
+                    self._run_chunk(chunk, stats)
+                    continue
+                err = None
+                try:
+                    if not self._direct_chunk(chunk, stats, pending):
+                        stats.direct_fallbacks += 1
+                        self._ring_chunk(chunk, stats)
+                except RingClosedError:
+                    err = MmapOffloadError("transfer cancelled: the engine was closed")
+                except BaseException as e:
+                    err = e
+                chunk.ticket._chunk_done(self.stream, err)
+        finally:
+            while pending:
+                self._unregister_window(pending.popleft())
+
+    def _unregister_window(self, item: tuple[int, int, Any]) -> None:
+        addr, length, ev = item
+        ev.synchronize()
+        cuda_host_unregister(addr)
+        account_window(-length)
+        with self._maps_lock:
+            self._window_now -= length
+
+    def _direct_chunk(self, chunk: _Chunk, stats: _WorkerStats, pending: deque) -> bool:
+        p = chunk.parts[0]
+        m = self._map(p.path)
+        while len(pending) >= self.direct_depth:
+            self._unregister_window(pending.popleft())
+        t0 = time.perf_counter()
+        w0 = p.window
+        w1 = min(m.length, page_align_up(p.end))
+        if not cuda_host_register(m.addr + w0, w1 - w0, CUDA_HOST_REGISTER_READ_ONLY):
+            return False
+        account_window(w1 - w0)
+        with self._maps_lock:
+            self._window_now += w1 - w0
+            self._window_peak = max(self._window_peak, self._window_now)
+        t1 = time.perf_counter()
+        self.stream.copy(p.dst, address_tensor(m.addr + p.start, p.end - p.start))
+        ev = self.stream.record()
+        pending.append((m.addr + w0, w1 - w0, ev))
+        stats.fill_s += t1 - t0
+        stats.issue_s += time.perf_counter() - t1
+        stats.direct_bytes += p.end - p.start
+        stats.chunks += 1
+        with self._lock:
+            self._counters["bytes_moved"] += p.end - p.start
+        return True
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        m = super().metrics
+        m["direct_threads"] = self.direct_threads
+        m["direct_bytes"] = sum(s.direct_bytes for s in self._stats)
+        m["direct_fallbacks"] = sum(s.direct_fallbacks for s in self._stats)
+        m["window_pinned_peak_bytes"] = self._window_peak
+        m["pinned_bytes"] = self.ring.pinned_bytes + (
+            self.direct_threads * self.direct_depth * self.slot_bytes)
+        m["populate_seconds"] = sum(s.populate_s for s in self._stats)
+        m["mapped_files"] = len(self._maps)
+        m["mapped_bytes"] = sum(x.length for x in self._maps.values())
+        m["copy_impl"] = self.copy_impl
+        return m
+
+    def unmap_all(self) -> None:
+        """Drop every file mapping (e.g. before evicting the page cache); remapped on next use.
+        Only call while no ticket is in flight."""
+        with self._maps_lock:
+            maps, self._maps = self._maps, {}
+        for m in maps.values():
+            m.close()
+
+    def _close_files(self) -> None:
+        self.unmap_all()
+
+
+class PreadEngine(_RingEngine):
+    """Cold path: parallel O_DIRECT ``preadv`` of aligned ranges into ring slots -> device."""
+
+    kind = "pread"
+
+    def __init__(self, device: torch.device, *, pinned_bytes: int = 256 << 20,
+                 slot_bytes: int = 16 << 20, threads: int = 8, direct_io: bool = True,
+                 blocking_events: bool = True):
+        self.direct_io = direct_io
+        self._fds: dict[Path, tuple[int, bool]] = {}
+        self._fds_lock = threading.Lock()
+        self.odirect_refused = 0
+        self._stale_fds: list[int] = []
+        super().__init__(device, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes,
+                         threads=threads, blocking_events=blocking_events)
+
+    def _fd(self, path: Path) -> tuple[int, bool]:
+        ent = self._fds.get(path)
+        if ent is None:
+            with self._fds_lock:
+                ent = self._fds.get(path)
+                if ent is None:
+                    ent = self._open(path, self.direct_io)
+                    self._fds[path] = ent
+        return ent
+
+    def _open(self, path: Path, direct: bool) -> tuple[int, bool]:
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                self.odirect_refused += 1
+        return os.open(path, os.O_RDONLY), False
+
+    def _buffered_fallback(self, path: Path) -> tuple[int, bool]:
+        with self._fds_lock:
+            fd, direct = self._fds[path]
+            if direct:
+                self.odirect_refused += 1
+                self._fds[path] = (os.open(path, os.O_RDONLY), False)
+                # the O_DIRECT fd may still be used by another worker; closed with the engine
+                self._stale_fds.append(fd)
+            return self._fds[path]
+
+    def _file_size(self, path: Path) -> int:
+        return os.fstat(self._fd(path)[0]).st_size
+
+    def _fill(self, chunk: _Chunk, slot: Slot, stats: _WorkerStats) -> None:
+        for p in chunk.parts:
+            w0 = p.window
+            length = _align_up(p.end) - w0
+            need = p.end - w0
+            fd, direct = self._fd(p.path)
+            buf = memoryview(slot.tensor.numpy())[p.slot_off:p.slot_off + length]
+            got, direct = self._read_full(fd, buf, w0, need, direct, p.path)
+            if direct:
+                stats.odirect_bytes += p.end - p.start
+            else:
+                stats.buffered_bytes += p.end - p.start
+            if got < need:
+                raise CacheError(f"cache file {p.path} ended early: read {got} of {need} bytes at "
+                                 f"offset {w0}", "run mmap-offload verify DIR")
+
+    def _read_full(self, fd: int, buf: memoryview, offset: int, need: int, direct: bool,
+                   path: Path) -> tuple[int, bool]:
+        """Read at least ``need`` bytes (or to EOF); returns (bytes read, O_DIRECT used)."""
+        got = 0
+        while got < need:
+            try:
+                n = os.preadv(fd, [buf[got:]], offset + got)
+            except OSError as e:
+                if direct and e.errno == errno.EINVAL:
+                    fd, direct = self._buffered_fallback(path)
+                    continue
+                raise
+            if n == 0:
+                break
+            got += n
+            if direct and got % ALIGNMENT:  # short O_DIRECT read mid-file: finish buffered
+                if got >= need:
+                    break
+                fd, direct = os.open(path, os.O_RDONLY), False
+                try:
+                    got += self._read_full(fd, buf[got:], offset + got, need - got, False, path)[0]
+                finally:
+                    os.close(fd)
+                break
+        return got, direct
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        m = super().metrics
+        m["odirect_bytes"] = sum(s.odirect_bytes for s in self._stats)
+        m["buffered_bytes"] = sum(s.buffered_bytes for s in self._stats)
+        m["odirect_refused"] = self.odirect_refused
+        return m
+
+    def _close_files(self) -> None:
+        with self._fds_lock:
+            fds = [fd for fd, _ in self._fds.values()] + list(self._stale_fds)
+            self._fds.clear()
+            self._stale_fds.clear()
+        for fd in fds:
+            os.close(fd)
+
+
+class KvikioEngine(TransferEngine):
+    """``kvikio.CuFile(path).pread`` straight into each destination, on kvikio's thread pool.
+
+    ``threads`` and ``task_size`` set kvikio.defaults (process-global). Pinned memory: none of
+    ours; in compat mode kvikio keeps its own bounce buffers (reported as an estimate)."""
+
+    kind = "kvikio"
+
+    def __init__(self, device: torch.device, *, threads: int = 16, task_size: int = 8 << 20):
+        super().__init__(device)
+        self.kvikio = import_kvikio()
+        self.threads = int(threads)
+        self.task_size = int(task_size)
+        self.kvikio.defaults.set({"num_threads": self.threads, "task_size": self.task_size})
+        self._files: dict[Path, Any] = {}
+        self._files_lock = threading.Lock()
+
+    def _file(self, path: Path) -> Any:
+        f = self._files.get(path)
+        if f is None:
+            with self._files_lock:
+                f = self._files.get(path)
+                if f is None:
+                    if not path.exists():
+                        raise CacheError(f"cache file {path} is missing",
+                                         "rebuild the cache (mmap-offload warmup)")
+                    f = self.kvikio.CuFile(path, "r")
+                    self._files[path] = f
+        return f
+
+    def _submit(self, copies: list[Copy], after: Any) -> Ticket:
+        pieces = self._pieces(copies)
+        for path, start, n, _ in pieces:
+            size = path.stat().st_size if path.exists() else 0
+            if start + n > size:
+                raise CacheError(f"cache file {path} ends at {size} bytes, a read needs "
+                                 f"{start + n} (missing or truncated?)", "run mmap-offload verify DIR")
+        if after is not None:
+            after.synchronize()  # kvikio copies on its own streams: order on the host
+        ticket = Ticket(sum(p[2] for p in pieces), 0)
+        for path, start, n, dst in pieces:
+            buf = dst if self.device.type == "cuda" else dst.numpy()
+            ticket.futures.append(self._file(path).pread(buf, n, start))
+        self._counters["tickets"] += 1
+        self._counters["copies"] += len(pieces)
+        self._counters["bytes_moved"] += ticket.nbytes
+        return ticket
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        m = super().metrics
+        m["pinned_bytes"] = 0
+        m["kvikio_threads"] = self.threads
+        m["kvikio_task_size"] = self.task_size
+        try:
+            m["kvikio_compat_mode"] = str(self.kvikio.defaults.get("compat_mode"))
+            m["kvikio_bounce_bytes_estimate"] = int(
+                self.kvikio.defaults.get("bounce_buffer_size")) * self.threads
+        except Exception:
+            pass
+        return m
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._files_lock:
+            files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+
+def import_kvikio() -> Any:
+    """Import kvikio or raise the one-line install hint."""
+    try:
+        import kvikio  # type: ignore[import-not-found]
+        import kvikio.defaults  # noqa: F401
+    except Exception as e:
+        raise MmapOffloadError(f"the kvikio engine needs kvikio ({type(e).__name__}: {e})",
+                               GDS_INSTALL_HINT) from None
+    return kvikio
+
+
+def gds_active() -> bool:
+    """True where the nvidia-fs kernel module (GPUDirect Storage) is loaded."""
+    return os.path.exists("/sys/module/nvidia_fs") or os.path.exists("/proc/driver/nvidia-fs")
+
+
+def make_engine(kind: str = "auto", device: torch.device | str | None = None, *,
+                pinned_bytes: int = 256 << 20, slot_bytes: int = 16 << 20, threads: int = 8,
+                **options: Any) -> TransferEngine:
+    """Build a transfer engine. ``options`` go to the engine class (e.g. ``direct_threads`` for
+    mmap, ``direct_io`` for pread, ``task_size`` for kvikio)."""
+    if kind not in ENGINE_KINDS:
+        raise UnsupportedError(f"unknown transfer engine {kind!r}",
+                               f"choose one of {', '.join(ENGINE_KINDS)}")
+    dev = _normalize_device(device)
+    if kind == "auto":
+        kind = "mmap"
+        if dev.type == "cuda":
+            try:
+                import_kvikio()
+                kind = "kvikio"  # measured best warm (90% of H2D) and at par cold: TRANSFER.md
+            except MmapOffloadError:
+                pass
+    if kind == "mmap":
+        return MmapEngine(dev, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes, threads=threads,
+                          **options)
+    if kind == "pread":
+        return PreadEngine(dev, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes, threads=threads,
+                           **options)
+    return KvikioEngine(dev, threads=options.pop("kvikio_threads", 16),
+                        **{k: v for k, v in options.items() if k == "task_size"})

@@ -1,0 +1,359 @@
+"""transfer.py: every engine copies file bytes verbatim, slots are never reused early, lifecycles
+are safe. CPU runs the whole pipeline ("H2D" is the CPU copy stream); GPU tests are marked gpu."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmap_offload.cache_format import Extent
+from mmap_offload.errors import CacheError, MmapOffloadError, UnsupportedError
+import mmap_offload.transfer as transfer
+from mmap_offload.transfer import (
+    Copy, evict_page_cache, make_engine, native_copy_lib, resident_fraction,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DTYPES = [torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[Path, np.ndarray]:
+    d = tmp_path_factory.mktemp("xfer")
+    rng = np.random.default_rng(1)
+    out = {}
+    for i, size in enumerate([3 << 20, (1 << 20) + 4097, 12345]):
+        data = rng.integers(0, 256, size=size, dtype=np.uint8)
+        p = d / f"f{i}.bin"
+        p.write_bytes(data.tobytes())
+        out[p] = data
+    return out
+
+
+def random_copies(files, rng: random.Random, device, n: int, max_len: int = 700_000):
+    """Random extents (aligned and not) and sub-ranges; returns copies and expectations."""
+    copies, expect = [], []
+    paths = list(files)
+    for _ in range(n):
+        p = rng.choice(paths)
+        size = len(files[p])
+        if rng.random() < 0.5:
+            off = rng.randrange(0, size // 4096) * 4096
+        else:
+            off = rng.randrange(0, size - 1)
+        length = rng.randint(1, min(max_len, size - off))
+        ext = Extent(p, off, length)
+        dsts = []
+        for _ in range(rng.randint(1, 3)):
+            o = rng.randrange(0, length)
+            m = rng.randint(1, length - o)
+            dt = rng.choice(DTYPES)
+            elems = (m + dt.itemsize - 1) // dt.itemsize + rng.randint(0, 3)
+            t = torch.zeros(elems, dtype=dt, device=device)
+            dsts.append((o, m, t))
+            expect.append((t, files[p][off + o:off + o + m]))
+        copies.append(Copy(ext, dsts))
+    return copies, expect
+
+
+def check(expect) -> None:
+    for t, want in expect:
+        got = t.view(-1).view(torch.uint8)[:len(want)].cpu().numpy()
+        assert np.array_equal(got, want)
+
+
+ENGINES = [
+    ("mmap", {}),
+    ("mmap", {"populate": False, "hugepage": False, "copy_impl": "libc"}),
+    ("mmap", {"copy_impl": "torch", "collapse": True}),
+    ("mmap", {"copy_impl": "numpy", "affinity": "spread"}),
+    ("mmap", {"copy_impl": "nt"}),
+    ("mmap", {"copy_impl": "movsb"}),
+    ("mmap", {"copy_impl": "nt4-pf4096"}),
+    ("mmap", {"copy_impl": "tc"}),
+    ("pread", {}),
+    ("pread", {"direct_io": False}),
+]
+
+
+@pytest.mark.parametrize("kind,opts", ENGINES)
+def test_random_extents_bytes_equal(files, kind, opts):
+    if opts.get("copy_impl", "")[:2] in ("nt", "mo") and native_copy_lib() is None:
+        pytest.skip("no C compiler / AVX2: the native copy kernels are unavailable")
+    rng = random.Random(hash((kind, tuple(opts))) & 0xFFFF)
+    eng = make_engine(kind, "cpu", pinned_bytes=1 << 20, slot_bytes=256 << 10, threads=4, **opts)
+    try:
+        copies, expect = random_copies(files, rng, "cpu", 40)
+        t = eng.submit(copies)
+        eng.wait(t)
+        check(expect)
+        m = eng.metrics
+        assert m["bytes_moved"] == sum(len(w) for _, w in expect)
+        assert m["copies"] == len(expect)
+        assert m["pinned_bytes"] == 0  # no CUDA here: ordinary memory
+        assert m["ring_bytes"] == 4 * (256 << 10)
+        if kind == "pread" and opts.get("direct_io", True):
+            assert m["odirect_bytes"] + m["buffered_bytes"] == m["bytes_moved"]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kind", ["mmap", "pread"])
+def test_slots_not_overwritten_while_in_flight(files, kind):
+    """Poisoning: the CPU copy stream is slowed down; while each 'H2D' is pending, its slot must
+    keep the bytes it was filled with (a reused slot would change them under the copy)."""
+    eng = make_engine(kind, "cpu", pinned_bytes=2 * 8192, slot_bytes=8192, threads=6)
+    bad: list[str] = []
+
+    def hook(dst, src):
+        before = src.clone()
+        time.sleep(0.001)
+        if not torch.equal(before, src):
+            bad.append("slot overwritten before its copy ran")
+
+    eng.stream.before_copy = hook
+    try:
+        rng = random.Random(5)
+        copies, expect = random_copies(files, rng, "cpu", 20, max_len=40_000)
+        t = eng.submit(copies)
+        eng.wait(t)
+        check(expect)
+        assert not bad
+        assert eng.metrics["ring_slots"] == 2
+    finally:
+        eng.close()
+
+
+def test_random_interleavings_of_submit_and_wait(files):
+    rng = random.Random(11)
+    eng = make_engine("mmap", "cpu", pinned_bytes=3 * 65536, slot_bytes=65536, threads=3)
+    try:
+        pending = []
+        for step in range(60):
+            if pending and rng.random() < 0.45:
+                t, expect = pending.pop(rng.randrange(len(pending)))
+                (eng.wait if rng.random() < 0.5 else eng.synchronize)(t)
+                check(expect)
+            else:
+                copies, expect = random_copies(files, rng, "cpu", rng.randint(0, 4), 200_000)
+                pending.append((eng.submit(copies), expect))
+        for t, expect in pending:
+            eng.wait(t)
+            check(expect)
+        assert eng.metrics["stall_seconds"] >= 0
+    finally:
+        eng.close()
+
+
+def test_concurrent_submitters(files):
+    eng = make_engine("pread", "cpu", pinned_bytes=4 * 65536, slot_bytes=65536, threads=4)
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        try:
+            rng = random.Random(seed)
+            for _ in range(10):
+                copies, expect = random_copies(files, rng, "cpu", 3, 150_000)
+                eng.wait(eng.submit(copies))
+                check(expect)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    eng.close()
+    assert not errors
+
+
+def test_empty_ticket_and_zero_length(files):
+    eng = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
+    p = next(iter(files))
+    eng.wait(eng.submit([]))
+    t = torch.zeros(4, dtype=torch.uint8)
+    eng.wait(eng.submit([Copy(Extent(p, 0, 0), [(0, 0, t)])]))
+    assert t.sum() == 0
+    eng.close()
+
+
+def test_close_twice_and_submit_after_close(files):
+    for kind in ("mmap", "pread"):
+        eng = make_engine(kind, "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
+        eng.close()
+        eng.close()
+        with pytest.raises(RuntimeError):
+            eng.submit([])
+
+
+def test_close_with_work_queued_cancels_or_finishes(files):
+    p, data = next(iter(files.items()))
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 4096, slot_bytes=4096, threads=1)
+    eng.stream.before_copy = lambda d, s: time.sleep(0.0005)
+    dst = torch.zeros(len(data), dtype=torch.uint8)
+    t = eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])])
+    eng.close()
+    try:
+        eng.wait(t)
+    except MmapOffloadError as e:
+        assert "closed" in str(e)
+    else:
+        assert np.array_equal(dst.numpy(), data)
+
+
+def test_user_errors(files, tmp_path):
+    p, data = next(iter(files.items()))
+    eng = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
+    try:
+        with pytest.raises(CacheError, match="truncated"):
+            eng.submit([Copy(Extent(p, len(data) - 10, 20), [(0, 20, torch.zeros(20, dtype=torch.uint8))])])
+        with pytest.raises(CacheError, match="missing"):
+            eng.submit([Copy(Extent(tmp_path / "nope.bin", 0, 4),
+                             [(0, 4, torch.zeros(4, dtype=torch.uint8))])])
+        with pytest.raises(ValueError, match="outside the extent"):
+            eng.submit([Copy(Extent(p, 0, 4), [(2, 4, torch.zeros(4, dtype=torch.uint8))])])
+        with pytest.raises(ValueError, match="contiguous"):
+            eng.submit([Copy(Extent(p, 0, 8), [(0, 8, torch.zeros(4, 4, dtype=torch.uint8).t())])])
+        with pytest.raises(ValueError, match="holds"):
+            eng.submit([Copy(Extent(p, 0, 8), [(0, 8, torch.zeros(4, dtype=torch.uint8))])])
+    finally:
+        eng.close()
+    with pytest.raises(UnsupportedError):
+        make_engine("nvme-magic", "cpu")
+
+
+def test_kvikio_missing_gives_install_hint():
+    try:
+        import kvikio  # noqa: F401
+        pytest.skip("kvikio is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(MmapOffloadError, match=r"mmap-offload\[gds\]"):
+        make_engine("kvikio", "cpu")
+    eng = make_engine("auto", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
+    assert eng.kind == "mmap"
+    eng.close()
+
+
+def test_copy_impl_auto_falls_back_to_libc(monkeypatch, files):
+    monkeypatch.setattr(transfer, "native_copy_lib", lambda build=True: None)
+    eng = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
+    assert eng.copy_impl == "libc" and eng.metrics["copy_impl"] == "libc"
+    p, data = next(iter(files.items()))
+    dst = torch.zeros(len(data), dtype=torch.uint8)
+    eng.wait(eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])]))
+    assert np.array_equal(dst.numpy(), data)
+    eng.close()
+    with pytest.raises(UnsupportedError, match="native library"):
+        make_engine("mmap", "cpu", copy_impl="nt")
+
+
+def test_resident_fraction_and_evict(tmp_path):
+    p = tmp_path / "r.bin"
+    p.write_bytes(np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    p.read_bytes()
+    assert resident_fraction(p) == 1.0
+    assert resident_fraction(p, 4096, 8192) == 1.0
+    evict_page_cache(p)
+    assert resident_fraction(p) < 0.5
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+GPU_ENGINES = [("mmap", {}), ("mmap", {"direct_threads": 1, "threads": 1}), ("mmap", {"copy_impl": "libc"}),
+               ("pread", {}), ("kvikio", {})]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind,opts", GPU_ENGINES)
+def test_gpu_engines_bytes_equal(files, kind, opts):
+    if kind == "kvikio":
+        pytest.importorskip("kvikio")
+    rng = random.Random(21)
+    dev = torch.device("cuda", 0)
+    opts = {"threads": 4, **opts}
+    eng = make_engine(kind, dev, pinned_bytes=4 << 20, slot_bytes=1 << 20, **opts)
+    try:
+        for _ in range(3):
+            copies, expect = random_copies(files, rng, dev, 30)
+            t = eng.submit(copies)
+            eng.wait(t)  # the current stream waits on the ticket's event; .cpu() runs after it
+            check(expect)
+        p, data = next(iter(files.items()))  # whole-slot chunks: the direct workers take these
+        for _ in range(10):
+            whole = torch.zeros(len(data), dtype=torch.uint8, device=dev)
+            eng.wait(eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), whole)])]))
+            check([(whole, data)])
+        m = eng.metrics
+        if kind != "kvikio":
+            assert m["pinned_bytes"] == m["ring_bytes"] + opts.get("direct_threads", 0) * 2 * (1 << 20)
+        if opts.get("direct_threads"):
+            assert m["direct_bytes"] > 0
+    finally:
+        eng.close()
+        eng.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_poisoned_slots_stay_intact(files):
+    """Many chunks through a 2-slot ring while the GPU is kept busy: bytes still equal."""
+    dev = torch.device("cuda", 0)
+    eng = make_engine("mmap", dev, pinned_bytes=2 * 65536, slot_bytes=65536, threads=8)
+    try:
+        p, data = next(iter(files.items()))
+        dst = torch.zeros(len(data), dtype=torch.uint8, device=dev)
+        t = eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])])
+        eng.synchronize(t)
+        assert np.array_equal(dst.cpu().numpy(), data)
+    finally:
+        eng.close()
+
+
+def test_native_copy_kernels_edges():
+    lib = native_copy_lib()
+    if lib is None:
+        pytest.skip("no C compiler / AVX2: the native copy kernels are unavailable")
+    rng = np.random.default_rng(7)
+    for n in [0, 1, 31, 32, 127, 128, 4095, 4096, 65536 * 4 + 123, (1 << 20) + 77]:
+        for so, do in [(0, 0), (1, 0), (0, 1), (64, 32), (3, 5)]:
+            src = rng.integers(0, 256, n + 256, dtype=np.uint8)
+            for fn in (lambda d, s: lib.mo_copy_nt(d, s, n, 1024),
+                       lambda d, s: lib.mo_copy_nt4(d, s, n, 4096),
+                       lambda d, s: lib.mo_copy_tc(d, s, n, 512),
+                       lambda d, s: lib.mo_copy_movsb(d, s, n)):
+                dst = np.zeros(n + 256, dtype=np.uint8)
+                fn(dst.ctypes.data + do, src.ctypes.data + so)
+                assert np.array_equal(dst[do:do + n], src[so:so + n])
+                assert not dst[:do].any() and not dst[do + n:].any()  # no overrun
+
+
+def test_submit_after_event_orders_the_copies(files):
+    """``after``: the copies start only once the given event completed (CPU: host waits)."""
+    p, data = next(iter(files.items()))
+    eng = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
+    gate = threading.Event()
+
+    class Ev:
+        def query(self) -> bool:
+            return gate.is_set()
+
+        def synchronize(self) -> None:
+            gate.wait()
+
+    threading.Timer(0.05, gate.set).start()
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    t = eng.submit([Copy(Extent(p, 0, 8192), [(0, 8192, dst)])], after=Ev())
+    assert gate.is_set()
+    eng.wait(t)
+    assert np.array_equal(dst.numpy(), data[:8192])
+    assert t.issued()
+    eng.close()
