@@ -357,3 +357,22 @@ def test_submit_after_event_orders_the_copies(files):
     assert np.array_equal(dst.numpy(), data[:8192])
     assert t.issued()
     eng.close()
+
+
+def test_prefault_sets_up_resident_granules_only_and_bytes_stay_right(tmp_path):
+    import os
+
+    data = np.random.default_rng(5).integers(0, 256, 6 << 20, dtype=np.uint8)
+    warm, cold = tmp_path / "warm.bin", tmp_path / "cold.bin"
+    warm.write_bytes(data.tobytes())
+    cold.write_bytes(data.tobytes())
+    os.sync()
+    evict_page_cache(cold)
+    with make_engine("mmap", torch.device("cpu"), pinned_bytes=8 << 20, slot_bytes=1 << 20, threads=2) as eng:
+        done = eng.prefault([warm, cold])
+        assert done >= 6 << 20  # every granule of the warm file (3 x 2 MiB)
+        assert done < 12 << 20  # not all of the evicted one: prefault never reads from disk
+        assert resident_fraction(cold) < 0.5
+        out = torch.empty(len(data), dtype=torch.uint8)
+        eng.wait(eng.submit([Copy(src=Extent(warm, 0, len(data)), dst=[(0, len(data), out)])]))
+        assert np.array_equal(out.numpy(), data)
