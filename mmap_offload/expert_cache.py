@@ -153,6 +153,7 @@ class ExpertCache:
         self._pool_of = {li: p for p in self._pools for li in p.layers}
         self._lut = np.full((L, E), -1, dtype=np.int64)  # layer position, expert -> slot
         self._extents: dict[tuple[int, int], object] = {}  # memo of cache.expert_extent
+        self._slot_dst: dict[tuple[int, int], list] = {}  # memo of each slot's destination views
 
         # policy state for every (layer position, expert), resident or not
         self._now = 0
@@ -312,7 +313,10 @@ class ExpertCache:
         layer = self.layers[li]
         copies = []
         for e, s in pairs:
-            dst = [(spec.offset, spec.nbytes, pool.tensors[spec.name][s]) for spec in self.specs]
+            dst = self._slot_dst.get((id(pool), s))
+            if dst is None:  # a slot's destinations never move: build the list once
+                dst = [(spec.offset, spec.nbytes, pool.tensors[spec.name][s]) for spec in self.specs]
+                self._slot_dst[(id(pool), s)] = dst
             ext = self._extents.get((li, e))
             if ext is None:
                 ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)

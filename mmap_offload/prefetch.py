@@ -85,6 +85,7 @@ class _Buffer:
     layer: int | None = None  # layer whose bytes it holds or is receiving
     ticket: Any = None  # copy in flight, None once waited for
     handed_out: bool = False  # wait_for_layer returned it since it was filled
+    dst_list: list | None = None  # (offset, nbytes, view) of every expert tensor: built once
 
 
 class LayerPrefetcher:
@@ -227,11 +228,14 @@ class LayerPrefetcher:
             after = torch.cuda.current_stream(self.device).record_event()
         buf.layer = None  # holds nothing valid until the new copy is submitted
         buf.handed_out = False
-        dst = []
-        for e in range(self.num_experts):
-            base = e * self.record_nbytes
-            for s in self.specs:
-                dst.append((base + s.offset, s.nbytes, buf.tensors[s.name].data[e]))
+        dst = buf.dst_list
+        if dst is None:  # the same per buffer every time (fixed addresses): build it once
+            dst = []
+            for e in range(self.num_experts):
+                base = e * self.record_nbytes
+                for s in self.specs:
+                    dst.append((base + s.offset, s.nbytes, buf.tensors[s.name].data[e]))
+            buf.dst_list = dst
         copies = [Copy(src=self.cache.layer_extent(layer), dst=dst)]
         buf.ticket = self.engine.submit(copies, after=after) if after is not None else self.engine.submit(copies)
         buf.layer = layer

@@ -194,8 +194,11 @@ class _CpuCopyStream:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._q.put((dst, src))
 
-    def copy_part(self, dst: torch.Tensor, slot: Slot, offset: int, nbytes: int) -> None:
-        self.copy(dst, slot.tensor[offset:offset + nbytes])
+    def copy_part(self, dst: int, slot: Slot, offset: int, nbytes: int) -> None:
+        self.copy(address_tensor(dst, nbytes), slot.tensor[offset:offset + nbytes])
+
+    def copy_ptr(self, dst: int, src: int, nbytes: int) -> None:
+        self.copy(address_tensor(dst, nbytes), address_tensor(src, nbytes))
 
     def record(self) -> _CpuEvent:
         ev = _CpuEvent()
@@ -209,6 +212,15 @@ class _CpuCopyStream:
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join()
+
+
+def _device_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 device tensor over raw device memory (fallback path only)."""
+
+    class _Holder:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+    return torch.as_tensor(_Holder(), device=device)
 
 
 def _load_memcpy_async() -> Any:
@@ -261,18 +273,16 @@ class _CudaCopyStream:
         """``cudaMemcpyAsync`` host -> device on the copy stream, straight through ctypes (GIL
         released, ~2 us) instead of a torch ``copy_`` (~30-60 us of GIL-held dispatch per call,
         which serialised 8 workers on expert-sized chunks)."""
-        if _MEMCPY_ASYNC is None:
-            self.copy(address_tensor(dst, nbytes), address_tensor(src, nbytes))  # pragma: no cover
+        if _MEMCPY_ASYNC is None:  # no ctypes runtime: torch's copy on raw device/host views
+            with torch.cuda.stream(self.stream):
+                _device_view(dst, nbytes, self.device).copy_(address_tensor(src, nbytes), non_blocking=True)
             return
         err = _MEMCPY_ASYNC(dst, src, nbytes, 1, self.handle)  # 1 = cudaMemcpyHostToDevice
         if err != 0:
             raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}")
 
-    def copy_part(self, dst: torch.Tensor, slot: Slot, offset: int, nbytes: int) -> None:
-        if _MEMCPY_ASYNC is not None:
-            self.copy_ptr(dst.data_ptr(), slot.ptr + offset, nbytes)
-        else:
-            self.copy(dst, slot.tensor[offset:offset + nbytes])
+    def copy_part(self, dst: int, slot: Slot, offset: int, nbytes: int) -> None:
+        self.copy_ptr(dst, slot.ptr + offset, nbytes)
 
     def record(self) -> "torch.cuda.Event":
         ev = torch.cuda.Event(blocking=self.blocking)
@@ -302,6 +312,7 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
+        self.keepalive: Any = None
         if nchunks == 0:
             self._issued.set()
 
@@ -375,6 +386,31 @@ class TransferEngine:
                     raise ValueError(f"dst holds {d.numel()} bytes, {n} were asked for")
                 if n:
                     pieces.append((Path(ext.path), int(ext.offset) + off, n, d[:n]))
+        return pieces
+
+    def _pointer_pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, int]]:
+        """As ``_pieces`` but with the destination as a raw address: no torch op per piece (a
+        layer of 64 experts x 4 tensors cost ~8 ms of GIL-held slicing that way)."""
+        pieces = []
+        want_cuda = self.device.type == "cuda"
+        for c in copies:
+            ext = c.src
+            path, base = Path(ext.path), int(ext.offset)
+            for off, n, dst in c.dst:
+                off, n = int(off), int(n)
+                if off < 0 or n < 0 or off + n > ext.nbytes:
+                    raise ValueError(f"range [{off}, {off + n}) is outside the extent of "
+                                     f"{ext.nbytes} bytes of {ext.path}")
+                if not isinstance(dst, torch.Tensor):
+                    raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
+                if dst.is_cuda != want_cuda:
+                    raise ValueError(f"dst tensor is on {dst.device}, the engine copies to {self.device}")
+                if not dst.is_contiguous():
+                    raise ValueError("dst tensor must be contiguous (call .contiguous() on a copy)")
+                if n > dst.numel() * dst.element_size():
+                    raise ValueError(f"dst holds {dst.numel() * dst.element_size()} bytes, {n} were asked for")
+                if n:
+                    pieces.append((path, base + off, n, dst.data_ptr()))
         return pieces
 
     def prefault(self, paths: Sequence[str | os.PathLike]) -> int:
@@ -463,7 +499,7 @@ class _Part:
     start: int  # file offset of the first byte wanted
     end: int  # file offset past the last byte wanted
     slot_off: int  # 4096-aligned offset in the slot of the aligned window start
-    dst: torch.Tensor  # uint8, end - start bytes
+    dst: int  # address of the destination of byte ``start`` (end - start bytes follow)
 
     @property
     def window(self) -> int:
@@ -731,7 +767,7 @@ class _RingEngine(TransferEngine):
         self._workers = [self._start_worker(i) for i in range(self.threads)]
 
     # -- planning
-    def _plan(self, pieces: list[tuple[Path, int, int, torch.Tensor]]) -> list[list[_Part]]:
+    def _plan(self, pieces: list[tuple[Path, int, int, int]]) -> list[list[_Part]]:
         """Cut pieces into slot-sized chunks; every part starts at a 4096-aligned slot offset."""
         chunks: list[list[_Part]] = []
         cur: list[_Part] = []
@@ -750,14 +786,14 @@ class _RingEngine(TransferEngine):
                 if cur and used + foot > S:
                     chunks.append(cur)
                     cur, used = [], 0
-                cur.append(_Part(path, s, e, used, dst[s - start:e - start]))
+                cur.append(_Part(path, s, e, used, dst + (s - start)))
                 used += foot
                 s = e
         if cur:
             chunks.append(cur)
         return chunks
 
-    def _check_files(self, pieces: list[tuple[Path, int, int, torch.Tensor]]) -> None:
+    def _check_files(self, pieces: list[tuple[Path, int, int, Any]]) -> None:
         sizes: dict[Path, int] = {}
         for path, start, n, _ in pieces:
             if path not in sizes:
@@ -774,11 +810,12 @@ class _RingEngine(TransferEngine):
         return path.stat().st_size
 
     def _submit(self, copies: list[Copy], after: Any) -> Ticket:
-        pieces = self._pieces(copies)
+        pieces = self._pointer_pieces(copies)
         self._check_files(pieces)
         nbytes = sum(p[2] for p in pieces)
         chunks = self._plan(pieces)
         ticket = Ticket(nbytes, len(chunks))
+        ticket.keepalive = copies  # parts hold raw addresses: keep the destinations alive
         if after is not None:
             self.stream.wait_event(after)
         with self._lock:
@@ -990,7 +1027,7 @@ class MmapEngine(_RingEngine):
             self._window_now += w1 - w0
             self._window_peak = max(self._window_peak, self._window_now)
         t1 = time.perf_counter()
-        self.stream.copy(p.dst, address_tensor(m.addr + p.start, p.end - p.start))
+        self.stream.copy_ptr(p.dst, m.addr + p.start, p.end - p.start)
         ev = self.stream.record()
         pending.append((m.addr + w0, w1 - w0, ev))
         stats.fill_s += t1 - t0
