@@ -341,6 +341,7 @@ class PrefetchVariant(Variant):
         finally:
             self.pinned_bytes = max(self.pinned_bytes, int(self.engine.metrics.get("pinned_bytes", 0)))
             self.notes["prefetch"] = dict(self.pf.metrics)
+            self.notes["engine"] = _engine_notes(self.engine)
             self.engine.close()
 
 
@@ -385,6 +386,7 @@ class CacheVariant(Variant):
         finally:
             self.pinned_bytes = max(self.pinned_bytes, int(self.engine.metrics.get("pinned_bytes", 0)))
             self.notes["expert_cache"] = {k: v for k, v in self.ec.summary().items()}
+            self.notes["engine"] = _engine_notes(self.engine)
             self.engine.close()
 
 
@@ -449,6 +451,13 @@ ENGINE_CANDIDATES = [  # at most 8 copy threads (the bar); small batches are cut
     dict(threads=8, slot_bytes=32 << 20),
     dict(threads=8, slot_bytes=4 << 20),
 ]
+
+
+def _engine_notes(engine) -> dict:
+    """Where an engine's time went (fill = CPU copy/read, issue = H2D launch, ring wait, populate)."""
+    keep = ("engine", "copy_impl", "threads", "slot_bytes", "bytes_moved", "tickets", "chunks", "fill_seconds",
+            "issue_seconds", "ring_wait_seconds", "populate_seconds", "stall_seconds")
+    return {k: v for k, v in engine.metrics.items() if k in keep}
 
 
 def _prefault(var: "Variant", engine) -> None:

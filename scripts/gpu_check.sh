@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the lent machine (OUT=... bash scripts/gpu_check.sh):
+#   1. the GPU tests of every module (pytest -m gpu)
+#   2. benchmarks/bench_repack.py on CUDA          (repack GB/s, bar >= 20)
+#   3. benchmarks/bench_warmup.py on CUDA          (warm-up vs the disk's sequential write, bar >= 80%)
+#   4. benchmarks/bench_moe.py                     (tokens/s against UVA; see docs/BENCHMARKS.md)
+# $OUT gets check.log (steps 1-3) and moe/ (step 4: run.log, results.json, results.md, 3 PNGs): 7 files,
+# under the device tool's 8. kvikio wheels in .whl/ are installed first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+t0=$SECONDS
+{
+echo "== gpu tests"
+timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -x -W ignore 2>&1 | tail -25
+echo "tests: $((SECONDS - t0)) s"
+echo "== bench_repack"
+timeout 60 python3 benchmarks/bench_repack.py --device cuda --out /tmp/repack.json 2>&1 | tail -12
+echo "== bench_warmup"
+timeout 120 python3 benchmarks/bench_warmup.py --device cuda --gib ${WARMUP_GIB:-4} --dir /tmp/mmo-warmup --out /tmp/warmup.json 2>&1 | tail -8
+echo "elapsed: $((SECONDS - t0)) s"
+} 2>&1 | tee "$OUT/check.log"
+echo "== bench_moe"
+SKIP_TESTS=1 SKIP_OOM=1 BENCH_DEADLINE=${BENCH_DEADLINE:-120} OUT="$OUT/moe" bash scripts/gpu_bench.sh
+echo "total: $((SECONDS - t0)) s"
