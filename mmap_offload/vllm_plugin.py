@@ -340,6 +340,7 @@ class MmapOffloader(_OffloaderBase):
         self.engine = None
         self.prefetcher = None
         self.ready = False
+        self._wrapped = False
         self._probe: dict[str, torch.Tensor] = {}  # cache-layout expectation of the probe data
         self._transforms: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {}
         self._kernel_buffers: list[dict[str, torch.Tensor]] = []
@@ -406,6 +407,12 @@ class MmapOffloader(_OffloaderBase):
                 "--offload-backend mmap cannot skip expert tensors with enable_multithread_load",
                 "drop enable_multithread_load from --model-loader-extra-config",
             )
+        strategy = getattr(lc, "safetensors_load_strategy", None)
+        if strategy in ("eager", "prefetch"):
+            log.warning(
+                "mmap-offload: --safetensors-load-strategy %s reads whole shards, expert bytes included "
+                "(they are skipped, not loaded); leave it unset to read no expert byte", strategy,
+            )
         cc = vcfg.compilation_config
         mode = getattr(cc, "cudagraph_mode", None)
         on_cuda = str(getattr(vcfg.device_config, "device_type", getattr(vcfg.device_config, "device", ""))) == "cuda"
@@ -417,77 +424,94 @@ class MmapOffloader(_OffloaderBase):
 
     # -- BaseOffloader: wrap_modules -----------------------------------------------------------------
     def wrap_modules(self, modules_generator, prefix: str = "") -> list[torch.nn.Module]:
-        """Open (or build) the cache, install placeholders and forward hooks. Called once."""
-        modules = list(modules_generator)
-        if self.targets:
+        """Open (or build) the cache, install placeholders and forward hooks. Called once.
+
+        vLLM constructs each decoder layer as the generator yields it, so each layer's experts are
+        shrunk to placeholders before the next layer is built: device memory never holds more than
+        one layer's full-size expert parameters."""
+        if self._wrapped:
             raise UnsupportedError("MmapOffloader.wrap_modules was called twice", "wrap the decoder stack once")
+        self._wrapped = True
         self._resolve_context()
-        opts = self.options
         pre = f"{prefix}." if prefix else ""
-        found = []
-        for pos, module in enumerate(modules):
-            for sub_name, sub in module.named_modules():
-                own = dict(sub.named_parameters(recurse=False))
-                if not any(n.startswith("w13_") for n in own) or not any(n.startswith("w2_") for n in own):
-                    continue
-                rel = {n: f".{pre}{sub_name}.{n}." if sub_name else f".{pre}{n}." for n in own}
-                sel = [n for n in own if any(f".{s}." in rel[n] for s in opts.params)]
-                if sel:
-                    found.append((pos, module, sub_name, sub, sel))
-        if not found:
-            log.warning("mmap-offload: no fused-experts parameters match %s; nothing offloaded", list(opts.params))
-            return modules
-
-        from .checkpoint import open_checkpoint
-
-        ckpt = open_checkpoint(self.checkpoint_path)
-        cache = self._open_cache(ckpt)
-        served_names = [s.name for s in cache.expert_specs]
+        modules: list[torch.nn.Module] = []
+        ckpt = None
         skip: set[str] = set()
-        for i, (pos, module, sub_name, sub, sel) in enumerate(found):
-            layer = _layer_index(sub, module, pos)
-            if layer not in cache.layers:
-                raise CacheError(
-                    f"layer {layer} of the model has experts but the cache has MoE layers {cache.layers}",
-                    "rebuild the cache for this checkpoint",
-                )
-            own = dict(sub.named_parameters(recurse=False))
-            missing = [n for n in served_names if n not in sel]
-            if missing:
-                raise UnsupportedError(
-                    f"mmap offload serves whole experts, but {sorted(missing)} of {sub_name or 'experts'} are not selected",
-                    "select them all (e.g. --cpu-offload-params experts)",
-                )
-            num_experts = int(own[served_names[0]].shape[0])
-            if num_experts != cache.num_experts:
-                raise CacheError(
-                    f"layer {layer} has {num_experts} local experts, the cache {cache.num_experts}",
-                    "rebuild the cache for this model and TP size",
-                )
-            flagged = set()
-            for e in range(num_experts):
-                for proj, parts in ckpt.expert_refs(layer, e).items():
-                    for suffix, ref in parts.items():
-                        pname = _param_name(proj, suffix)
-                        if pname in sel:
-                            skip.add(ref.name)
-                            flagged.add(pname)
-            for pname in flagged:
-                setattr(own[pname], _SERVED_FLAG, True)
-            t = _Target(i, layer, module, sub, served_names, sorted(flagged))
-            self._install_placeholders(t, probe=(i == 0), ckpt=ckpt)
-            self._hook_forward(t)
-            self.targets.append(t)
-        self.metrics["skipped_tensors"] = len(skip)
-        self.metrics["skipped_bytes"] = sum(ckpt.ref(n).nbytes for n in skip)
+        try:
+            for pos, module in enumerate(modules_generator):
+                modules.append(module)
+                for sub_name, sub, sel in self._expert_modules(module, pre):
+                    if ckpt is None:  # first MoE layer: the cache must be valid before any placeholder
+                        from .checkpoint import open_checkpoint
+
+                        ckpt = open_checkpoint(self.checkpoint_path)
+                        self._open_cache(ckpt)
+                    self._add_target(pos, module, sub_name, sub, sel, ckpt, skip)
+            if ckpt is None:
+                log.warning("mmap-offload: no fused-experts parameters match %s; nothing offloaded", list(self.options.params))
+                return modules
+            self.metrics["skipped_tensors"] = len(skip)
+            self.metrics["skipped_bytes"] = sum(ckpt.ref(n).nbytes for n in skip)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
         global _SKIP_NAMES
         _SKIP_NAMES = frozenset(skip)
-        ckpt.close()
         log.info(
             "mmap-offload: serving %d MoE layers from %s (rank %d of %d); skipping %d checkpoint tensors (%.2f GiB)",
-            len(self.targets), cache.dir, self.tp_rank, self.tp_size, len(skip), self.metrics["skipped_bytes"] / 2**30,
+            len(self.targets), self.cache.dir, self.tp_rank, self.tp_size, len(skip), self.metrics["skipped_bytes"] / 2**30,
         )
         return modules
+
+    def _expert_modules(self, module: torch.nn.Module, pre: str):
+        """(name, fused-experts submodule, selected parameter names) inside one decoder layer."""
+        for sub_name, sub in module.named_modules():
+            own = dict(sub.named_parameters(recurse=False))
+            if not any(n.startswith("w13_") for n in own) or not any(n.startswith("w2_") for n in own):
+                continue
+            rel = {n: f".{pre}{sub_name}.{n}." if sub_name else f".{pre}{n}." for n in own}
+            sel = [n for n in own if any(f".{s}." in rel[n] for s in self.options.params)]
+            if sel:
+                yield sub_name, sub, sel
+
+    def _add_target(self, pos, module, sub_name, sub, sel, ckpt, skip: set[str]) -> None:
+        """Check one fused-experts module against the cache, register its skipped names, shrink
+        its served parameters to placeholders, hook its decoder layer."""
+        cache = self.cache
+        served_names = [s.name for s in cache.expert_specs]
+        layer = _layer_index(sub, module, pos)
+        if layer not in cache.layers:
+            raise CacheError(
+                f"layer {layer} of the model has experts but the cache has MoE layers {cache.layers}",
+                "rebuild the cache for this checkpoint",
+            )
+        own = dict(sub.named_parameters(recurse=False))
+        missing = [n for n in served_names if n not in sel]
+        if missing:
+            raise UnsupportedError(
+                f"mmap offload serves whole experts, but {sorted(missing)} of {sub_name or 'experts'} are not selected",
+                "select them all (e.g. --cpu-offload-params experts)",
+            )
+        num_experts = int(own[served_names[0]].shape[0])
+        if num_experts != cache.num_experts:
+            raise CacheError(
+                f"layer {layer} has {num_experts} local experts, the cache {cache.num_experts}",
+                "rebuild the cache for this model and TP size",
+            )
+        flagged = set()
+        for e in range(num_experts):
+            for proj, parts in ckpt.expert_refs(layer, e).items():
+                for suffix, ref in parts.items():
+                    pname = _param_name(proj, suffix)
+                    if pname in sel:
+                        skip.add(ref.name)
+                        flagged.add(pname)
+        for pname in flagged:
+            setattr(own[pname], _SERVED_FLAG, True)
+        t = _Target(len(self.targets), layer, module, sub, served_names, sorted(flagged))
+        self._install_placeholders(t, probe=not self.targets, ckpt=ckpt)
+        self._hook_forward(t)
+        self.targets.append(t)
 
     def _open_cache(self, ckpt):
         """This rank's valid cache: open it, or build it (warmup, layer by layer), or refuse."""
@@ -519,7 +543,7 @@ class MmapOffloader(_OffloaderBase):
                     continue
             self.cache = cache
             return cache
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _warmup_device(self) -> str | torch.device:
         d = self.options.warmup_device

@@ -18,7 +18,7 @@ fi
 t0=$SECONDS
 {
 echo "== gpu tests"
-timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -x -W ignore 2>&1 | tail -25
+timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -W ignore 2>&1 | tail -25
 echo "tests: $((SECONDS - t0)) s"
 echo "== bench_repack"
 timeout 60 python3 benchmarks/bench_repack.py --device cuda --out /tmp/repack.json 2>&1 | tail -12
