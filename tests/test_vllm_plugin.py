@@ -1,0 +1,207 @@
+"""The plugin against the installed vLLM classes: name registration, CLI parsing, create_offloader,
+the weight-loading skip, and the launcher. Needs vLLM (own venv): ``-m vllm``.
+The launcher/option tests at the bottom need no vLLM and run everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmap_offload.errors import UnsupportedError
+from mmap_offload.vllm_plugin import CONFIG_KEY, MmapOptions, launcher_argv
+
+
+def _vllm():
+    return pytest.importorskip("vllm")
+
+
+@pytest.fixture
+def registered():
+    _vllm()
+    from mmap_offload.vllm_plugin import register
+
+    register()
+    register()  # idempotent
+    return True
+
+
+@pytest.mark.vllm
+def test_offload_config_accepts_mmap_and_still_rejects_unknown(registered):
+    from typing import get_args
+
+    from pydantic import ValidationError
+    from vllm.config.offload import OffloadConfig
+
+    assert OffloadConfig(offload_backend="mmap").offload_backend == "mmap"
+    assert get_args(OffloadConfig.__dataclass_fields__["offload_backend"].type).count("mmap") == 1
+    with pytest.raises(ValidationError):
+        OffloadConfig(offload_backend="bogus")
+
+
+@pytest.mark.vllm
+def test_serve_parser_accepts_offload_backend_mmap(registered):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    extra = {CONFIG_KEY: {"cache_dir": "/nvme/cache", "lookahead": 2}}
+    ns = parser.parse_args(
+        ["--model", "m", "--offload-backend", "mmap", "--cpu-offload-params", "experts",
+         "--additional-config", json.dumps(extra)]
+    )
+    assert ns.offload_backend == "mmap" and ns.additional_config == extra
+    args = EngineArgs.from_cli_args(ns)
+    assert args.offload_backend == "mmap" and set(args.cpu_offload_params) == {"experts"}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--offload-backend", "bogus"])
+
+
+@pytest.mark.vllm
+def test_create_offloader_dispatch_where_the_runner_looks(registered):
+    import vllm.model_executor.offloader as pkg
+    import vllm.model_executor.offloader.base as base
+    import vllm.v1.worker.gpu_model_runner as runner
+    from vllm.config.offload import OffloadConfig, UVAOffloadConfig
+    from vllm.model_executor.offloader import NoopOffloader, UVAOffloader
+
+    from mmap_offload.vllm_plugin import MmapOffloader
+
+    for create in (runner.create_offloader, base.create_offloader, pkg.create_offloader):
+        off = create(OffloadConfig(offload_backend="mmap", uva=UVAOffloadConfig(cpu_offload_params={"experts"})))
+        assert isinstance(off, MmapOffloader) and isinstance(off, base.BaseOffloader)
+        assert off._default_params == ("experts",)
+        assert isinstance(create(OffloadConfig(offload_backend="uva", uva=UVAOffloadConfig(cpu_offload_gb=1))), UVAOffloader)
+        assert isinstance(create(OffloadConfig()), NoopOffloader)
+
+
+@pytest.mark.vllm
+def test_skipped_expert_tensors_are_never_read(registered, tmp_path, monkeypatch):
+    import vllm.model_executor.model_loader.weight_utils as wu
+
+    import mmap_offload.vllm_plugin as vp
+    from mmap_offload.checkpoint import open_checkpoint
+    from mmap_offload.synth import PRESETS, make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", **PRESETS["tiny-mixtral"])
+    with open_checkpoint(ckpt) as c:
+        experts = {r.name for l in c.moe.layers for e in range(c.moe.num_experts)
+                   for p in c.expert_refs(l, e).values() for r in p.values()}
+        everything = set(c.names())
+    fetched: list[str] = []
+    real_open = wu.safe_open
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            fetched.append(name)
+            return self.f.get_tensor(name)
+
+    monkeypatch.setattr(wu, "safe_open", lambda *a, **k: Counting(real_open(*a, **k)))
+    monkeypatch.setattr(vp, "_SKIP_NAMES", frozenset(experts))
+    files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
+    yielded = [n for n, _ in wu.safetensors_weights_iterator(files, False)]
+    assert set(yielded) == everything - experts
+    assert not experts & set(fetched)
+    monkeypatch.setattr(vp, "_SKIP_NAMES", frozenset())
+    assert {n for n, _ in wu.safetensors_weights_iterator(files, False)} == everything
+
+
+@pytest.mark.vllm
+def test_strict_load_check_counts_served_parameters(registered):
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from mmap_offload.vllm_plugin import _SERVED_FLAG
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(2))
+    model.experts_w = torch.nn.Parameter(torch.zeros(1, 2))
+    loader = DefaultModelLoader(LoadConfig())
+    with pytest.raises(ValueError, match="experts_w"):
+        loader.track_weights_loading(model, {"a"})
+    setattr(model.experts_w, _SERVED_FLAG, True)
+    loader.track_weights_loading(model, {"a"})  # served from the cache: counts as loaded
+
+
+@pytest.mark.vllm
+def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
+    """The toy model of test_offloader_gpu, hooked through torch.ops.vllm.wait/start_prefetch."""
+    import importlib.util
+    from pathlib import Path
+
+    from vllm.model_executor.offloader import get_offloader, set_offloader
+
+    from mmap_offload.vllm_plugin import MmapOffloader
+
+    spec = importlib.util.spec_from_file_location("toy", Path(__file__).with_name("test_offloader_gpu.py"))
+    toy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy)
+    from mmap_offload.synth import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", arch="mixtral", quant="bf16", num_layers=toy.LAYERS, num_experts=toy.E,
+                           hidden=toy.H, intermediate=toy.I, top_k=toy.K, vocab_size=64, num_heads=2, num_kv_heads=1)
+    x = torch.randn(8, toy.H).to(torch.bfloat16)
+    ref = toy.run(toy.build(ckpt, "cpu", True), x)
+    layers = toy.build(ckpt, "cpu", False)
+    off = MmapOffloader(MmapOptions(cache_dir=str(tmp_path / "cache"), lookahead=0, pinned_mib=8),
+                        checkpoint=ckpt, device="cpu")
+    set_offloader(off)
+    try:
+        off.wrap_modules(iter(layers))
+        assert get_offloader() is off
+        out = toy.run(layers, x)  # post_init runs lazily on the first wait (as on vLLM's CPU runner)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        assert off.summary()["prefetch_loads"] >= 3 * toy.LAYERS - 1
+    finally:
+        off.close()
+        set_offloader(None)
+
+
+# -- no vLLM needed ------------------------------------------------------------------------------------
+
+
+def test_launcher_translates_flags_and_adds_backend():
+    argv = launcher_argv(["serve", "/m", "--tensor-parallel-size", "2", "--mmap-cache-dir", "/c", "--mmap-lookahead", "2",
+                          "--additional-config", '{"x": 1, "mmap_offload": {"engine": "pread"}}'])
+    assert argv[:4] == ["serve", "/m", "--tensor-parallel-size", "2"]
+    i = argv.index("--additional-config")
+    assert json.loads(argv[i + 1]) == {"x": 1, CONFIG_KEY: {"engine": "pread", "cache_dir": "/c", "lookahead": 2}}
+    assert argv[argv.index("--offload-backend") + 1] == "mmap"
+    assert "--enforce-eager" in argv
+
+
+def test_launcher_keeps_user_choices():
+    argv = launcher_argv(["serve", "/m", "--offload-backend=uva", "-cc.cudagraph_mode=NONE"])
+    assert argv == ["serve", "/m", "--offload-backend=uva", "-cc.cudagraph_mode=NONE"]
+    assert launcher_argv(["--version"]) == ["--version"]
+    with pytest.raises(UnsupportedError, match="engine"):
+        launcher_argv(["serve", "/m", "--mmap-engine", "floppy"])
+
+
+def test_options_precedence_and_errors():
+    env = {"MMAP_OFFLOAD_CACHE_DIR": "/env", "MMAP_OFFLOAD_LOOKAHEAD": "3", "MMAP_OFFLOAD_PARAMS": "experts,foo",
+           "MMAP_OFFLOAD_REBUILD": "false"}
+    o = MmapOptions.resolve({"cache_dir": "/cfg"}, env=env)
+    assert (o.cache_dir, o.lookahead, o.params, o.rebuild) == ("/cfg", 3, ("experts", "foo"), False)
+    assert MmapOptions.resolve(None, env={}).cache_dir is None
+    with pytest.raises(UnsupportedError, match="unknown mmap_offload option"):
+        MmapOptions.resolve({"cachedir": "/x"}, env={})
+    with pytest.raises(UnsupportedError, match="lookahead"):
+        MmapOptions.resolve({"lookahead": "many"}, env={})
+    with pytest.raises(UnsupportedError, match="expert_cache_gib"):
+        MmapOptions.resolve({"expert_cache_gib": 4}, env={})
