@@ -150,16 +150,20 @@ def copy_stream(device: torch.device) -> "torch.cuda.Stream":
 class _CpuEvent:
     """CPU stand-in for a CUDA event: set when the CPU copy stream reaches it."""
 
-    __slots__ = ("_flag",)
+    __slots__ = ("_flag", "error", "ticket")
 
-    def __init__(self) -> None:
+    def __init__(self, ticket: bool = False) -> None:
         self._flag = threading.Event()
+        self.ticket = ticket
+        self.error: BaseException | None = None  # a copy before this (ticket) event failed
 
     def query(self) -> bool:
         return self._flag.is_set()
 
     def synchronize(self) -> None:
         self._flag.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class _CpuCopyStream:
@@ -175,18 +179,24 @@ class _CpuCopyStream:
         self._thread.start()
 
     def _run(self) -> None:
+        error: BaseException | None = None  # reported at the next event, like a CUDA stream error
         while True:
             item = self._q.get()
             if item is None:
                 return
             if isinstance(item, _CpuEvent):
+                if item.ticket:  # a ticket's event reports every copy failure since the last one
+                    item.error, error = error, None
                 item._flag.set()
                 continue
             dst, src = item
-            hook = self.before_copy
-            if hook is not None:
-                hook(dst, src)
-            dst.copy_(src)
+            try:
+                hook = self.before_copy
+                if hook is not None:
+                    hook(dst, src)
+                dst.copy_(src)
+            except BaseException as e:  # never let the stream thread die: waiters would hang
+                error = error or e
 
     def enter_thread(self) -> None:
         pass
@@ -200,8 +210,8 @@ class _CpuCopyStream:
     def copy_ptr(self, dst: int, src: int, nbytes: int) -> None:
         self.copy(address_tensor(dst, nbytes), address_tensor(src, nbytes))
 
-    def record(self) -> _CpuEvent:
-        ev = _CpuEvent()
+    def record(self, ticket: bool = False) -> _CpuEvent:
+        ev = _CpuEvent(ticket)
         self._q.put(ev)
         return ev
 
@@ -284,7 +294,7 @@ class _CudaCopyStream:
     def copy_part(self, dst: int, slot: Slot, offset: int, nbytes: int) -> None:
         self.copy_ptr(dst, slot.ptr + offset, nbytes)
 
-    def record(self) -> "torch.cuda.Event":
+    def record(self, ticket: bool = False) -> "torch.cuda.Event":
         ev = torch.cuda.Event(blocking=self.blocking)
         ev.record(self.stream)
         return ev
@@ -328,7 +338,7 @@ class Ticket:
             last = self._remaining == 0
             if last:
                 # every other chunk issued its copies before decrementing: this event follows them
-                self.event = stream.record()
+                self.event = stream.record(ticket=True)
         if last:
             self._issued.set()
 

@@ -376,3 +376,20 @@ def test_prefault_sets_up_resident_granules_only_and_bytes_stay_right(tmp_path):
         out = torch.empty(len(data), dtype=torch.uint8)
         eng.wait(eng.submit([Copy(src=Extent(warm, 0, len(data)), dst=[(0, len(data), out)])]))
         assert np.array_equal(out.numpy(), data)
+
+
+def test_a_failing_cpu_stream_copy_is_raised_not_hung(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    with make_engine("mmap", torch.device("cpu"), pinned_bytes=1 << 20, slot_bytes=64 << 10, threads=1) as eng:
+        def boom(dst, src):
+            raise RuntimeError("copy failed")
+
+        eng.stream.before_copy = boom
+        out = torch.empty(4096, dtype=torch.uint8)
+        t = eng.submit([Copy(src=Extent(p, 0, 4096), dst=[(0, 4096, out)])])
+        with pytest.raises(RuntimeError, match="copy failed"):
+            eng.wait(t)
+        eng.stream.before_copy = None
+        eng.wait(eng.submit([Copy(src=Extent(p, 0, 4096), dst=[(0, 4096, out)])]))  # stream still alive
+        assert out.numpy().tobytes() == p.read_bytes()[:4096]
