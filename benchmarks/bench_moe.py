@@ -449,6 +449,7 @@ def tune_kernel(ctx: Ctx, args) -> dict:
 ENGINE_CANDIDATES = [  # at most 8 copy threads (the bar); small batches are cut adaptively
     dict(threads=8, slot_bytes=16 << 20),
     dict(threads=8, slot_bytes=32 << 20),
+    dict(threads=8, slot_bytes=8 << 20),
     dict(threads=8, slot_bytes=4 << 20),
 ]
 

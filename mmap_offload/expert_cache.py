@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -92,6 +93,7 @@ class _Pool:
     hinted: np.ndarray  # [S] bool: filled by a hint, not used since
     pending: dict[int, _Pending] = field(default_factory=dict)  # slot -> copy in flight
     pinned: set[int] = field(default_factory=set)  # slots of the latest ensure() on this pool
+    use_call: np.ndarray | None = None  # [S] number of the last ensure() that handed the slot out
 
 
 def _ids_to_numpy(expert_ids) -> tuple[np.ndarray, torch.device | None, torch.dtype]:
@@ -154,6 +156,7 @@ class ExpertCache:
         self._lut = np.full((L, E), -1, dtype=np.int64)  # layer position, expert -> slot
         self._extents: dict[tuple[int, int], object] = {}  # memo of cache.expert_extent
         self._slot_dst: dict[tuple[int, int], list] = {}  # memo of each slot's destination views
+        self._fences: deque = deque(maxlen=256)  # (call number, event), see _fence()
 
         # policy state for every (layer position, expert), resident or not
         self._now = 0
@@ -176,6 +179,7 @@ class ExpertCache:
             layers=layer_positions, size=size, tensors=tensors,
             owner_li=np.full(size, -1, dtype=np.int64), owner_e=np.full(size, -1, dtype=np.int64),
             used=np.zeros(size, dtype=bool), hinted=np.zeros(size, dtype=bool),
+            use_call=np.full(size, -1, dtype=np.int64),
         )
 
     def _li(self, layer: int) -> int:
@@ -260,10 +264,24 @@ class ExpertCache:
 
     # -- copies -------------------------------------------------------------------------------
     def _fence(self):
-        """An event on the current stream: all work enqueued so far (uses of slots) precedes it."""
+        """An event on the current stream: all work enqueued so far (uses of slots) precedes it.
+
+        One is recorded per ensure() call (``self._fences``: call number -> event). A refill of a
+        slot last handed out by call c waits for the fence of call c + 1, the first one recorded
+        after every kernel that read the slot was enqueued; not for the kernels of the latest
+        layer, so the copy overlaps them (waiting on the newest fence serialised copy and compute)."""
         if self.device.type == "cuda":
-            return torch.cuda.current_stream(self.device).record_event()
+            ev = torch.cuda.current_stream(self.device).record_event()
+            self._fences.append((self._now, ev))
+            return ev
         return None
+
+    def _fence_after(self, call: int, newest):
+        """The oldest retained fence recorded at or after ``call`` (``newest`` if none is)."""
+        for c, ev in self._fences:
+            if c >= call:
+                return ev
+        return newest
 
     def _wait(self, pending: _Pending) -> None:
         if not pending.done:
@@ -304,8 +322,9 @@ class ExpertCache:
     def _refill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], fence) -> _Pending:
         """Evict the slots of ``pairs`` and fill them; a refill of a slot a kernel may still read
         is ordered after ``fence`` (the copy stream waits on it: no host sync)."""
+        last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
-        after = fence if any(reused) else None
+        after = self._fence_after(last_use + 1, fence) if any(reused) else None
         return _Pending(self._fill(pool, li, pairs, after))
 
     def _fill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], after=None):
@@ -347,6 +366,7 @@ class ExpertCache:
                 f"raise the expert cache capacity to at least {len(uniq)} experts per pool, or use layer prefetch",
             )
         self._now += 1
+        fence = self._fence()  # every call: later refills can wait for exactly their slot's users
         m = self.metrics
         nb = self.expert_nbytes
         row = self._lut[li]
@@ -363,7 +383,7 @@ class ExpertCache:
         to_wait: list[_Pending] = []
         if misses:
             victims = self._victims(pool, len(misses), hit_slots)
-            pend = self._refill(pool, li, list(zip(misses, victims)), self._fence())
+            pend = self._refill(pool, li, list(zip(misses, victims)), fence)
             for s in victims:
                 pool.pending[s] = pend
             to_wait.append(pend)
@@ -388,6 +408,7 @@ class ExpertCache:
                 m["hint_used"] += 1
                 hinted[s] = False
             used[s] = True
+        pool.use_call[list(needed)] = self._now
         pool.pinned = needed
         self._touch(li, uniq_a)
 
