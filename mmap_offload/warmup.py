@@ -1,8 +1,8 @@
 """Build the cache from a checkpoint: read -> layout transform -> checksum -> append, per expert.
 
-Memory stays bounded by one expert: each expert's checkpoint tensors are read with ``pread`` (never a
-mapped shard), transformed for every TP rank being built (on CUDA when a GPU is present), written as
-one record per rank, and dropped. Layers are committed one at a time (docs/FORMAT.md, "Writing"), so an
+Memory stays bounded by a few experts: each expert's checkpoint tensors are read with ``pread`` (never
+a mapped shard), transformed for every TP rank being built (on CUDA when a GPU is present; several
+experts in parallel on CPU cores), written in order as one record per rank, and dropped. Layers are committed one at a time (docs/FORMAT.md, "Writing"), so an
 interrupted warm-up resumes after the last complete layer and a finished one is a no-op.
 
     report = warmup("ckpt/", "cache/", tp_size=2)          # all ranks
@@ -142,8 +142,9 @@ def warmup(
 
         layers = list(ckpt.moe.layers)
         bar = _progress(len(layers), enabled=progress)
-        pool = (stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-read")),
-                stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-write")))
+        n_workers = transform_workers(dev)
+        pool = (stack.enter_context(ThreadPoolExecutor(n_workers, "mmap-offload-prepare")),
+                stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-write")), n_workers)
         try:
             for layer in layers:
                 pending = [r for r, w in writers.items() if not w.complete and layer not in w.done_layers]
@@ -169,42 +170,60 @@ def _read_expert(ckpt, layer: int, expert: int) -> dict[str, dict[str, torch.Ten
     return {proj: {k: ckpt.read(ref) for k, ref in parts.items()} for proj, parts in refs.items()}
 
 
-def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, dev, report, pool) -> None:
-    """One layer, as a three-stage pipeline: read expert e+1 | transform expert e | write expert e-1.
+def _prepare_expert(ckpt, layout, layer, expert, ranks, tp_size, dev) -> tuple[int, dict]:
+    """Read one expert and transform it for every rank: (bytes read, {rank: cache tensors})."""
+    tensors = _read_expert(ckpt, layer, expert)
+    nread = sum(t.numel() * t.element_size() for parts in tensors.values() for t in parts.values())
+    if dev.type != "cpu":
+        tensors = {p: {k: t.to(dev, non_blocking=True) for k, t in parts.items()} for p, parts in tensors.items()}
+    return nread, {r: layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev) for r in ranks}
 
-    At most two experts are read ahead and two written behind, so memory stays a few experts."""
-    read_pool, write_pool = pool
+
+def transform_workers(dev: torch.device) -> int:
+    """Experts prepared at once: one per core up to 8 on CPU (torch ops release the GIL, and vLLM-like
+    OMP_NUM_THREADS=1 makes each single-threaded); 2 on CUDA (one's transfers overlap the other's repack)."""
+    if dev.type != "cpu":
+        return 2
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, dev, report, pool) -> None:
+    """One layer as a pipeline: N workers read + transform experts in parallel | one thread writes
+    them in order. At most N + 2 experts are in memory at once (N = ``transform_workers``)."""
+    prep_pool, write_pool, n_workers = pool
     layer_writers = {r: w.begin_layer(layer) for r, w in writers.items()}
+    ranks = list(layer_writers)
     E = int(ckpt.moe.num_experts)
+    preps: list = []
     writes: list = []
     try:
-        reads = [read_pool.submit(_read_expert, ckpt, layer, e) for e in range(min(2, E))]
+        preps = [prep_pool.submit(_prepare_expert, ckpt, layout, layer, e, ranks, tp_size, dev)
+                 for e in range(min(n_workers, E))]
         for e in range(E):
-            tensors = reads[e].result()
-            reads[e] = None
-            if e + 2 < E:
-                reads.append(read_pool.submit(_read_expert, ckpt, layer, e + 2))
-            report.bytes_read += sum(t.numel() * t.element_size() for parts in tensors.values() for t in parts.values())
-            if dev.type != "cpu":
-                tensors = {p: {k: t.to(dev, non_blocking=True) for k, t in parts.items()} for p, parts in tensors.items()}
-            outs = {r: layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev) for r in layer_writers}
-            del tensors
+            nread, outs = preps[e].result()
+            preps[e] = None
+            if e + n_workers < E:
+                preps.append(prep_pool.submit(_prepare_expert, ckpt, layout, layer, e + n_workers, ranks, tp_size, dev))
+            report.bytes_read += nread
             while len(writes) >= 2:
                 writes.pop(0).result()
             writes.append(write_pool.submit(_write_expert_all, layer_writers, e, outs))
+            del outs
         while writes:
             writes.pop(0).result()
         for lw in layer_writers.values():
             lw.commit()
             report.bytes_written += lw.bytes_written
     except BaseException:
-        for f in writes:
-            f.cancel()
-        for f in writes:
-            try:
-                f.result()
-            except BaseException:
-                pass
+        for f in [*preps, *writes]:
+            if f is not None:
+                f.cancel()
+        for f in [*preps, *writes]:
+            if f is not None:
+                try:
+                    f.result()
+                except BaseException:
+                    pass
         for lw in layer_writers.values():
             lw.abort()
         raise
