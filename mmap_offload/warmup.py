@@ -145,6 +145,17 @@ def warmup(
         n_workers = transform_workers(dev)
         pool = (stack.enter_context(ThreadPoolExecutor(n_workers, "mmap-offload-prepare")),
                 stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-write")), n_workers)
+        # Layer L's fsync (disk-bound) overlaps writing layer L + 1 (memory-bound); one in flight.
+        committer = stack.enter_context(ThreadPoolExecutor(1, "mmap-offload-commit"))
+        commit = None
+
+        def finish(fut) -> None:
+            report.bytes_written += fut.result()
+            report.layers_written += 1
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix_str(f"{report.bytes_written / max(elapsed, 1e-9) / 1e9:.2f} GB/s")
+            bar.update(1)
+
         try:
             for layer in layers:
                 pending = [r for r, w in writers.items() if not w.complete and layer not in w.done_layers]
@@ -152,12 +163,20 @@ def warmup(
                     report.layers_reused += 1
                     bar.update(1)
                     continue
-                _write_layer(ckpt, layout, layer, {r: writers[r] for r in pending}, tp_size, dev, report, pool)
-                report.layers_written += 1
-                elapsed = time.perf_counter() - t0
-                bar.set_postfix_str(f"{report.bytes_written / max(elapsed, 1e-9) / 1e9:.2f} GB/s")
-                bar.update(1)
+                written = _write_layer(ckpt, layout, layer, {r: writers[r] for r in pending}, tp_size, dev, report, pool)
+                if commit is not None:
+                    fut, commit = commit, None
+                    finish(fut)
+                commit = committer.submit(_commit_all, written)
+            if commit is not None:
+                fut, commit = commit, None
+                finish(fut)
         finally:
+            if commit is not None:  # an error elsewhere: let the layer in flight land or abort
+                try:
+                    commit.result()
+                except BaseException:
+                    pass
             bar.close()
         for w in writers.values():
             w.publish()
@@ -211,9 +230,6 @@ def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, d
             del outs
         while writes:
             writes.pop(0).result()
-        for lw in layer_writers.values():
-            lw.commit()
-            report.bytes_written += lw.bytes_written
     except BaseException:
         for f in [*preps, *writes]:
             if f is not None:
@@ -227,6 +243,19 @@ def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, d
         for lw in layer_writers.values():
             lw.abort()
         raise
+    return list(layer_writers.values())
+
+
+def _commit_all(layer_writers) -> int:
+    """fsync + rename + journal every rank's file of one layer (runs on the commit thread)."""
+    try:
+        for lw in layer_writers:
+            lw.commit()
+    except BaseException:
+        for lw in layer_writers:
+            lw.abort()
+        raise
+    return sum(lw.bytes_written for lw in layer_writers)
 
 
 def _write_expert_all(layer_writers, expert: int, outs: dict) -> None:
