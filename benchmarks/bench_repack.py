@@ -21,26 +21,18 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mmap_offload.checkpoint import QuantScheme  # noqa: E402
 from mmap_offload.layout import MarlinW4A16Layout  # noqa: E402
 from mmap_offload.repack import marlin_repack, sort_g_idx  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Quant:
-    kind: str = "w4a16"
-    group_size: int = 128
-    actorder: bool = False
-    symmetric: bool = True
-    num_bits: int = 4
-    weight_dtype: torch.dtype = torch.int32
-    scale_dtype: torch.dtype = torch.bfloat16
+Quant = QuantScheme.w4a16  # the real scheme; keyword overrides as the tests need
 
 
 SHAPES = {  # name: (hidden, intermediate, experts per measurement)

@@ -106,6 +106,12 @@ class QuantScheme:
     weight_dtype: torch.dtype = torch.bfloat16
     scale_dtype: torch.dtype | None = None
 
+    @classmethod
+    def w4a16(cls, **overrides) -> "QuantScheme":
+        """A W4A16 scheme (group 128, bf16 scales) with ``overrides``: for tests and benchmarks."""
+        base = dict(kind="w4a16", group_size=128, num_bits=4, weight_dtype=torch.int32, scale_dtype=torch.bfloat16)
+        return cls(**{**base, **overrides})
+
     def to_dict(self) -> dict:
         """JSON-ready form (dtypes as names such as "bfloat16"), e.g. for a cache manifest."""
         def name(d: torch.dtype | None) -> str | None:

@@ -25,6 +25,7 @@ import torch
 
 from mmap_offload.cache_format import DTYPES, layout_specs
 from mmap_offload.errors import CheckpointError, UnsupportedError
+from mmap_offload.checkpoint import QuantScheme  # noqa: E402
 from mmap_offload.layout import (LAYOUT_VERSIONS, MarlinW4A16Layout, UnquantizedLayout, checkpoint_view,
                                   layout_by_name, layout_for)
 
@@ -32,15 +33,7 @@ from marlin_reference import (inverse_permute_scales, inverse_repack, random_exp
                               vllm_expert, vllm_loaded)
 
 
-@dataclass(frozen=True)
-class Quant:  # stand-in for checkpoint.QuantScheme: only the attributes the layout may use
-    kind: str = "w4a16"
-    group_size: int = 128
-    actorder: bool = False
-    symmetric: bool = True
-    num_bits: int = 4
-    weight_dtype: torch.dtype = torch.int32
-    scale_dtype: torch.dtype | None = torch.bfloat16
+Quant = QuantScheme.w4a16  # the real scheme; keyword overrides as the tests need
 
 
 @dataclass(frozen=True)
