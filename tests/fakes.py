@@ -172,6 +172,13 @@ def real_engines(device: str = "cpu") -> list:
     return out
 
 
+def cuda_engine(engine_kind: str):
+    """For the GPU tests: the real mmap engine on CUDA ("real") or the synchronous fake."""
+    if engine_kind == "real":
+        return real_engines(device="cuda")[0]()
+    return SyncEngine()
+
+
 def engine_factories(device: str = "cpu") -> list:
     """The stand-in engine plus every real engine (content tests run against all of them)."""
     return [SyncEngine] + real_engines(device)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fakes import (
-    DeferredEngine, FailingEngine, SyncEngine, engine_factories, expert_matches, make_cache, real_engines,
+    DeferredEngine, FailingEngine, SyncEngine, cuda_engine, engine_factories, expert_matches, make_cache, real_engines,
 )
 from mmap_offload.errors import CacheError, UnsupportedError
 from mmap_offload.expert_cache import POLICIES, ExpertCache
@@ -226,13 +226,7 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
     other slots; gathered bytes (checked on the GPU, in stream order) equal the cache."""
     c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=16,
                    specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
-    if engine_kind == "real":
-        makers = real_engines(device="cuda")
-        if not makers:
-            pytest.skip("transfer.make_engine not available")
-        eng = makers[0]()
-    else:
-        eng = SyncEngine()
+    eng = cuda_engine(engine_kind)
     dev = torch.device("cuda")
     want = {(l, e): {s.name: c.tensor(l, e, s.name).contiguous().view(-1).view(torch.uint8).sum().item()
                      for s in c.expert_specs} for l in c.layers for e in range(16)}

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fakes import (DeferredEngine, FailingEngine, SyncEngine, as_bytes, engine_factories, layer_matches, make_cache,
+from fakes import (DeferredEngine, cuda_engine, FailingEngine, SyncEngine, as_bytes, engine_factories, layer_matches, make_cache,
                    real_engines)
 from mmap_offload.errors import CacheError
 from mmap_offload.prefetch import LayerPrefetcher, assign_buffers
@@ -180,13 +180,7 @@ def test_gpu_prefetch_overlaps_compute_and_stays_exact(tmp_path, engine_kind):
     cache = make_cache(tmp_path, layers=tuple(range(6)), num_experts=8,
                        specs=[("w13_weight", "bfloat16", (512, 256)), ("w2_weight", "bfloat16", (256, 256)),
                               ("w13_weight_scale", "float32", (3, 5))])
-    if engine_kind == "real":
-        makers = real_engines(device="cuda")
-        if not makers:
-            pytest.skip("transfer.make_engine not available")
-        eng = makers[0]()
-    else:
-        eng = SyncEngine()
+    eng = cuda_engine(engine_kind)
     dev = torch.device("cuda")
     compute = torch.cuda.Stream(dev)
     pf = LayerPrefetcher(cache, eng, dev, lookahead=2, as_parameters=True)
