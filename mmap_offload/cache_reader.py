@@ -79,6 +79,8 @@ class Cache:
         self._maps: dict[int, mmap.mmap] = {}
         self._arrays: dict[int, np.ndarray] = {}
         self._map_lock = threading.Lock()
+        self._checked: dict[int, list] = {}  # layer -> mismatches found by check_layer_once
+        self._check_lock = threading.Lock()
 
     # -- where bytes are ------------------------------------------------------------------------
     def layer_file(self, layer: int) -> Path:
@@ -131,31 +133,58 @@ class Cache:
             self._arrays.clear()
             self._maps.clear()
 
-    # -- full check -----------------------------------------------------------------------------
+    # -- checksums --------------------------------------------------------------------------------
+    def verify_layer(self, layer: int, buf: np.ndarray | None = None) -> list[tuple[int, int, str]]:
+        """Read one layer file (pread, not the mapping) and check every checksum in it; returns the
+        (layer, expert, tensor) that do not match."""
+        if buf is None:
+            buf = np.empty(self.record_nbytes, dtype=np.uint8)
+        path = self.layer_file(layer)
+        bad = []
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for e in range(self.num_experts):
+                n = os.preadv(fd, [buf], e * self.record_nbytes)
+                if n != self.record_nbytes:
+                    raise CorruptCacheError(f"{path} is truncated", "rerun `mmap-offload warmup` to rebuild it")
+                for spec, want in zip(self.expert_specs, self.expected_checksums(layer, e)):
+                    if checksum(buf[spec.offset : spec.offset + spec.nbytes]) != want:
+                        bad.append((layer, e, spec.name))
+        finally:
+            os.close(fd)
+        return bad
+
     def verify(self, progress=None) -> VerifyReport:
-        """Read every byte (pread, not the mapping) and check every checksum."""
+        """Read every byte and check every checksum."""
         report = VerifyReport()
         buf = np.empty(self.record_nbytes, dtype=np.uint8)
         for layer in self.layers:
-            path = self.layer_file(layer)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for e in range(self.num_experts):
-                    n = os.preadv(fd, [buf], e * self.record_nbytes)
-                    if n != self.record_nbytes:
-                        raise CorruptCacheError(f"{path} is truncated", "rerun `mmap-offload warmup` to rebuild it")
-                    for spec, want in zip(self.expert_specs, self.expected_checksums(layer, e)):
-                        got = checksum(buf[spec.offset : spec.offset + spec.nbytes])
-                        report.tensors += 1
-                        if got != want:
-                            report.mismatches.append((layer, e, spec.name))
-                    report.bytes += self.record_nbytes
-            finally:
-                os.close(fd)
+            report.mismatches += self.verify_layer(layer, buf)
             report.layers += 1
+            report.tensors += self.num_experts * len(self.expert_specs)
+            report.bytes += self.num_experts * self.record_nbytes
             if progress is not None:
                 progress(layer, report)
         return report
+
+    def check_layer_once(self, layer: int) -> None:
+        """Verify ``layer`` the first time this process serves it; raise CorruptCacheError on a
+        mismatch (then on every later call too). The serving side calls this before a layer's
+        first copy, so a flipped bit is never served (cost: one read of each layer per process)."""
+        state = self._checked.get(layer)
+        if state is None:
+            with self._check_lock:
+                state = self._checked.get(layer)
+                if state is None:
+                    bad = self.verify_layer(layer)
+                    state = self._checked[layer] = bad
+        if state:
+            l, e, name = state[0]
+            raise CorruptCacheError(
+                f"{len(state)} tensor(s) of {self.layer_file(layer)} fail their checksum (first: layer {l} "
+                f"expert {e} {name})",
+                "rerun `mmap-offload warmup` to rebuild the cache",
+            )
 
 
 def open_cache(

@@ -125,6 +125,7 @@ class ExpertCache:
         hint_budget: float = 0.25,
         shared: bool = False,
         layers: Sequence[int] | None = None,
+        verify_first_use: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -132,6 +133,7 @@ class ExpertCache:
             raise ValueError("give exactly one of capacity_bytes and capacity_experts")
         self.cache = cache
         self.engine = engine
+        self.verify_first_use = verify_first_use  # cache.check_layer_once before a layer's first fill
         self.device = torch.device(device)
         self.policy = policy
         self.hint_budget = float(hint_budget)
@@ -322,6 +324,8 @@ class ExpertCache:
     def _refill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], fence) -> _Pending:
         """Evict the slots of ``pairs`` and fill them; a refill of a slot a kernel may still read
         is ordered after ``fence`` (the copy stream waits on it: no host sync)."""
+        if self.verify_first_use:
+            self.cache.check_layer_once(self.layers[li])  # before any slot is emptied
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None

@@ -101,11 +101,13 @@ class LayerPrefetcher:
         *,
         layers: Sequence[int] | None = None,
         as_parameters: bool = False,
+        verify_first_use: bool = False,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead={lookahead} must be >= 0")
         self.cache = cache
         self.engine = engine
+        self.verify_first_use = verify_first_use  # cache.check_layer_once before a layer's first copy
         self.device = torch.device(device)
         self.layers: list[int] = list(cache.layers if layers is None else layers)
         if not self.layers:
@@ -219,6 +221,8 @@ class LayerPrefetcher:
         buf.ticket = None
 
     def _load(self, buf: _Buffer, layer: int) -> None:
+        if self.verify_first_use:
+            self.cache.check_layer_once(layer)  # raises before anything of a corrupt layer is copied
         if buf.ticket is not None:  # never two copies into one buffer at once
             self._finish(buf)
         after = None

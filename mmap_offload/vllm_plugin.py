@@ -92,6 +92,7 @@ class MmapOptions:
     params: tuple[str, ...] = ()  # name segments to offload; () = vLLM's --cpu-offload-params, else "experts"
     rebuild: bool = True  # build a missing/stale/corrupt cache at start; False: refuse
     verify: bool = False  # read and checksum the whole cache at start
+    verify_first_use: bool = True  # checksum each layer before this process first serves it
     warmup_device: str = "auto"  # where a cold start repacks: auto (this rank's GPU) | cpu | cuda
     pinned_mib: int = 256  # pinned staging of the mmap/pread engines (exact size)
     threads: int = 8  # copy threads of the engine
@@ -617,6 +618,7 @@ class MmapOffloader(_OffloaderBase):
             self.prefetcher = LayerPrefetcher(
                 self.cache, self.engine, self.device, lookahead=opts.lookahead,
                 layers=[t.layer for t in self.targets], as_parameters=True,
+                verify_first_use=opts.verify_first_use,
             )
             nb = self.prefetcher.num_buffers
             if self._transforms:  # kernel-layout twin of each slot buffer (CPU platform transforms)
@@ -832,6 +834,7 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-pinned-mib": ("pinned_mib", {"type": int}),
     "--mmap-warmup-device": ("warmup_device", {}),
     "--mmap-verify": ("verify", {"action": "store_true", "default": None}),
+    "--mmap-no-verify-first-use": ("verify_first_use", {"action": "store_false", "default": None}),
     "--mmap-no-rebuild": ("rebuild", {"action": "store_false", "default": None}),
 }
 

@@ -288,3 +288,24 @@ def test_buffer_bytes_equal_numpy_of_file(tmp_path):
     cache = open_cache(tmp_path)
     arr = np.fromfile(cache.layer_file(LAYERS[0]), dtype=np.uint8)
     assert np.array_equal(cache.expert_buffer(LAYERS[0], 2), arr[2 * cache.record_nbytes : 3 * cache.record_nbytes])
+
+
+def _flip(cache, layer, expert, name, delta=5):
+    spec = cache.spec(name)
+    pos = expert * cache.record_nbytes + spec.offset + delta
+    with open(cache.layer_file(layer), "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_check_layer_once_raises_for_a_flipped_bit_and_passes_clean_layers(tmp_path):
+    write(tmp_path)
+    cache = open_cache(tmp_path)
+    _flip(cache, LAYERS[1], 1, "w13")
+    cache.check_layer_once(LAYERS[0])  # clean: silent
+    for _ in range(2):  # and stays refused
+        with pytest.raises(CorruptCacheError, match=f"layer {LAYERS[1]} expert 1 w13"):
+            cache.check_layer_once(LAYERS[1])
+    assert cache.verify_layer(LAYERS[2]) == []

@@ -253,3 +253,25 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
     for key, sums in got:
         assert {n: v.item() for n, v in sums.items()} == want[key]
     eng.close()
+
+
+def test_verify_first_use_refuses_a_corrupt_layer_before_evicting_anything(tmp_path):
+    cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
+    spec = cache.expert_specs[-1]
+    with open(cache.layer_file(1), "r+b") as f:
+        f.seek(3 * cache.record_nbytes + spec.offset)
+        b = f.read(1)
+        f.seek(3 * cache.record_nbytes + spec.offset)
+        f.write(bytes([b[0] ^ 1]))
+    from mmap_offload.errors import CorruptCacheError
+
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=4, shared=True, verify_first_use=True)
+    def resident_right(ids):
+        return all(expert_matches(cache, 0, e, ec.slots(0), int(s)) for e, s in zip([0, 1], ids))
+
+    assert resident_right(ec.ensure(0, [0, 1]))
+    with pytest.raises(CorruptCacheError, match="layer 1 expert 3"):
+        ec.ensure(1, [0, 3])
+    hits = ec.metrics["hits"]
+    assert resident_right(ec.ensure(0, [0, 1]))  # still resident (hits), still right
+    assert ec.metrics["hits"] == hits + 2

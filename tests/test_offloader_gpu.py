@@ -188,3 +188,25 @@ def test_each_layer_is_shrunk_before_the_next_is_built(ckpt, tmp_path):
     off.wrap_modules(layers())
     assert seen == [[1] * l for l in range(LAYERS)]
     off.close()
+
+
+def test_a_bit_flipped_after_warmup_is_never_served(ckpt, tmp_path):
+    """Default options: each layer is checksummed before its first copy; a corrupt one stops the forward."""
+    from mmap_offload.cache_reader import open_cache
+    from mmap_offload.errors import CorruptCacheError
+    from mmap_offload.warmup import warmup
+
+    cache_dir = tmp_path / "cache"
+    warmup(ckpt, cache_dir, device="cpu")
+    cache = open_cache(cache_dir)
+    path = cache.layer_file(2)
+    data = bytearray(path.read_bytes())
+    data[cache.record_nbytes + 100] ^= 0x04  # expert 1 of layer 2, inside w13_weight
+    path.write_bytes(bytes(data))
+    layers = build(ckpt, "cpu", load_experts=False)
+    off = MmapOffloader(MmapOptions(cache_dir=str(cache_dir), pinned_mib=8, threads=2), checkpoint=ckpt, device="cpu")
+    off.wrap_modules(iter(layers))
+    off.post_init()
+    with pytest.raises(CorruptCacheError, match="layer 2 expert 1 w13_weight"):
+        run(layers, torch.randn(4, H).to(torch.bfloat16), steps=1)
+    off.close()

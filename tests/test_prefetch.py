@@ -203,3 +203,22 @@ def test_gpu_prefetch_overlaps_compute_and_stays_exact(tmp_path, engine_kind):
     for l, s in sums:
         assert {n: v.item() for n, v in s.items()} == want[l]
     eng.close()
+
+
+def test_verify_first_use_never_serves_a_flipped_bit(tmp_path):
+    from mmap_offload.errors import CorruptCacheError
+
+    cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
+    spec = cache.expert_specs[0]
+    with open(cache.layer_file(1), "r+b") as f:
+        f.seek(2 * cache.record_nbytes + spec.offset)
+        b = f.read(1)
+        f.seek(2 * cache.record_nbytes + spec.offset)
+        f.write(bytes([b[0] ^ 1]))
+    eng = SyncEngine()
+    pf = LayerPrefetcher(cache, eng, "cpu", lookahead=0, verify_first_use=True)
+    assert layer_matches(cache, 0, pf.wait_for_layer(0))
+    with pytest.raises(CorruptCacheError, match="layer 1 expert 2"):
+        pf.wait_for_layer(1)
+    unchecked = LayerPrefetcher(cache, SyncEngine(), "cpu", lookahead=0)  # the default serves bytes as they are
+    unchecked.wait_for_layer(1)
