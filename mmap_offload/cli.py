@@ -23,6 +23,8 @@ def _gib(n: int) -> str:
 def cmd_synth(args) -> int:
     from .synth import PRESETS, make_checkpoint
 
+    if args.preset and args.preset not in PRESETS:
+        raise MmapOffloadError(f"unknown preset {args.preset!r}", f"use one of {', '.join(sorted(PRESETS))}")
     kwargs = dict(PRESETS[args.preset]) if args.preset else {}
     for key in ("arch", "quant", "num_layers", "num_experts", "hidden", "intermediate", "top_k", "group_size", "seed"):
         value = getattr(args, key)

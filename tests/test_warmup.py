@@ -249,3 +249,10 @@ def test_peak_rss_is_bounded_by_the_largest_layer_not_the_checkpoint(tmp_path):
     peak = int(proc.stdout.strip().splitlines()[-1])
     print(f"warm-up peak RSS {peak / 2**20:.0f} MiB for {expert_bytes / 2**30:.2f} GiB of checkpoint; bound {bound / 2**20:.0f} MiB")
     assert peak <= bound
+
+
+def test_synth_cli_presets_and_unknown_preset(tmp_path):
+    proc = cli("synth", tmp_path / "ck", "--preset", "tiny-mixtral")
+    assert proc.returncode == 0 and "wrote checkpoint" in proc.stdout, proc.stderr
+    assert open_checkpoint(tmp_path / "ck").moe.num_experts == 4
+    _one_error_line(cli("synth", tmp_path / "x", "--preset", "nope"), "unknown preset", "tiny-mixtral")
