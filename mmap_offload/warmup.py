@@ -184,14 +184,9 @@ def warmup(
     return report
 
 
-def _read_expert(ckpt, layer: int, expert: int) -> dict[str, dict[str, torch.Tensor]]:
-    refs = ckpt.expert_refs(layer, expert)
-    return {proj: {k: ckpt.read(ref) for k, ref in parts.items()} for proj, parts in refs.items()}
-
-
 def _prepare_expert(ckpt, layout, layer, expert, ranks, tp_size, dev) -> tuple[int, dict]:
     """Read one expert and transform it for every rank: (bytes read, {rank: cache tensors})."""
-    tensors = _read_expert(ckpt, layer, expert)
+    tensors = ckpt.read_expert(layer, expert)
     nread = sum(t.numel() * t.element_size() for parts in tensors.values() for t in parts.values())
     if dev.type != "cpu":
         tensors = {p: {k: t.to(dev, non_blocking=True) for k, t in parts.items()} for p, parts in tensors.items()}

@@ -48,10 +48,6 @@ def bf16_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt", quant="bf16", **SMALL)
 
 
-def expert_inputs(ckpt, layer, expert):
-    return {p: {k: ckpt.read(r) for k, r in parts.items()} for p, parts in ckpt.expert_refs(layer, expert).items()}
-
-
 @pytest.mark.parametrize("flavour", ["w4a16", "bf16", "w4a16-actorder"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_cache_bytes_equal_the_layout_of_the_checkpoint(flavour, tp, w4a16_ckpt, bf16_ckpt, actorder_ckpt, tmp_path):
@@ -64,7 +60,7 @@ def test_cache_bytes_equal_the_layout_of_the_checkpoint(flavour, tp, w4a16_ckpt,
         assert cache.verify().ok
         for layer in ckpt.moe.layers:
             for e in range(ckpt.moe.num_experts):
-                want = layout.transform_expert(expert_inputs(ckpt, layer, e), ckpt.quant, r, tp, torch.device("cpu"))
+                want = layout.transform_expert(ckpt.read_expert(layer, e), ckpt.quant, r, tp, torch.device("cpu"))
                 assert [s.name for s in cache.expert_specs] == list(want)
                 for name, t in want.items():
                     got = cache.tensor(layer, e, name)
@@ -80,7 +76,7 @@ def test_unquantized_rank_shards_concatenate_to_the_whole(tp, bf16_ckpt, tmp_pat
     Ir = I // tp
     for layer in ckpt.moe.layers:
         for e in range(ckpt.moe.num_experts):
-            src = expert_inputs(ckpt, layer, e)
+            src = ckpt.read_expert(layer, e)
             w13 = [c.tensor(layer, e, "w13_weight") for c in caches]
             assert torch.equal(torch.cat([w[:Ir] for w in w13]), src["gate"]["weight"])
             assert torch.equal(torch.cat([w[Ir:] for w in w13]), src["up"]["weight"])
