@@ -117,6 +117,10 @@ class Cache:
                     self._arrays[layer] = arr
         return arr
 
+    def layer_buffer(self, layer: int) -> np.ndarray:
+        """The whole layer file as a zero-copy uint8 view (its mapping)."""
+        return self._array(layer)
+
     def expert_buffer(self, layer: int, expert: int) -> np.ndarray:
         ext = self.expert_extent(layer, expert)
         return self._array(layer)[ext.offset : ext.offset + ext.nbytes]

@@ -173,7 +173,7 @@ def cmd_demo(args) -> int:
             ext = cache.layer_extent(layer)
             dst = torch.empty(ext.nbytes, dtype=torch.uint8, device=device)
             engine.wait(engine.submit([Copy(src=ext, dst=[(0, ext.nbytes, dst)])]))
-            ref = torch.from_numpy(cache._array(layer)[: ext.nbytes])
+            ref = torch.from_numpy(cache.layer_buffer(layer))
             if not torch.equal(dst.cpu(), ref):
                 print(f"served bytes of layer {layer} differ from the cache")
                 return 1

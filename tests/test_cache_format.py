@@ -309,3 +309,11 @@ def test_check_layer_once_raises_for_a_flipped_bit_and_passes_clean_layers(tmp_p
         with pytest.raises(CorruptCacheError, match=f"layer {LAYERS[1]} expert 1 w13"):
             cache.check_layer_once(LAYERS[1])
     assert cache.verify_layer(LAYERS[2]) == []
+
+
+def test_layer_buffer_is_the_whole_file_zero_copy(tmp_path):
+    write(tmp_path)
+    cache = open_cache(tmp_path)
+    buf = cache.layer_buffer(LAYERS[1])
+    assert buf.tobytes() == cache.layer_file(LAYERS[1]).read_bytes()
+    assert buf.ctypes.data == cache.expert_buffer(LAYERS[1], 0).ctypes.data
