@@ -343,15 +343,16 @@ class Ticket:
             self._issued.set()
 
 
-def _dst_bytes(dst: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _check_dst(dst: Any, device: torch.device) -> int:
+    """Check one destination tensor; return its size in bytes (no torch op: this runs per piece)."""
     if not isinstance(dst, torch.Tensor):
         raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
     if not dst.is_contiguous():
         raise ValueError("dst tensor must be contiguous (call .contiguous() on a copy)")
-    if dst.device.type != device.type or (device.index is not None and dst.device.index is not None
-                                          and dst.device.index != device.index):
+    index = dst.get_device()  # -1 on the CPU
+    if (index >= 0) != (device.type == "cuda") or (device.index is not None and index >= 0 and index != device.index):
         raise ValueError(f"dst tensor is on {dst.device}, the engine copies to {device}")
-    return dst.reshape(-1).view(torch.uint8)
+    return dst.numel() * dst.element_size()
 
 
 def _normalize_device(device: torch.device | str | None) -> torch.device:
@@ -381,28 +382,10 @@ class TransferEngine:
         self._stall_lock = threading.Lock()
         self._counters: dict[str, float] = {"bytes_moved": 0, "copies": 0, "tickets": 0}
 
-    # planning shared by every engine: (path, file_offset, nbytes, dst_u8 slice)
-    def _pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, torch.Tensor]]:
+    # planning shared by every engine
+    def _checked_pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, torch.Tensor]]:
+        """(path, file_offset, nbytes, dst) of every non-empty range, each checked."""
         pieces = []
-        for c in copies:
-            ext = c.src
-            for off, n, dst in c.dst:
-                off, n = int(off), int(n)
-                if off < 0 or n < 0 or off + n > ext.nbytes:
-                    raise ValueError(f"range [{off}, {off + n}) is outside the extent of "
-                                     f"{ext.nbytes} bytes of {ext.path}")
-                d = _dst_bytes(dst, self.device)
-                if n > d.numel():
-                    raise ValueError(f"dst holds {d.numel()} bytes, {n} were asked for")
-                if n:
-                    pieces.append((Path(ext.path), int(ext.offset) + off, n, d[:n]))
-        return pieces
-
-    def _pointer_pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, int]]:
-        """As ``_pieces`` but with the destination as a raw address: no torch op per piece (a
-        layer of 64 experts x 4 tensors cost ~8 ms of GIL-held slicing that way)."""
-        pieces = []
-        want_cuda = self.device.type == "cuda"
         for c in copies:
             ext = c.src
             path, base = Path(ext.path), int(ext.offset)
@@ -411,17 +394,21 @@ class TransferEngine:
                 if off < 0 or n < 0 or off + n > ext.nbytes:
                     raise ValueError(f"range [{off}, {off + n}) is outside the extent of "
                                      f"{ext.nbytes} bytes of {ext.path}")
-                if not isinstance(dst, torch.Tensor):
-                    raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
-                if dst.is_cuda != want_cuda:
-                    raise ValueError(f"dst tensor is on {dst.device}, the engine copies to {self.device}")
-                if not dst.is_contiguous():
-                    raise ValueError("dst tensor must be contiguous (call .contiguous() on a copy)")
-                if n > dst.numel() * dst.element_size():
-                    raise ValueError(f"dst holds {dst.numel() * dst.element_size()} bytes, {n} were asked for")
+                held = _check_dst(dst, self.device)
+                if n > held:
+                    raise ValueError(f"dst holds {held} bytes, {n} were asked for")
                 if n:
-                    pieces.append((path, base + off, n, dst.data_ptr()))
+                    pieces.append((path, base + off, n, dst))
         return pieces
+
+    def _pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, torch.Tensor]]:
+        """Pieces whose destination is a uint8 view of exactly its bytes (kvikio reads into it)."""
+        return [(p, o, n, d.reshape(-1).view(torch.uint8)[:n]) for p, o, n, d in self._checked_pieces(copies)]
+
+    def _pointer_pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, int]]:
+        """Pieces whose destination is a raw address: no torch op per piece (a layer of 64
+        experts x 4 tensors cost ~8 ms of GIL-held slicing as views)."""
+        return [(p, o, n, d.data_ptr()) for p, o, n, d in self._checked_pieces(copies)]
 
     def prefault(self, paths: Sequence[str | os.PathLike]) -> int:
         """Prepare to read ``paths`` fast (the mmap engine sets up page tables); 0 elsewhere."""
