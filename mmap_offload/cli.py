@@ -127,7 +127,7 @@ def cmd_info(args) -> int:
         q = ident.quantization
         print(f"cache {d}")
         print(f"  checkpoint   {m.checkpoint_path} ({ident.fingerprint[:23]}...)")
-        print(f"  quantization {q['kind']}" + (f", group {q['group_size']}, act-order {q['actorder']}" if q["kind"] != "unquantized" else f", {q.get('dtype')}"))
+        print(f"  quantization {q['kind']}" + (f", group {q['group_size']}, act-order {q['actorder']}" if q["kind"] != "unquantized" else f", {q.get('weight_dtype')}"))
         print(f"  layout       {ident.layout_name} v{ident.layout_version}; TP rank {ident.tp_rank} of {ident.tp_size}")
         print(f"  model        {len(cache.layers)} MoE layers x {cache.num_experts} experts, hidden {m.moe['hidden']}, intermediate {m.moe['intermediate']}, top-{m.moe['top_k']}")
         print(f"  expert       {_gib(cache.record_nbytes)} per record: " + ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in cache.expert_specs))

@@ -44,24 +44,10 @@ class WarmupReport:
         return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def quantization_dict(quant) -> dict:
-    """The quantization facts a cache is keyed on (manifest ``quantization``)."""
-    d = {
-        "kind": quant.kind,
-        "group_size": int(getattr(quant, "group_size", -1) or -1),
-        "actorder": bool(getattr(quant, "actorder", False)),
-        "symmetric": bool(getattr(quant, "symmetric", True)),
-        "num_bits": int(getattr(quant, "num_bits", 16) or 16),
-    }
-    if quant.kind == "unquantized":
-        d["dtype"] = str(getattr(quant, "weight_dtype", torch.bfloat16)).removeprefix("torch.")
-    return d
-
-
 def cache_identity(ckpt: Checkpoint, layout: Layout, tp_rank: int, tp_size: int) -> CacheIdentity:
     return CacheIdentity(
         fingerprint=ckpt.fingerprint,
-        quantization=quantization_dict(ckpt.quant),
+        quantization=ckpt.quant.to_dict(),
         layout_name=layout.name,
         layout_version=layout.version,
         tp_rank=tp_rank,
