@@ -94,6 +94,7 @@ class _Pool:
     pending: dict[int, _Pending] = field(default_factory=dict)  # slot -> copy in flight
     pinned: set[int] = field(default_factory=set)  # slots of the latest ensure() on this pool
     use_call: np.ndarray | None = None  # [S] number of the last ensure() that handed the slot out
+    dst: dict[int, list] = field(default_factory=dict)  # slot -> (offset, nbytes, view) per tensor, built once
 
 
 def _ids_to_numpy(expert_ids) -> tuple[np.ndarray, torch.device | None, torch.dtype]:
@@ -157,7 +158,6 @@ class ExpertCache:
         self._pool_of = {li: p for p in self._pools for li in p.layers}
         self._lut = np.full((L, E), -1, dtype=np.int64)  # layer position, expert -> slot
         self._extents: dict[tuple[int, int], object] = {}  # memo of cache.expert_extent
-        self._slot_dst: dict[tuple[int, int], list] = {}  # memo of each slot's destination views
         self._fences: deque = deque(maxlen=256)  # (call number, event), see _fence()
 
         # policy state for every (layer position, expert), resident or not
@@ -336,10 +336,9 @@ class ExpertCache:
         layer = self.layers[li]
         copies = []
         for e, s in pairs:
-            dst = self._slot_dst.get((id(pool), s))
+            dst = pool.dst.get(s)
             if dst is None:  # a slot's destinations never move: build the list once
-                dst = [(spec.offset, spec.nbytes, pool.tensors[spec.name][s]) for spec in self.specs]
-                self._slot_dst[(id(pool), s)] = dst
+                dst = pool.dst[s] = [(spec.offset, spec.nbytes, pool.tensors[spec.name][s]) for spec in self.specs]
             ext = self._extents.get((li, e))
             if ext is None:
                 ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)
