@@ -34,10 +34,15 @@ from .cache_format import (
 from .errors import CacheError, CorruptCacheError, StaleCacheError
 
 
+def is_rank_dir(path: Path) -> bool:
+    """Whether ``path`` is one rank's cache directory (published, or a warm-up in progress)."""
+    return (path / MANIFEST_NAME).exists() or (path / JOURNAL_NAME).exists()
+
+
 def rank_dir(cache_dir: str | os.PathLike, tp_rank: int = 0, tp_size: int = 1) -> Path:
     """The directory holding one rank's cache: ``cache_dir`` itself if it has a manifest."""
     root = Path(cache_dir)
-    if (root / MANIFEST_NAME).exists() or (root / JOURNAL_NAME).exists():
+    if is_rank_dir(root):
         return root
     return root / rank_dir_name(tp_rank, tp_size)
 

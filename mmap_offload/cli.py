@@ -61,12 +61,12 @@ def cmd_warmup(args) -> int:
 
 # -- verify / info --------------------------------------------------------------------------------
 def _rank_dirs(cache_dir: str) -> list[Path]:
-    from .cache_format import MANIFEST_NAME, JOURNAL_NAME
+    from .cache_reader import is_rank_dir
 
     root = Path(cache_dir)
     if not root.exists():
         raise MmapOffloadError(f"{cache_dir} does not exist", "pass the --cache-dir given to `mmap-offload warmup`")
-    if (root / MANIFEST_NAME).exists() or (root / JOURNAL_NAME).exists():
+    if is_rank_dir(root):
         return [root]
     dirs = sorted(p for p in root.glob("rank-*-of-*") if p.is_dir())
     if not dirs:
