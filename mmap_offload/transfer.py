@@ -272,13 +272,6 @@ class _CudaCopyStream:
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(self.stream)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if _MEMCPY_ASYNC is not None:
-            self.copy_ptr(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-            return
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
     def copy_ptr(self, dst: int, src: int, nbytes: int) -> None:
         """``cudaMemcpyAsync`` host -> device on the copy stream, straight through ctypes (GIL
         released, ~2 us) instead of a torch ``copy_`` (~30-60 us of GIL-held dispatch per call,
