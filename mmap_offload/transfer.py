@@ -315,7 +315,6 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
-        self.keepalive: Any = None
         if nchunks == 0:
             self._issued.set()
 
@@ -374,6 +373,17 @@ class TransferEngine:
         self._stall = 0.0
         self._stall_lock = threading.Lock()
         self._counters: dict[str, float] = {"bytes_moved": 0, "copies": 0, "tickets": 0}
+        # (ticket, copies) until the ticket's copies completed: the workers and the copy stream hold
+        # raw destination addresses, so the engine keeps the destination tensors alive meanwhile
+        self._inflight: deque = deque()
+        self._inflight_lock = threading.Lock()
+
+    def _retain(self, ticket: "Ticket", copies: Sequence[Copy]) -> None:
+        with self._inflight_lock:
+            q = self._inflight
+            while q and q[0][0].event is not None and q[0][0].event.query():
+                q.popleft()
+            q.append((ticket, copies))
 
     # planning shared by every engine
     def _checked_pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, torch.Tensor]]:
@@ -805,7 +815,7 @@ class _RingEngine(TransferEngine):
         nbytes = sum(p[2] for p in pieces)
         chunks = self._plan(pieces)
         ticket = Ticket(nbytes, len(chunks))
-        ticket.keepalive = copies  # parts hold raw addresses: keep the destinations alive
+        self._retain(ticket, copies)
         if after is not None:
             self.stream.wait_event(after)
         with self._lock:
@@ -900,6 +910,7 @@ class _RingEngine(TransferEngine):
             t.join()
         self.ring.close()  # synchronizes the events of in-flight copies first
         self.stream.close()
+        self._inflight.clear()  # every copy precedes a slot event the ring waited for: all done
         self._close_files()
 
     def _close_files(self) -> None:

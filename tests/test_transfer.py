@@ -393,3 +393,27 @@ def test_a_failing_cpu_stream_copy_is_raised_not_hung(tmp_path):
         eng.stream.before_copy = None
         eng.wait(eng.submit([Copy(src=Extent(p, 0, 4096), dst=[(0, 4096, out)])]))  # stream still alive
         assert out.numpy().tobytes() == p.read_bytes()[:4096]
+
+
+def test_destinations_stay_alive_until_their_copies_ran(tmp_path):
+    """Workers and the copy stream hold raw addresses: the engine keeps a dropped dst alive (no
+    use-after-free) until its ticket completed, and lets it go after."""
+    import gc
+    import weakref
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 256)
+    with make_engine("mmap", torch.device("cpu"), pinned_bytes=1 << 20, slot_bytes=64 << 10, threads=1) as eng:
+        eng.stream.before_copy = lambda dst, src: time.sleep(0.2)
+        dst = torch.empty(1 << 16, dtype=torch.uint8)
+        alive = weakref.ref(dst)
+        t = eng.submit([Copy(src=Extent(p, 0, 1 << 16), dst=[(0, 1 << 16, dst)])])
+        del dst
+        gc.collect()
+        assert alive() is not None  # the copy is still pending: retained
+        eng.wait(t)
+        eng.stream.before_copy = None
+        other = torch.empty(4096, dtype=torch.uint8)
+        eng.wait(eng.submit([Copy(src=Extent(p, 0, 4096), dst=[(0, 4096, other)])]))
+        gc.collect()
+        assert alive() is None  # completed tickets are released
