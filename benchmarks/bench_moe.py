@@ -446,17 +446,20 @@ def tune_kernel(ctx: Ctx, args) -> dict:
     return dict(candidates=results, chosen=best)
 
 
-ENGINE_CANDIDATES = [  # at most 8 copy threads (the bar); small batches are cut adaptively
-    dict(threads=8, slot_bytes=16 << 20),
-    dict(threads=8, slot_bytes=32 << 20),
+ENGINE_CANDIDATES = [  # small batches are cut adaptively; only those within --engine-threads are chosen
+    dict(threads=8, slot_bytes=16 << 20, native=False),  # Python copy threads (the fallback)
+    dict(threads=8, slot_bytes=16 << 20),  # native pool (csrc/copy_pool.c) where it builds
     dict(threads=8, slot_bytes=8 << 20),
     dict(threads=8, slot_bytes=4 << 20),
+    dict(threads=8, slot_bytes=32 << 20),
+    dict(threads=12, slot_bytes=8 << 20),  # beyond the 8 threads of the serving bar: reported
+    dict(threads=15, slot_bytes=8 << 20),
 ]
 
 
 def _engine_notes(engine) -> dict:
     """Where an engine's time went (fill = CPU copy/read, issue = H2D launch, ring wait, populate)."""
-    keep = ("engine", "copy_impl", "threads", "slot_bytes", "bytes_moved", "tickets", "chunks", "fill_seconds",
+    keep = ("engine", "native", "copy_impl", "threads", "slot_bytes", "bytes_moved", "tickets", "chunks", "fill_seconds",
             "issue_seconds", "ring_wait_seconds", "populate_seconds", "stall_seconds")
     return {k: v for k, v in engine.metrics.items() if k in keep}
 
@@ -489,8 +492,11 @@ def tune_engine(ctx: Ctx, args) -> dict:
     results = []
     for opts in ENGINE_CANDIDATES:
         row = dict(opts=opts)
+        if opts.get("threads", 8) > max(8, args.engine_threads) and c.device.type != "cuda":
+            continue
         try:
             eng = make_engine("mmap", c.device, pinned_bytes=c.pinned_ring, **opts)
+            row["native"] = bool(getattr(eng, "native", False))
             eng.prefault([cache.layer_file(l) for l in c.layers])
             try:
                 for pattern in ("layer", "experts"):
@@ -520,11 +526,11 @@ def tune_engine(ctx: Ctx, args) -> dict:
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         results.append(row)
-        print(f"engine {opts}: " + (f"layer {row['layer']:.1f} GB/s, experts {row['experts']:.1f} GB/s"
+        print(f"engine {opts} native={row.get('native')}: " + (f"layer {row['layer']:.1f} GB/s, experts {row['experts']:.1f} GB/s"
                                     if "error" not in row else row["error"]), flush=True)
     chosen = {}
     for pattern in ("layer", "experts"):
-        ok = [r for r in results if pattern in r]
+        ok = [r for r in results if pattern in r and r["opts"].get("threads", 8) <= args.engine_threads]
         if ok:
             chosen[pattern] = max(ok, key=lambda r: r[pattern])["opts"]
     del dst_e, dst_l

@@ -191,7 +191,7 @@ def run_engine(kind: str, opts: dict, device, path, start, size, extent, dsts, p
 
 def detail(m: dict) -> str:
     """Where the time went, from engine metrics (per-thread fill rate, waits, direct bytes)."""
-    out = []
+    out = ["native" if m.get("native") else "python"] if "native" in m else []
     if m.get("fill_seconds"):
         out.append(f"fill/thread {m['bytes_moved'] / m['fill_seconds'] / 1e9:.1f}GB/s")
     for k in ("ring_wait_seconds", "issue_seconds", "populate_seconds", "stall_seconds"):
@@ -278,6 +278,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="few variants (CPU try-out)")
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--native-only", action="store_true",
+                    help="warm: the pool's defaults against the Python threads, slot sizes, 12/15 threads")
     ap.add_argument("--cold-rounds", type=int, default=2)
     ap.add_argument("--out", default="bench-out/bench_transfer.json")
     args = ap.parse_args()
@@ -316,10 +318,16 @@ def main() -> None:
     P = 256 * MiB
     native = native_copy_lib() is not None
     variants: list[tuple[str, dict]] = [
-        ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=8)),  # defaults
+        ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=8)),  # defaults (native pool)
+        ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=8, native=False)),  # Python threads
+        ("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8)),
+        ("mmap", dict(pinned_bytes=P, slot_bytes=32 * MiB, threads=8)),
         ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=8, copy_impl="libc")),
     ]
-    if not args.quick:
+    if args.native_only:
+        variants += [("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=12)),
+                     ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=15))]
+    elif not args.quick:
         if native:
             variants += [
                 ("mmap", dict(pinned_bytes=P, slot_bytes=32 * MiB, threads=8, copy_impl="nt")),

@@ -3,6 +3,7 @@
  *   cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c -o build/libmo_fastcopy.so
  * and the engine finds it in build/ (or at $MMAP_OFFLOAD_FASTCOPY). Plain C, no Python API:
  * ctypes calls release the GIL. */
+#include "fastcopy.h"
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -301,6 +301,9 @@ class _CudaCopyStream:
 
 # --- tickets ---------------------------------------------------------------------------------
 
+_ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_LEN = 0, 1, 2, 3, 4  # csrc/copy_pool.c
+
+
 class Ticket:
     """A submitted batch. ``event`` (after issue) is recorded after its last device copy."""
 
@@ -315,12 +318,25 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
+        # native pool (csrc/copy_pool.c): status words it writes, and the event it records last
+        self._status: np.ndarray | None = None
+        self._native_event: Any = None
         if nchunks == 0:
             self._issued.set()
 
     def issued(self) -> bool:
         """True once every chunk was read and its device copy issued (or the ticket failed)."""
+        if not self._issued.is_set() and self._status is not None and self._status[_ST_ISSUED]:
+            self._native_issued()
         return self._issued.is_set()
+
+    def _native_issued(self) -> None:
+        err = int(self._status[_ST_ERROR])
+        if err and self.error is None:
+            self.error = (MmapOffloadError("transfer cancelled: the engine was closed") if err < 0
+                          else RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}"))
+        self.event = self._native_event
+        self._issued.set()
 
     def _chunk_done(self, stream: Any, error: BaseException | None = None) -> None:
         with self._lock:
@@ -381,7 +397,7 @@ class TransferEngine:
     def _retain(self, ticket: "Ticket", copies: Sequence[Copy]) -> None:
         with self._inflight_lock:
             q = self._inflight
-            while q and q[0][0].event is not None and q[0][0].event.query():
+            while q and q[0][0].issued() and q[0][0].event is not None and q[0][0].event.query():
                 q.popleft()
             q.append((ticket, copies))
 
@@ -428,6 +444,9 @@ class TransferEngine:
 
     def _wait_issued(self, ticket: Ticket) -> None:
         t0 = time.perf_counter()
+        if ticket._status is not None and not ticket.issued():
+            self._wait_native(ticket)  # GIL released while it blocks
+            ticket.issued()
         ticket._issued.wait()
         futures, ticket.futures = ticket.futures, []
         for fut in futures:
@@ -446,6 +465,9 @@ class TransferEngine:
                 raise CacheError(f"reading the cache failed: {err}",
                                  "check the cache files (mmap-offload verify DIR)") from err
             raise err
+
+    def _wait_native(self, ticket: Ticket) -> None:  # pragma: no cover - MmapEngine's
+        raise NotImplementedError
 
     def wait(self, ticket: Ticket, stream: Any = None) -> None:
         """Block until the ticket is issued; then the current (or given) stream waits on its event
@@ -628,7 +650,9 @@ def _libc_mmap_fixed(addr: int, length: int, fd: int) -> int:
 COPY_IMPLS = ("auto", "libc", "torch", "numpy", "movsb", "nt", "nt4", "tc")  # +"-pf<bytes>"
 _native_lib: Any = None
 _native_lock = threading.Lock()
-_CSRC = Path(__file__).resolve().parents[1] / "csrc" / "fastcopy.c"
+_CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
+_NATIVE_SOURCES = ("fastcopy.c", "copy_pool.c")
+NATIVE_POOL_ABI = 1  # csrc/copy_pool.c MO_POOL_ABI
 
 
 def _has_avx2() -> bool:
@@ -642,28 +666,46 @@ def _has_avx2() -> bool:
     return False
 
 
-def _build_native(src: Path) -> Path | None:
-    """Compile csrc/fastcopy.c with the system C compiler into build/ (or ~/.cache); None if
-    there is no compiler, no source or no AVX2. Atomic (temp file + rename): ranks may race."""
+def _native_name() -> str | None:
+    """File name of the library built from the current sources (a hash of them: a build of older
+    sources is never loaded); None when csrc/ is not there (an installed wheel without it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in _NATIVE_SOURCES + ("fastcopy.h",):
+        try:
+            h.update((_CSRC_DIR / name).read_bytes())
+        except OSError:
+            return None
+    return f"libmo_native-{h.hexdigest()[:12]}.so"
+
+
+def _build_native(name: str) -> Path | None:
+    """Compile csrc/*.c with the system C compiler into build/ (or ~/.cache); None if there is
+    no compiler, no source or no AVX2. Atomic (temp file + rename): ranks may race."""
     import shutil
     import subprocess
     import tempfile
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc or not src.exists() or not _has_avx2():
+    if not cc or not _has_avx2():
         return None
-    for d in (src.parents[1] / "build", Path.home() / ".cache" / "mmap-offload"):
+    srcs = [str(_CSRC_DIR / n) for n in _NATIVE_SOURCES]
+    for d in (_CSRC_DIR.parent / "build", Path.home() / ".cache" / "mmap-offload"):
         try:
             d.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
             os.close(fd)
-            r = subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", str(src), "-o", tmp],
-                               capture_output=True, timeout=60)
+            r = subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", *srcs, "-lpthread", "-o", tmp],
+                               capture_output=True, timeout=120)
             if r.returncode != 0:
                 os.unlink(tmp)
                 return None
-            out = d / "libmo_fastcopy.so"
+            out = d / name
             os.replace(tmp, out)
+            for old in d.glob("libmo_native-*.so"):  # builds of earlier sources
+                if old.name != name:
+                    old.unlink(missing_ok=True)
             return out
         except (OSError, subprocess.SubprocessError):
             continue
@@ -671,10 +713,11 @@ def _build_native(src: Path) -> Path | None:
 
 
 def native_copy_lib(build: bool = True) -> Any:
-    """The optional copy kernels of csrc/fastcopy.c, or None (then libc memcpy is used).
+    """The native library of csrc/ (copy kernels + batch copy pool), or None (then libc memcpy
+    and Python copy threads are used).
 
-    Looked up at $MMAP_OFFLOAD_FASTCOPY, build/libmo_fastcopy.so, ~/.cache/mmap-offload/; built
-    there once with ``cc`` when missing (needs the repo's csrc/ and an AVX2 CPU)."""
+    Looked up at $MMAP_OFFLOAD_NATIVE, build/libmo_native-<hash of the sources>.so,
+    ~/.cache/mmap-offload/; built there once with ``cc`` when missing (needs csrc/ and AVX2)."""
     global _native_lib
     with _native_lock:
         if _native_lib is None or (_native_lib is False and build and not _native_tried_build):
@@ -689,23 +732,43 @@ def _load_native(build: bool) -> Any:
     global _native_tried_build
     if not _has_avx2():
         return None
-    cands = [os.environ.get("MMAP_OFFLOAD_FASTCOPY", ""),
-             str(_CSRC.parents[1] / "build" / "libmo_fastcopy.so"),
-             str(Path.home() / ".cache" / "mmap-offload" / "libmo_fastcopy.so")]
+    name = _native_name()
+    cands = [os.environ.get("MMAP_OFFLOAD_NATIVE", "")]
+    if name:
+        cands += [str(_CSRC_DIR.parent / "build" / name),
+                  str(Path.home() / ".cache" / "mmap-offload" / name)]
     path = next((c for c in cands if c and os.path.exists(c)), None)
-    if path is None and build:
+    if path is None and build and name:
         _native_tried_build = True
-        built = _build_native(_CSRC)
+        built = _build_native(name)
         path = str(built) if built else None
     if path is None:
         return None
     try:
         lib = ctypes.CDLL(path)
-        lib.mo_copy_movsb.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.mo_copy_nt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                   ctypes.c_size_t]
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.mo_copy_movsb.argtypes = [vp, vp, sz]
+        lib.mo_copy_nt.argtypes = [vp, vp, sz, sz]
         lib.mo_copy_nt4.argtypes = lib.mo_copy_nt.argtypes
         lib.mo_copy_tc.argtypes = lib.mo_copy_nt.argtypes
+        if lib.mo_pool_abi() != NATIVE_POOL_ABI:
+            return None
+        lib.mo_pool_create.restype = vp
+        lib.mo_pool_create.argtypes = [vp, ctypes.c_int, vp, vp, sz, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_int, sz]
+        lib.mo_pool_submit.restype = ctypes.c_int64
+        lib.mo_pool_submit.argtypes = [vp, vp, sz, sz, vp, vp]
+        lib.mo_pool_wait.restype = ctypes.c_int64
+        lib.mo_pool_wait.argtypes = [vp, vp]
+        lib.mo_pool_stats.argtypes = [vp, vp]
+        lib.mo_pool_destroy.argtypes = [vp]
+        lib.mo_fake_stream_create.restype = vp
+        lib.mo_fake_stream_create.argtypes = [ctypes.c_uint]
+        lib.mo_fake_stream_destroy.argtypes = [vp]
+        lib.mo_fake_event_create.argtypes = [vp, ctypes.c_uint]
+        lib.mo_fake_event_done.argtypes = [vp]
+        lib.mo_fake_event_sync.argtypes = [vp]
+        lib.mo_fake_event_destroy.argtypes = [vp]
     except (OSError, AttributeError):
         return None
     return lib
@@ -730,8 +793,7 @@ def _copier_fn(impl: str) -> Callable[[int, int, int], None]:
     lib = native_copy_lib()
     if lib is None:
         raise UnsupportedError(f"copy_impl {impl!r} needs the native library",
-                               "build it: cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c "
-                               "-o build/libmo_fastcopy.so")
+                               "it builds on first use from csrc/ with a C compiler (cc) on an AVX2 CPU")
     if impl == "movsb":
         return lib.mo_copy_movsb
     base, _, pf = impl.partition("-pf")  # "nt", "nt4", or with a prefetch distance: "nt-pf4096"
@@ -750,7 +812,7 @@ class _RingEngine(TransferEngine):
     copy stream, ticket bookkeeping. Subclasses implement ``_fill(chunk, slot, stats)``."""
 
     def __init__(self, device: torch.device, *, pinned_bytes: int, slot_bytes: int, threads: int,
-                 reserve_bytes: int = 0, blocking_events: bool = True):
+                 reserve_bytes: int = 0, blocking_events: bool = True, python_workers: bool = True):
         super().__init__(device)
         if threads < 1 or threads > 64:
             raise ValueError(f"threads must be in 1..64, got {threads}")
@@ -764,7 +826,12 @@ class _RingEngine(TransferEngine):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stats: list[_WorkerStats] = []
         self._lock = threading.Lock()
-        self._workers = [self._start_worker(i) for i in range(self.threads)]
+        self._workers = [self._start_worker(i) for i in range(self.threads)] if python_workers else []
+
+    def _chunk_bytes(self, total: int) -> int:
+        """Small batches (a few experts at decode) are cut into about 2 chunks per worker so every
+        worker copies and the first H2D starts early; big ones use whole slots."""
+        return min(self.slot_bytes, max(MIN_CHUNK_BYTES, _align_up(-(-total // (2 * self.threads)))))
 
     # -- planning
     def _plan(self, pieces: list[tuple[Path, int, int, int]]) -> list[list[_Part]]:
@@ -772,10 +839,7 @@ class _RingEngine(TransferEngine):
         chunks: list[list[_Part]] = []
         cur: list[_Part] = []
         used = 0
-        # Small batches (a few experts at decode) are cut into about 2 chunks per worker so every
-        # worker copies and the first H2D starts early; big ones use whole slots.
-        total = sum(n for _, _, n, _ in pieces)
-        S = min(self.slot_bytes, max(MIN_CHUNK_BYTES, _align_up(-(-total // (2 * self.threads)))))
+        S = self._chunk_bytes(sum(n for _, _, n, _ in pieces))
         for path, start, n, dst in pieces:
             end = start + n
             s = start
@@ -917,6 +981,122 @@ class _RingEngine(TransferEngine):
         pass
 
 
+_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3}
+
+
+def _cuda_runtime_api() -> list[int] | None:
+    """Addresses of the CUDA runtime functions the native pool calls, from the libcudart torch
+    loaded (RTLD_NOLOAD: never a second runtime); None if it is not found."""
+    torch.cuda.init()
+    names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
+             "cudaEventDestroy", "cudaSetDevice")
+    for lib_name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(lib_name, mode=ctypes.RTLD_GLOBAL | 0x4)
+        except OSError:
+            continue
+        try:
+            return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
+        except AttributeError:
+            continue
+    return None
+
+
+class _FakeEvent:
+    """A CPU event of the native pool's CPU stream (csrc/copy_pool.c, mo_fake_*)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        h = ctypes.c_void_p()
+        if lib.mo_fake_event_create(ctypes.byref(h), 0) != 0:
+            raise MemoryError("could not create a CPU event")
+        self.handle = h.value
+
+    def query(self) -> bool:
+        return bool(self._lib.mo_fake_event_done(self.handle))
+
+    def synchronize(self) -> None:
+        self._lib.mo_fake_event_sync(self.handle)
+
+    def __del__(self) -> None:
+        h, self.handle = getattr(self, "handle", None), None
+        if h:
+            self._lib.mo_fake_event_destroy(h)
+
+
+class _NativePool:
+    """csrc/copy_pool.c: a pthread pool that fills ring slots and issues the H2D copies, one C call
+    per batch. On CUDA it uses torch's libcudart and the device's copy stream; on CPU, the
+    library's own CPU stream (``stream_delay_us`` delays each of its copies: a test hook)."""
+
+    def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
+                 copy_kind: int, prefetch: int, stream_delay_us: int = 0) -> None:
+        self.lib = lib
+        self.device = device
+        self._fake_stream = None
+        if device.type == "cuda":
+            api = _cuda_runtime_api()
+            if api is None:
+                raise UnsupportedError("the CUDA runtime torch uses was not found", "use native=False")
+            handle, index = stream.handle, device.index
+        else:
+            self._fake_stream = lib.mo_fake_stream_create(int(stream_delay_us))
+            api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+                "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
+                "mo_fake_event_sync", "mo_fake_event_destroy")] + [None]
+            handle, index = self._fake_stream, -1
+        self._api = (ctypes.c_void_p * 6)(*api)
+        self.stream = stream
+        self.handle = lib.mo_pool_create(self._api, index, handle, ring.buffer.ptr, ring.slot_bytes,
+                                         ring.num_slots, threads, copy_kind, prefetch)
+        if not self.handle:
+            self._destroy_stream()
+            raise MemoryError("the native copy pool could not start (threads or CUDA events)")
+
+    def new_event(self) -> Any:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(blocking=self.stream.blocking)
+            ev.record(self.stream.stream)  # creates the handle; the pool records it again
+            return ev, ev.cuda_event
+        ev = _FakeEvent(self.lib)
+        return ev, ev.handle
+
+    def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket) -> int:
+        status = np.zeros(_ST_LEN, dtype=np.int64)
+        ev, handle = self.new_event()
+        ticket._status, ticket._native_event = status, ev
+        n = self.lib.mo_pool_submit(self.handle, triples.ctypes.data, len(triples), chunk_bytes,
+                                    status.ctypes.data, handle)
+        if n < 0:
+            ticket._status = None
+            raise RuntimeError("transfer engine is closed")
+        return int(n)
+
+    def wait(self, ticket: Ticket) -> None:
+        if self.handle:  # a closed pool finished (or cancelled) every batch first
+            self.lib.mo_pool_wait(self.handle, ticket._status.ctypes.data)
+
+    def stats(self) -> dict[str, float]:
+        out = np.zeros(5, dtype=np.uint64)
+        if self.handle:
+            self.lib.mo_pool_stats(self.handle, out.ctypes.data)
+        return dict(bytes_moved=int(out[0]), chunks=int(out[1]), fill_seconds=int(out[2]) / 1e9,
+                    issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9)
+
+    def close(self) -> None:
+        """Cancel what is queued, finish what runs, wait for the slots' copies. Idempotent."""
+        if self.handle:
+            self._final = self.stats()
+            h, self.handle = self.handle, None
+            self.lib.mo_pool_destroy(h)
+        self._destroy_stream()
+
+    def _destroy_stream(self) -> None:
+        if self._fake_stream:
+            s, self._fake_stream = self._fake_stream, None
+            self.lib.mo_fake_stream_destroy(s)
+
+
 class MmapEngine(_RingEngine):
     """Warm path: persistent read-only mappings -> pinned ring (memcpy, GIL released) -> device."""
 
@@ -926,7 +1106,7 @@ class MmapEngine(_RingEngine):
                  slot_bytes: int = 16 << 20, threads: int = 8, direct_threads: int = 0,
                  direct_depth: int = 2, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", collapse: bool = False,
-                 affinity: str | None = None):
+                 affinity: str | None = None, native: bool | str = "auto", stream_delay_us: int = 0):
         self.affinity = affinity
         self.populate = populate
         self.hugepage = hugepage
@@ -940,11 +1120,79 @@ class MmapEngine(_RingEngine):
         self._window_now = 0
         slot = page_align_up(max(ALIGNMENT, int(slot_bytes)))
         reserve = self.direct_threads * self.direct_depth * slot
+        lib = self._native_lib(native, copy_impl, affinity)
         super().__init__(device, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes,
-                         threads=threads, reserve_bytes=reserve, blocking_events=blocking_events)
+                         threads=threads, reserve_bytes=reserve, blocking_events=blocking_events,
+                         python_workers=lib is None)
+        self.native = lib is not None
+        self._pool: _NativePool | None = None
+        if lib is not None:
+            base, _, pf = self.copy_impl.partition("-pf")
+            try:
+                self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
+                                         _NATIVE_COPY_KINDS[base], int(pf) if pf.isdigit() else 1024,
+                                         stream_delay_us)
+            except BaseException:
+                self.ring.close()
+                self.stream.close()
+                raise
         self._populate_ok = populate
         for i in range(self.direct_threads):
             self._workers.append(self._start_direct_worker(i))
+
+    def _native_lib(self, native: bool | str, copy_impl: str, affinity: str | None) -> Any:
+        """The native library if the pool should copy: ``native`` True (required) or "auto" (when
+        it builds, for the copy kernels it has, without the register-window workers)."""
+        if native not in (True, False, "auto"):
+            raise ValueError(f"native must be True, False or 'auto', got {native!r}")
+        if native is False:
+            return None
+        fits = (self.copy_impl.partition("-pf")[0] in _NATIVE_COPY_KINDS and not self.direct_threads
+                and affinity is None)
+        lib = native_copy_lib() if fits else None
+        if lib is None and native is True:
+            raise UnsupportedError(
+                "the native copy pool is not available for these options" if not fits else
+                "the native copy pool could not be built (needs a C compiler and an AVX2 CPU)",
+                "use native='auto' or native=False (Python copy threads)")
+        return lib
+
+    def _submit(self, copies: list[Copy], after: Any) -> Ticket:
+        if self._pool is None:
+            return super()._submit(copies, after)
+        pieces = self._pointer_pieces(copies)
+        self._check_files(pieces)
+        triples = np.empty((len(pieces), 3), dtype=np.uint64)
+        total = 0
+        last: tuple[Any, int, int] | None = None  # populate runs of neighbouring pieces at once
+        for i, (path, start, n, dst) in enumerate(pieces):
+            m = self._map(path)
+            triples[i] = (m.addr + start, dst, n)
+            total += n
+            if self._populate_ok:
+                if last is not None and last[0] is m and start - last[2] < _MappedFile.GRANULE:
+                    last = (m, last[1], max(last[2], start + n))
+                else:
+                    self._populate(last)
+                    last = (m, start, start + n)
+        self._populate(last)
+        ticket = Ticket(total, 1)
+        self._retain(ticket, copies)
+        if after is not None:
+            self.stream.wait_event(after)
+        nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket)
+        with self._lock:
+            self._counters["tickets"] += 1
+            self._counters["copies"] += len(pieces)
+            self._counters["chunks"] = self._counters.get("chunks", 0) + nchunks
+        return ticket
+
+    def _populate(self, run: tuple[Any, int, int] | None) -> None:
+        if run is not None and self._populate_ok and not run[0].populate(run[1], run[2]):
+            self._populate_ok = False  # kernel < 5.14: plain faults
+
+    def _wait_native(self, ticket: Ticket) -> None:
+        self._pool.wait(ticket)
 
     def _map(self, path: Path) -> _MappedFile:
         m = self._maps.get(path)
@@ -1052,7 +1300,16 @@ class MmapEngine(_RingEngine):
         m["mapped_files"] = len(self._maps)
         m["mapped_bytes"] = sum(x.length for x in self._maps.values())
         m["copy_impl"] = self.copy_impl
+        m["native"] = self.native
+        if self._pool is not None:
+            m.update(self._pool.stats() if self._pool.handle else getattr(self._pool, "_final", {}))
         return m
+
+    def close(self) -> None:
+        """Cancel chunks not started, finish those in flight, free the ring. Idempotent."""
+        if not self._closed and self._pool is not None:
+            self._pool.close()  # before the ring and the mappings it reads go
+        super().close()
 
     def prefault(self, paths: Sequence[str | os.PathLike]) -> int:
         """Map ``paths`` now and set up the page tables of their page-cache-resident parts.

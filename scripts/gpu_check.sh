@@ -4,8 +4,10 @@
 #   2. benchmarks/bench_repack.py on CUDA          (repack GB/s, bar >= 20)
 #   3. benchmarks/bench_warmup.py on CUDA          (warm-up vs the disk's sequential write, bar >= 80%)
 #   4. benchmarks/bench_moe.py                     (tokens/s against UVA; see docs/BENCHMARKS.md)
-# $OUT gets check.log (steps 1-3) and moe/ (step 4: run.log, results.json, results.md, 3 PNGs): 7 files,
-# under the device tool's 8. kvikio wheels in .whl/ are installed first.
+#   optional (TRANSFER=1): benchmarks/bench_transfer.py --native-only --skip-cold (warm engine vs H2D)
+# $OUT gets check.log (steps 1-3 and the transfer table), transfer.json, and moe/ (step 4: run.log,
+# results.json, results.md, 3 PNGs): 8 files, the device tool's limit. kvikio wheels in .whl/ are
+# installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -20,8 +22,16 @@ t0=$SECONDS
 echo "== gpu tests"
 timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -W ignore 2>&1 | tail -25
 echo "tests: $((SECONDS - t0)) s"
+if [ "${SKIP_REPACK:-0}" != 1 ]; then
 echo "== bench_repack"
 timeout 60 python3 benchmarks/bench_repack.py --device cuda --out /tmp/repack.json 2>&1 | tail -12
+fi
+if [ "${TRANSFER:-0}" = 1 ]; then
+echo "== bench_transfer (warm, native pool vs Python threads)"
+timeout 200 python3 benchmarks/bench_transfer.py --native-only --skip-cold --size-gib ${TRANSFER_GIB:-4} \
+  --out "$OUT/transfer.json" 2>&1 | grep -v "^# env" | tail -16
+rm -f /tmp/mmap_offload_bench.bin
+fi
 echo "== bench_warmup"
 timeout 120 python3 benchmarks/bench_warmup.py --device cuda --gib ${WARMUP_GIB:-4} --dir /tmp/mmo-warmup --out /tmp/warmup.json 2>&1 | tail -8
 echo "elapsed: $((SECONDS - t0)) s"

@@ -68,8 +68,14 @@ def check(expect) -> None:
         assert np.array_equal(got, want)
 
 
+# the Python copy threads (the hooks of these tests live on their CPU stream)
+PY_WORKERS = {"mmap": {"native": False}, "pread": {}}
+
 ENGINES = [
     ("mmap", {}),
+    ("mmap", {"native": False}),
+    ("mmap", {"native": True, "copy_impl": "libc"}),
+    ("mmap", {"native": True, "copy_impl": "movsb", "populate": False}),
     ("mmap", {"populate": False, "hugepage": False, "copy_impl": "libc"}),
     ("mmap", {"copy_impl": "torch", "collapse": True}),
     ("mmap", {"copy_impl": "numpy", "affinity": "spread"}),
@@ -84,7 +90,7 @@ ENGINES = [
 
 @pytest.mark.parametrize("kind,opts", ENGINES)
 def test_random_extents_bytes_equal(files, kind, opts):
-    if opts.get("copy_impl", "")[:2] in ("nt", "mo") and native_copy_lib() is None:
+    if (opts.get("copy_impl", "")[:2] in ("nt", "mo") or opts.get("native")) and native_copy_lib() is None:
         pytest.skip("no C compiler / AVX2: the native copy kernels are unavailable")
     rng = random.Random(hash((kind, tuple(opts))) & 0xFFFF)
     eng = make_engine(kind, "cpu", pinned_bytes=1 << 20, slot_bytes=256 << 10, threads=4, **opts)
@@ -108,7 +114,7 @@ def test_random_extents_bytes_equal(files, kind, opts):
 def test_slots_not_overwritten_while_in_flight(files, kind):
     """Poisoning: the CPU copy stream is slowed down; while each 'H2D' is pending, its slot must
     keep the bytes it was filled with (a reused slot would change them under the copy)."""
-    eng = make_engine(kind, "cpu", pinned_bytes=2 * 8192, slot_bytes=8192, threads=6)
+    eng = make_engine(kind, "cpu", pinned_bytes=2 * 8192, slot_bytes=8192, threads=6, **PY_WORKERS[kind])
     bad: list[str] = []
 
     def hook(dst, src):
@@ -195,7 +201,7 @@ def test_close_twice_and_submit_after_close(files):
 
 def test_close_with_work_queued_cancels_or_finishes(files):
     p, data = next(iter(files.items()))
-    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 4096, slot_bytes=4096, threads=1)
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 4096, slot_bytes=4096, threads=1, native=False)
     eng.stream.before_copy = lambda d, s: time.sleep(0.0005)
     dst = torch.zeros(len(data), dtype=torch.uint8)
     t = eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])])
@@ -267,7 +273,8 @@ def test_resident_fraction_and_evict(tmp_path):
 
 # --- GPU ------------------------------------------------------------------------------------
 
-GPU_ENGINES = [("mmap", {}), ("mmap", {"direct_threads": 1, "threads": 1}), ("mmap", {"copy_impl": "libc"}),
+GPU_ENGINES = [("mmap", {}), ("mmap", {"native": False}), ("mmap", {"direct_threads": 1, "threads": 1}),
+               ("mmap", {"copy_impl": "libc"}),
                ("pread", {}), ("kvikio", {})]
 
 
@@ -304,10 +311,14 @@ def test_gpu_engines_bytes_equal(files, kind, opts):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_poisoned_slots_stay_intact(files):
+@pytest.mark.parametrize("native", [True, False])
+def test_gpu_poisoned_slots_stay_intact(files, native):
     """Many chunks through a 2-slot ring while the GPU is kept busy: bytes still equal."""
+    if native and native_copy_lib() is None:
+        pytest.skip("no C compiler / AVX2: the native pool is unavailable")
     dev = torch.device("cuda", 0)
-    eng = make_engine("mmap", dev, pinned_bytes=2 * 65536, slot_bytes=65536, threads=8)
+    eng = make_engine("mmap", dev, pinned_bytes=2 * 65536, slot_bytes=65536, threads=8, native=native)
+    assert eng.native == native
     try:
         p, data = next(iter(files.items()))
         dst = torch.zeros(len(data), dtype=torch.uint8, device=dev)
@@ -381,7 +392,8 @@ def test_prefault_sets_up_resident_granules_only_and_bytes_stay_right(tmp_path):
 def test_a_failing_cpu_stream_copy_is_raised_not_hung(tmp_path):
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(256)) * 64)
-    with make_engine("mmap", torch.device("cpu"), pinned_bytes=1 << 20, slot_bytes=64 << 10, threads=1) as eng:
+    with make_engine("mmap", torch.device("cpu"), pinned_bytes=1 << 20, slot_bytes=64 << 10, threads=1,
+                     native=False) as eng:
         def boom(dst, src):
             raise RuntimeError("copy failed")
 
@@ -403,7 +415,8 @@ def test_destinations_stay_alive_until_their_copies_ran(tmp_path):
 
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(256)) * 256)
-    with make_engine("mmap", torch.device("cpu"), pinned_bytes=1 << 20, slot_bytes=64 << 10, threads=1) as eng:
+    with make_engine("mmap", torch.device("cpu"), pinned_bytes=1 << 20, slot_bytes=64 << 10, threads=1,
+                     native=False) as eng:
         eng.stream.before_copy = lambda dst, src: time.sleep(0.2)
         dst = torch.empty(1 << 16, dtype=torch.uint8)
         alive = weakref.ref(dst)
@@ -417,3 +430,72 @@ def test_destinations_stay_alive_until_their_copies_ran(tmp_path):
         eng.wait(eng.submit([Copy(src=Extent(p, 0, 4096), dst=[(0, 4096, other)])]))
         gc.collect()
         assert alive() is None  # completed tickets are released
+
+
+# --- the native copy pool (csrc/copy_pool.c) over its CPU stream --------------------------------
+
+needs_native = pytest.mark.skipif(native_copy_lib() is None,
+                                  reason="no C compiler / AVX2: the native pool is unavailable")
+
+
+@needs_native
+def test_native_pool_never_refills_a_slot_before_its_copy_ran(files):
+    """Poisoning for the native pool: its CPU stream runs each 'H2D' 2 ms late, 6 threads share 2
+    slots. A slot refilled before its event completed would hand later bytes to earlier copies."""
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 8192, slot_bytes=8192, threads=6, native=True,
+                      stream_delay_us=2000)
+    try:
+        assert eng.native
+        copies, expect = random_copies(files, random.Random(7), "cpu", 20, max_len=40_000)
+        eng.wait(eng.submit(copies))
+        check(expect)
+        m = eng.metrics
+        assert m["ring_slots"] == 2 and m["bytes_moved"] == sum(len(w) for _, w in expect)
+        assert m["chunks"] > 4 * m["ring_slots"]  # cut into slot-sized chunks, far more than the slots
+    finally:
+        eng.close()
+
+
+@needs_native
+def test_native_pool_random_interleavings(files):
+    rng = random.Random(3)
+    eng = make_engine("mmap", "cpu", pinned_bytes=3 * 65536, slot_bytes=65536, threads=4, native=True,
+                      stream_delay_us=50)
+    try:
+        pending = []
+        for _ in range(60):
+            if pending and rng.random() < 0.45:
+                t, expect = pending.pop(rng.randrange(len(pending)))
+                eng.wait(t)
+                check(expect)
+            else:
+                copies, expect = random_copies(files, rng, "cpu", rng.randint(0, 6), max_len=150_000)
+                pending.append((eng.submit(copies), expect))
+        for t, expect in pending:
+            eng.wait(t)
+            check(expect)
+        t = eng.submit([])
+        assert t.issued()
+    finally:
+        eng.close()
+
+
+@needs_native
+def test_native_pool_close_cancels_queued_work_and_keeps_dsts_alive(files):
+    import gc
+    import weakref
+
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 4096, slot_bytes=4096, threads=1, native=True,
+                      stream_delay_us=20_000)
+    dst = torch.zeros(len(data), dtype=torch.uint8)
+    alive = weakref.ref(dst)
+    t = eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])])
+    del dst
+    gc.collect()
+    assert alive() is not None  # the pool writes through a raw address: the engine holds it
+    eng.close()
+    with pytest.raises(MmapOffloadError, match="closed"):
+        eng.wait(t)  # len(data) / 4096 chunks at 20 ms each: most were still queued
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit([])

@@ -1,0 +1,476 @@
+/* Native batch copier of the mmap engine (mmap_offload/transfer.py, MmapEngine(native=True)).
+ *
+ * One GIL-free call per batch: Python hands over (src, dst, nbytes) triples, where src is an
+ * address in a read-only mapping of a cache file (page cache) and dst a device address. A pool of
+ * pthreads cuts the batch into chunks; per chunk a worker takes a pinned ring slot (waiting for
+ * the slot's event: a slot is never refilled before its last device copy completed), copies the
+ * bytes into it on the CPU, issues cudaMemcpyAsync(dst, slot) for each piece on the one copy
+ * stream and records the slot's event. After the batch's last chunk it records the batch's event
+ * (the caller's torch.cuda.Event) and marks the batch issued in a status array the caller owns.
+ *
+ * No CUDA headers or libraries are linked: the CUDA runtime functions come in as pointers (the
+ * ones of the libcudart torch loaded), so this builds with a plain C compiler. Without a GPU the
+ * same pool runs over mo_fake_* below: a CPU "stream" thread that executes copies in order and
+ * CPU events, so the ring and batch logic are tested on machines without CUDA.
+ *
+ * Build: cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c csrc/copy_pool.c -lpthread */
+#define _GNU_SOURCE
+#include "fastcopy.h"
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MO_POOL_ABI 1
+int mo_pool_abi(void) { return MO_POOL_ABI; }
+
+/* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
+typedef int (*fn_memcpy_async)(void *dst, const void *src, size_t n, int kind, void *stream);
+typedef int (*fn_event_create)(void **ev, unsigned flags);
+typedef int (*fn_event_record)(void *ev, void *stream);
+typedef int (*fn_event_sync)(void *ev);
+typedef int (*fn_event_destroy)(void *ev);
+typedef int (*fn_set_device)(int device);
+
+enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
+
+/* Status words of one batch, in an int64 array the caller owns and keeps alive until issued. */
+enum { ST_CHUNKS = 0, ST_DONE = 1, ST_ISSUED = 2, ST_ERROR = 3, ST_LEN = 4 };
+enum { ERR_CANCELLED = -1 }; /* > 0: the CUDA error code of the first failed call */
+
+typedef struct { uint64_t src, dst, n; } mo_piece;              /* input triple */
+typedef struct { uint64_t src, dst, n, off; } planned_piece;    /* off: offset in the slot */
+typedef struct { uint32_t first, count; } chunk;                /* pieces [first, first+count) */
+
+typedef struct batch {
+    struct batch *next;
+    planned_piece *pieces;
+    chunk *chunks;
+    uint32_t nchunks, taken;
+    int64_t *status;
+    void *event; /* recorded after the last chunk's copies; may be NULL */
+} batch;
+
+typedef struct {
+    fn_memcpy_async memcpy_async;
+    fn_event_create event_create;
+    fn_event_record event_record;
+    fn_event_sync event_sync;
+    fn_event_destroy event_destroy;
+    fn_set_device set_device;
+    int device;
+    void *stream;
+
+    char *ring;
+    size_t slot_bytes;
+    int nslots;
+    void **slot_event;
+    int *slot_used;   /* 1 once an event was recorded for the slot */
+    int *fifo;        /* free slots, oldest release first */
+    int fifo_head, fifo_count;
+
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, done_cv, slot_cv;
+    batch *head, *tail;
+    int closing;
+    int nthreads;
+    pthread_t *threads;
+    int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb */
+    size_t prefetch;
+
+    /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot */
+    uint64_t st_bytes, st_chunks, st_fill_ns, st_issue_ns, st_slot_wait_ns;
+} mo_pool;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void cpu_copy(mo_pool *p, void *dst, const void *src, size_t n) {
+    switch (p->copy_kind) {
+    case 1: mo_copy_nt(dst, src, n, p->prefetch); break;
+    case 2: mo_copy_nt4(dst, src, n, p->prefetch); break;
+    case 3: mo_copy_movsb(dst, src, n); break;
+    default: memcpy(dst, src, n);
+    }
+}
+
+static int acquire_slot(mo_pool *p) {
+    uint64_t t0 = now_ns();
+    pthread_mutex_lock(&p->mu);
+    while (p->fifo_count == 0)
+        pthread_cond_wait(&p->slot_cv, &p->mu);
+    int s = p->fifo[p->fifo_head];
+    p->fifo_head = (p->fifo_head + 1) % p->nslots;
+    p->fifo_count--;
+    int used = p->slot_used[s];
+    pthread_mutex_unlock(&p->mu);
+    if (used) p->event_sync(p->slot_event[s]); /* its last device copy has completed */
+    uint64_t dt = now_ns() - t0;
+    pthread_mutex_lock(&p->mu);
+    p->st_slot_wait_ns += dt;
+    pthread_mutex_unlock(&p->mu);
+    return s;
+}
+
+static void release_slot(mo_pool *p, int s, int recorded) {
+    pthread_mutex_lock(&p->mu);
+    p->slot_used[s] = recorded;
+    p->fifo[(p->fifo_head + p->fifo_count) % p->nslots] = s;
+    p->fifo_count++;
+    pthread_cond_signal(&p->slot_cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* One chunk: slot <- CPU copy <- mapping; device <- cudaMemcpyAsync <- slot. Returns the CUDA
+ * error of the first failed call, 0 on success. */
+static int run_chunk(mo_pool *p, batch *b, uint32_t ci) {
+    const chunk *c = &b->chunks[ci];
+    int s = acquire_slot(p);
+    char *slot = p->ring + (size_t)s * p->slot_bytes;
+    uint64_t t0 = now_ns(), bytes = 0;
+    for (uint32_t i = 0; i < c->count; i++) {
+        const planned_piece *q = &b->pieces[c->first + i];
+        cpu_copy(p, slot + q->off, (const void *)(uintptr_t)q->src, q->n);
+        bytes += q->n;
+    }
+    uint64_t t1 = now_ns();
+    int err = 0;
+    for (uint32_t i = 0; i < c->count && !err; i++) {
+        const planned_piece *q = &b->pieces[c->first + i];
+        err = p->memcpy_async((void *)(uintptr_t)q->dst, slot + q->off, q->n, H2D, p->stream);
+    }
+    int rec = p->event_record(p->slot_event[s], p->stream);
+    if (rec) {
+        /* no event guards the slot: wait for the stream's work through a fresh event */
+        err = err ? err : rec;
+    }
+    release_slot(p, s, rec == 0);
+    uint64_t t2 = now_ns();
+    pthread_mutex_lock(&p->mu);
+    p->st_fill_ns += t1 - t0;
+    p->st_issue_ns += t2 - t1;
+    p->st_bytes += err ? 0 : bytes;
+    p->st_chunks++;
+    pthread_mutex_unlock(&p->mu);
+    return err;
+}
+
+/* Mark one chunk of b finished (under mu); the last one records the batch event. */
+static void chunk_finished(mo_pool *p, batch *b, int err) {
+    if (err && b->status[ST_ERROR] == 0) b->status[ST_ERROR] = err;
+    b->status[ST_DONE]++;
+    if ((uint64_t)b->status[ST_DONE] == b->nchunks) {
+        if (b->event) {
+            int rec = p->event_record(b->event, p->stream);
+            if (rec && b->status[ST_ERROR] == 0) b->status[ST_ERROR] = rec;
+        }
+        __atomic_store_n(&b->status[ST_ISSUED], 1, __ATOMIC_RELEASE);
+        free(b->pieces);
+        free(b->chunks);
+        free(b);
+        pthread_cond_broadcast(&p->done_cv);
+    }
+}
+
+static void *worker(void *arg) {
+    mo_pool *p = (mo_pool *)arg;
+    if (p->set_device) p->set_device(p->device);
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->head && !p->closing)
+            pthread_cond_wait(&p->work_cv, &p->mu);
+        batch *b = p->head;
+        if (!b) break; /* closing and nothing queued */
+        uint32_t ci = b->taken++;
+        if (b->taken == b->nchunks) { /* every chunk handed out: dequeue */
+            p->head = b->next;
+            if (!p->head) p->tail = NULL;
+        }
+        int err;
+        if (p->closing) {
+            err = ERR_CANCELLED;
+        } else {
+            pthread_mutex_unlock(&p->mu);
+            err = run_chunk(p, b, ci);
+            pthread_mutex_lock(&p->mu);
+        }
+        chunk_finished(p, b, err);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* api: memcpy_async, event_create, event_record, event_sync, event_destroy, set_device (or 0).
+ * Returns NULL if an allocation, an event or a thread could not be made. */
+mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, size_t slot_bytes,
+                        int nslots, int nthreads, int copy_kind, size_t prefetch) {
+    if (nslots < 1 || nthreads < 1 || !ring || !slot_bytes) return NULL;
+    mo_pool *p = calloc(1, sizeof(*p));
+    if (!p) return NULL;
+    p->memcpy_async = (fn_memcpy_async)api[0];
+    p->event_create = (fn_event_create)api[1];
+    p->event_record = (fn_event_record)api[2];
+    p->event_sync = (fn_event_sync)api[3];
+    p->event_destroy = (fn_event_destroy)api[4];
+    p->set_device = (fn_set_device)api[5];
+    p->device = device;
+    p->stream = stream;
+    p->ring = (char *)ring;
+    p->slot_bytes = slot_bytes;
+    p->nslots = nslots;
+    p->copy_kind = copy_kind;
+    p->prefetch = prefetch;
+    p->slot_event = calloc((size_t)nslots, sizeof(void *));
+    p->slot_used = calloc((size_t)nslots, sizeof(int));
+    p->fifo = calloc((size_t)nslots, sizeof(int));
+    p->threads = calloc((size_t)nthreads, sizeof(pthread_t));
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work_cv, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
+    pthread_cond_init(&p->slot_cv, NULL);
+    if (!p->slot_event || !p->slot_used || !p->fifo || !p->threads) goto fail;
+    if (p->set_device) p->set_device(device);
+    for (int i = 0; i < nslots; i++) {
+        /* blocking sync: a worker waiting for a slot sleeps instead of spinning on a copier's core */
+        if (p->event_create(&p->slot_event[i], EV_BLOCKING_SYNC | EV_DISABLE_TIMING)) goto fail;
+        p->fifo[i] = i;
+    }
+    p->fifo_count = nslots;
+    for (int i = 0; i < nthreads; i++) {
+        if (pthread_create(&p->threads[i], NULL, worker, p)) goto fail;
+        p->nthreads++;
+    }
+    return p;
+fail:
+    pthread_mutex_lock(&p->mu);
+    p->closing = 1;
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    for (int i = 0; p->slot_event && i < nslots; i++)
+        if (p->slot_event[i]) p->event_destroy(p->slot_event[i]);
+    free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->threads); free(p);
+    return NULL;
+}
+
+/* Queue a batch. Pieces are cut into chunks of at most chunk_bytes (<= slot_bytes); small
+ * pieces share a chunk, each starting 64-byte aligned in the slot. ``status`` (ST_LEN int64,
+ * zeroed by the caller) and ``event`` stay valid until status[ST_ISSUED] is 1.
+ * Returns the number of chunks, or -1 (bad arguments / no memory: nothing queued). */
+int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes,
+                       int64_t *status, void *event) {
+    if (!p || !status || chunk_bytes == 0 || chunk_bytes > p->slot_bytes) return -1;
+    size_t cap = 0;
+    for (size_t i = 0; i < n; i++) cap += in[i].n / chunk_bytes + 2;
+    batch *b = calloc(1, sizeof(*b));
+    planned_piece *pieces = malloc((cap ? cap : 1) * sizeof(*pieces));
+    chunk *chunks = malloc((cap ? cap : 1) * sizeof(*chunks));
+    if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return -1; }
+    size_t np = 0, nc = 0, used = 0;
+    int open = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t s = 0, len = in[i].n;
+        while (s < len) {
+            size_t off = (used + 63) & ~(size_t)63;
+            if (open && off >= chunk_bytes) { open = 0; }
+            if (open && off + (len - s) > chunk_bytes && len - s <= chunk_bytes) { open = 0; }
+            if (!open) { chunks[nc].first = (uint32_t)np; chunks[nc].count = 0; nc++; open = 1; off = 0; }
+            uint64_t take = len - s;
+            if (take > chunk_bytes - off) take = chunk_bytes - off;
+            pieces[np].src = in[i].src + s;
+            pieces[np].dst = in[i].dst + s;
+            pieces[np].n = take;
+            pieces[np].off = off;
+            np++;
+            chunks[nc - 1].count++;
+            used = off + take;
+            s += take;
+        }
+    }
+    b->pieces = pieces;
+    b->chunks = chunks;
+    b->nchunks = (uint32_t)nc;
+    b->status = status;
+    b->event = event;
+    status[ST_CHUNKS] = (int64_t)nc;
+    pthread_mutex_lock(&p->mu);
+    if (p->closing) {
+        pthread_mutex_unlock(&p->mu);
+        free(pieces); free(chunks); free(b);
+        return -1;
+    }
+    if (nc == 0) { /* nothing to copy: issued at once (the event marks "now" on the stream) */
+        if (event) {
+            int rec = p->event_record(event, p->stream);
+            if (rec) status[ST_ERROR] = rec;
+        }
+        __atomic_store_n(&status[ST_ISSUED], 1, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&p->mu);
+        free(pieces); free(chunks); free(b);
+        return 0;
+    }
+    if (p->tail) p->tail->next = b; else p->head = b;
+    p->tail = b;
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->mu);
+    return (int64_t)nc;
+}
+
+/* Block until the batch of ``status`` is issued; returns status[ST_ERROR]. */
+int64_t mo_pool_wait(mo_pool *p, int64_t *status) {
+    if (__atomic_load_n(&status[ST_ISSUED], __ATOMIC_ACQUIRE)) return status[ST_ERROR];
+    pthread_mutex_lock(&p->mu);
+    while (!__atomic_load_n(&status[ST_ISSUED], __ATOMIC_ACQUIRE))
+        pthread_cond_wait(&p->done_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    return status[ST_ERROR];
+}
+
+/* bytes, chunks, fill_ns, issue_ns, slot_wait_ns */
+void mo_pool_stats(mo_pool *p, uint64_t *out) {
+    pthread_mutex_lock(&p->mu);
+    out[0] = p->st_bytes; out[1] = p->st_chunks; out[2] = p->st_fill_ns;
+    out[3] = p->st_issue_ns; out[4] = p->st_slot_wait_ns;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Cancel chunks not started (their batches finish with ERR_CANCELLED), finish those running,
+ * wait for every slot's last device copy, free everything. The ring memory is the caller's. */
+void mo_pool_destroy(mo_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->closing = 1;
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    for (int i = 0; i < p->nslots; i++) {
+        if (p->slot_used[i]) p->event_sync(p->slot_event[i]);
+        p->event_destroy(p->slot_event[i]);
+    }
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->work_cv);
+    pthread_cond_destroy(&p->done_cv);
+    pthread_cond_destroy(&p->slot_cv);
+    free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->threads); free(p);
+}
+
+/* --- a CPU stand-in for the CUDA stream and events, so the pool runs without a GPU -----------
+ * One thread executes the stream's copies in order (after ``delay_us`` each: tests use it to make
+ * early slot reuse visible). An event records how many copies were queued before it; it is
+ * complete once the stream has executed that many. */
+typedef struct fake_op { struct fake_op *next; void *dst; const void *src; size_t n; } fake_op;
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv, done_cv;
+    fake_op *head, *tail;
+    uint64_t queued, executed;
+    unsigned delay_us;
+    int closing;
+    pthread_t thread;
+} fake_stream;
+typedef struct { fake_stream *s; uint64_t target; } fake_event;
+
+static void *fake_stream_main(void *arg) {
+    fake_stream *s = (fake_stream *)arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->closing) pthread_cond_wait(&s->cv, &s->mu);
+        fake_op *op = s->head;
+        if (!op) break;
+        s->head = op->next;
+        if (!s->head) s->tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        if (s->delay_us) usleep(s->delay_us);
+        memcpy(op->dst, op->src, op->n);
+        free(op);
+        pthread_mutex_lock(&s->mu);
+        s->executed++;
+        pthread_cond_broadcast(&s->done_cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+void *mo_fake_stream_create(unsigned delay_us) {
+    fake_stream *s = calloc(1, sizeof(*s));
+    if (!s) return NULL;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_cond_init(&s->done_cv, NULL);
+    s->delay_us = delay_us;
+    if (pthread_create(&s->thread, NULL, fake_stream_main, s)) { free(s); return NULL; }
+    return s;
+}
+
+void mo_fake_stream_destroy(void *stream) {
+    fake_stream *s = (fake_stream *)stream;
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->closing = 1; /* the thread drains what is queued first */
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    free(s);
+}
+
+int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *stream) {
+    (void)kind;
+    fake_stream *s = (fake_stream *)stream;
+    fake_op *op = malloc(sizeof(*op));
+    if (!op) return 2; /* cudaErrorMemoryAllocation */
+    op->next = NULL; op->dst = dst; op->src = src; op->n = n;
+    pthread_mutex_lock(&s->mu);
+    if (s->tail) s->tail->next = op; else s->head = op;
+    s->tail = op;
+    s->queued++;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int mo_fake_event_create(void **ev, unsigned flags) {
+    (void)flags;
+    *ev = calloc(1, sizeof(fake_event));
+    return *ev ? 0 : 2;
+}
+
+int mo_fake_event_record(void *ev, void *stream) {
+    fake_event *e = (fake_event *)ev;
+    fake_stream *s = (fake_stream *)stream;
+    pthread_mutex_lock(&s->mu);
+    e->target = s->queued;
+    __atomic_store_n(&e->s, s, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int mo_fake_event_sync(void *ev) {
+    fake_event *e = (fake_event *)ev;
+    fake_stream *s = __atomic_load_n(&e->s, __ATOMIC_ACQUIRE);
+    if (!s) return 0;
+    pthread_mutex_lock(&s->mu);
+    while (s->executed < e->target) pthread_cond_wait(&s->done_cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+/* 1 if complete (cudaSuccess semantics), 0 if not yet */
+int mo_fake_event_done(void *ev) {
+    fake_event *e = (fake_event *)ev;
+    fake_stream *s = __atomic_load_n(&e->s, __ATOMIC_ACQUIRE);
+    if (!s) return 1;
+    pthread_mutex_lock(&s->mu);
+    int done = s->executed >= e->target;
+    pthread_mutex_unlock(&s->mu);
+    return done;
+}
+
+int mo_fake_event_destroy(void *ev) {
+    free(ev);
+    return 0;
+}
