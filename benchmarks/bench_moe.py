@@ -173,6 +173,7 @@ class Variant:
 
     name = "?"
     cold = False
+    deliver_s = 0.0  # host time inside layer() (cache lookups, submits, waits for copies to issue)
 
     def __init__(self, ctx: Ctx):
         self.ctx = ctx
@@ -580,7 +581,9 @@ def run_steps(var: Variant, ctx: Ctx, trace: np.ndarray, x0: torch.Tensor, rw: t
         x = x0
         for li in range(len(ctx.layers)):
             ids = trace[s, li]
+            t1 = time.perf_counter()
             w, slot_ids = var.layer(li, ids)
+            var.deliver_s += time.perf_counter() - t1
             y = mk.moe_forward(x, slot_ids, rw, w, impl=ctx.impl)
             x = y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype)
         y = x
@@ -635,6 +638,7 @@ def bench_variant(var: Variant, ctx: Ctx, args, shp, workloads, trace_kinds, ref
                 b0 = var.pcie_bytes()
                 # time-bounded: stop early once the run's time budget is spent (cold disks are slow)
                 secs, done, y = 0.0, 0, None
+                var.deliver_s = 0.0
                 while done < steps_total:
                     n = min(steps_total - done, max(1, steps_total // 4))
                     dt, y = run_steps(var, ctx, tr, x0, rw, warm_steps + done, n, sync)
@@ -650,7 +654,7 @@ def bench_variant(var: Variant, ctx: Ctx, args, shp, workloads, trace_kinds, ref
                 tokens = batch * done
                 row.update(steps=done, seconds=secs, tokens_per_s=tokens / secs,
                            step_ms=1e3 * secs / done, pcie_bytes_per_step=moved / done,
-                           routed_bytes_per_step=routed / done)
+                           routed_bytes_per_step=routed / done, deliver_ms=1e3 * var.deliver_s / done)
                 if not var.cold:
                     key = (trace_kind, wl)
                     yf = y_first.float().cpu()
@@ -689,7 +693,7 @@ def _fmt_row(r: dict) -> str:
     if "tokens_per_s" in r:
         return (f"{r['variant']:>18} {r['trace']:>8} {r['workload']:>10}: {r['tokens_per_s']:10.1f} tok/s "
                 f"step {r['step_ms']:8.2f} ms  pcie {r['pcie_bytes_per_step'] / 2**20:9.1f} MiB "
-                f"routed {r['routed_bytes_per_step'] / 2**20:9.1f} MiB")
+                f"routed {r['routed_bytes_per_step'] / 2**20:9.1f} MiB  host in delivery {r.get('deliver_ms', 0):7.2f} ms")
     return f"{r['variant']:>18} {r['trace']:>8} {r['workload']:>10}: {r.get('error') or r.get('skipped')}"
 
 

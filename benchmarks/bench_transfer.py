@@ -325,8 +325,13 @@ def main() -> None:
         ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=8, copy_impl="libc")),
     ]
     if args.native_only:
-        variants += [("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=12)),
-                     ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=15))]
+        variants += [("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8, copy_impl="nt")),
+                     ("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8, copy_impl="movsb")),
+                     ("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8, copy_impl="libc")),
+                     ("mmap", dict(pinned_bytes=P, slot_bytes=4 * MiB, threads=8)),
+                     ("mmap", dict(pinned_bytes=64 * MiB, slot_bytes=4 * MiB, threads=8)),
+                     ("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=6)),
+                     ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=12))]
     elif not args.quick:
         if native:
             variants += [

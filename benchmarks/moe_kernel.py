@@ -408,8 +408,14 @@ def moe_forward(
         cfg13 = _pick_config(p / max(1, len(np.unique(slot_ids))), w.hidden, w.group13)
         sp, bs = align_routing(slot_ids, w.num_slots, cfg13["BLOCK_M"])
         dev = x.device
-        sp_t = torch.from_numpy(sp).to(dev, non_blocking=True)
-        bs_t = torch.from_numpy(bs).to(dev, non_blocking=True)
+        # one copy from pinned memory: from pageable memory the copy may wait for the stream to
+        # reach it, i.e. for every copy the stream was told to wait for (serialising host and GPU)
+        host = torch.empty(sp.size + bs.size, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        hn = host.numpy()
+        hn[:sp.size] = sp
+        hn[sp.size:] = bs
+        dev_buf = host.to(dev, non_blocking=True)
+        sp_t, bs_t = dev_buf[:sp.size], dev_buf[sp.size:]
         h = _grouped_gemm(x, w.w13_q, w.w13_s, sp_t, bs_t, p, topk, w.group13, cfg13, x.dtype)
         inter = w.inter
         act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)

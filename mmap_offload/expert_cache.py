@@ -105,6 +105,15 @@ def _ids_to_numpy(expert_ids) -> tuple[np.ndarray, torch.device | None, torch.dt
     return arr, None, torch.int64
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` through pinned memory, without blocking the host: a
+    copy from pageable memory may wait until the stream reaches it, i.e. until the expert copies
+    that stream was told to wait for have landed (host and GPU would run in lock-step)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ExpertCache:
     """A VRAM cache of whole experts for the MoE layers of one ``cache_reader.Cache``.
 
@@ -203,7 +212,8 @@ class ExpertCache:
     def expert_map(self, layer: int, device: str | torch.device | None = None) -> torch.Tensor:
         """``[E]`` int32: slot of each expert of ``layer``, -1 if not resident (vLLM ``expert_map``
         style); valid until the next call on the same pool."""
-        return torch.from_numpy(self._lut[self._li(layer)].astype(np.int32)).to(device or self.device)
+        return _to_device(torch.from_numpy(self._lut[self._li(layer)].astype(np.int32)),
+                          torch.device(device or self.device))
 
     @property
     def capacity_bytes(self) -> int:
@@ -418,7 +428,7 @@ class ExpertCache:
         out = torch.from_numpy(row[ids])
         if out_device is None:
             return out
-        return out.to(device=out_device, dtype=out_dtype)
+        return _to_device(out.to(out_dtype), out_device)
 
     def prefetch_hint(self, layer: int, expert_ids, max_fetch: int | None = None) -> int:
         """Start fetching likely experts of ``layer`` without waiting; returns how many were started.

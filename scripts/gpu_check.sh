@@ -7,7 +7,7 @@
 #   optional (TRANSFER=1): benchmarks/bench_transfer.py --native-only --skip-cold (warm engine vs H2D)
 # $OUT gets check.log (steps 1-3 and the transfer table), transfer.json, and moe/ (step 4: run.log,
 # results.json, results.md, 3 PNGs): 8 files, the device tool's limit. kvikio wheels in .whl/ are
-# installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1.
+# installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1, SKIP_WARMUP=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -32,8 +32,10 @@ timeout 200 python3 benchmarks/bench_transfer.py --native-only --skip-cold --siz
   --out "$OUT/transfer.json" 2>&1 | grep -v "^# env" | tail -16
 rm -f /tmp/mmap_offload_bench.bin
 fi
+if [ "${SKIP_WARMUP:-0}" != 1 ]; then
 echo "== bench_warmup"
 timeout 120 python3 benchmarks/bench_warmup.py --device cuda --gib ${WARMUP_GIB:-4} --dir /tmp/mmo-warmup --out /tmp/warmup.json 2>&1 | tail -8
+fi
 echo "elapsed: $((SECONDS - t0)) s"
 } 2>&1 | tee "$OUT/check.log"
 echo "== bench_moe"
