@@ -198,8 +198,11 @@ def main() -> int:
           f"{1e3 * pol:.3f} ms/call", flush=True)
     print(f"{'engine':34s} {'experts':>7s} {'MiB':>6s} {'submit':>8s} {'issued':>8s} {'landed':>8s} "
           f"{'GB/s':>6s} {'fill/thr':>8s}  ceilings: fill(8t) h2d  -> serial sum", flush=True)
-    configs = [dict(threads=8, slot_bytes=16 * MiB, native=False), dict(threads=8, slot_bytes=8 * MiB),
-               dict(threads=8, slot_bytes=4 * MiB), dict(threads=15, slot_bytes=8 * MiB)]
+    configs = [dict(threads=8, slot_bytes=16 * MiB, native=False),
+               dict(threads=8, slot_bytes=8 * MiB, chunks_per_thread=2, min_chunk_bytes=MiB),
+               dict(threads=8, slot_bytes=8 * MiB),  # native defaults: 4 chunks per thread, >= 512 KiB
+               dict(threads=8, slot_bytes=8 * MiB, chunks_per_thread=8, min_chunk_bytes=256 << 10),
+               dict(threads=12, slot_bytes=8 * MiB), dict(threads=15, slot_bytes=8 * MiB)]
     for n in [int(x) for x in args.batches.split(",")]:
         fc = fill_ceiling(path, E, rec, n, max(5, args.reps // 4))
         hc = h2d_ceiling(device, n * rec, max(5, args.reps // 4))
@@ -207,7 +210,8 @@ def main() -> int:
             r = engine_latency(device, path, E, rec, n, args.reps, opts)
             r.update(fill_ceiling_ms=1e3 * fc, h2d_ceiling_ms=1e3 * hc)
             res["rows"].append(r)
-            name = ("native " if r["native"] else "python ") + json.dumps(opts)
+            name = ("native " if r["native"] else "python ") + " ".join(
+                f"{k[:5]}={v >> 10 if k.endswith('bytes') else v}" for k, v in opts.items() if k != "native")
             print(f"{name[:34]:34s} {n:7d} {n * rec / MiB:6.0f} {r['submit_ms']:8.3f} {r['issued_ms']:8.3f} "
                   f"{r['landed_ms']:8.3f} {r['GBps']:6.1f} {r['fill_per_thread_GBps']:8.1f}  "
                   f"{1e3 * fc:.3f} {1e3 * hc:.3f} -> {1e3 * (fc + hc):.3f}", flush=True)

@@ -73,6 +73,7 @@ from .pinned import (
 
 ENGINE_KINDS = ("auto", "mmap", "pread", "kvikio")
 MIN_CHUNK_BYTES = 1 << 20  # below this, per-chunk overhead outweighs the parallelism gained
+NATIVE_MIN_CHUNK_BYTES = 512 << 10  # the same for the native pool (no Python per chunk)
 GDS_INSTALL_HINT = "pip install 'mmap-offload[gds]'"
 
 
@@ -407,7 +408,7 @@ class TransferEngine:
         pieces = []
         for c in copies:
             ext = c.src
-            path, base = Path(ext.path), int(ext.offset)
+            path, base = os.fspath(ext.path), int(ext.offset)  # str keys: Path hashing cost ~40% of a submit
             for off, n, dst in c.dst:
                 off, n = int(off), int(n)
                 if off < 0 or n < 0 or off + n > ext.nbytes:
@@ -812,7 +813,8 @@ class _RingEngine(TransferEngine):
     copy stream, ticket bookkeeping. Subclasses implement ``_fill(chunk, slot, stats)``."""
 
     def __init__(self, device: torch.device, *, pinned_bytes: int, slot_bytes: int, threads: int,
-                 reserve_bytes: int = 0, blocking_events: bool = True, python_workers: bool = True):
+                 reserve_bytes: int = 0, blocking_events: bool = True, python_workers: bool = True,
+                 chunks_per_thread: int = 2, min_chunk_bytes: int = MIN_CHUNK_BYTES):
         super().__init__(device)
         if threads < 1 or threads > 64:
             raise ValueError(f"threads must be in 1..64, got {threads}")
@@ -820,6 +822,8 @@ class _RingEngine(TransferEngine):
         ring_bytes = int(pinned_bytes) - int(reserve_bytes)
         num_slots = max(2, ring_bytes // self.slot_bytes)
         self.threads = int(threads)
+        self.chunks_per_thread = max(1, int(chunks_per_thread))
+        self.min_chunk_bytes = _align_up(max(ALIGNMENT, int(min_chunk_bytes)))
         self.ring = PinnedRing(num_slots, self.slot_bytes, pin=device.type == "cuda")
         self.stream: Any = (_CudaCopyStream(device, blocking_events) if device.type == "cuda"
                             else _CpuCopyStream())
@@ -829,9 +833,11 @@ class _RingEngine(TransferEngine):
         self._workers = [self._start_worker(i) for i in range(self.threads)] if python_workers else []
 
     def _chunk_bytes(self, total: int) -> int:
-        """Small batches (a few experts at decode) are cut into about 2 chunks per worker so every
-        worker copies and the first H2D starts early; big ones use whole slots."""
-        return min(self.slot_bytes, max(MIN_CHUNK_BYTES, _align_up(-(-total // (2 * self.threads)))))
+        """Small batches (a few experts at decode) are cut into ``chunks_per_thread`` chunks per
+        worker so every worker copies, a late-waking one delays the batch less, and the first H2D
+        starts early; big ones use whole slots."""
+        per = _align_up(-(-total // (self.chunks_per_thread * self.threads)))
+        return min(self.slot_bytes, max(self.min_chunk_bytes, per))
 
     # -- planning
     def _plan(self, pieces: list[tuple[Path, int, int, int]]) -> list[list[_Part]]:
@@ -858,7 +864,7 @@ class _RingEngine(TransferEngine):
         return chunks
 
     def _check_files(self, pieces: list[tuple[Path, int, int, Any]]) -> None:
-        sizes: dict[Path, int] = {}
+        sizes: dict[str, int] = {}
         for path, start, n, _ in pieces:
             if path not in sizes:
                 try:
@@ -870,8 +876,8 @@ class _RingEngine(TransferEngine):
                 raise CacheError(f"cache file {path} ends at {sizes[path]} bytes, a read needs "
                                  f"{start + n} (truncated?)", "run mmap-offload verify DIR")
 
-    def _file_size(self, path: Path) -> int:
-        return path.stat().st_size
+    def _file_size(self, path: str) -> int:
+        return os.stat(path).st_size
 
     def _submit(self, copies: list[Copy], after: Any) -> Ticket:
         pieces = self._pointer_pieces(copies)
@@ -1062,10 +1068,11 @@ class _NativePool:
         return ev, ev.handle
 
     def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket) -> int:
+        """``triples``: flat uint64 (src address, dst address, nbytes) per piece."""
         status = np.zeros(_ST_LEN, dtype=np.int64)
         ev, handle = self.new_event()
         ticket._status, ticket._native_event = status, ev
-        n = self.lib.mo_pool_submit(self.handle, triples.ctypes.data, len(triples), chunk_bytes,
+        n = self.lib.mo_pool_submit(self.handle, triples.ctypes.data, len(triples) // 3, chunk_bytes,
                                     status.ctypes.data, handle)
         if n < 0:
             ticket._status = None
@@ -1106,7 +1113,8 @@ class MmapEngine(_RingEngine):
                  slot_bytes: int = 16 << 20, threads: int = 8, direct_threads: int = 0,
                  direct_depth: int = 2, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", collapse: bool = False,
-                 affinity: str | None = None, native: bool | str = "auto", stream_delay_us: int = 0):
+                 affinity: str | None = None, native: bool | str = "auto", stream_delay_us: int = 0,
+                 chunks_per_thread: int | None = None, min_chunk_bytes: int | None = None):
         self.affinity = affinity
         self.populate = populate
         self.hugepage = hugepage
@@ -1123,7 +1131,11 @@ class MmapEngine(_RingEngine):
         lib = self._native_lib(native, copy_impl, affinity)
         super().__init__(device, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes,
                          threads=threads, reserve_bytes=reserve, blocking_events=blocking_events,
-                         python_workers=lib is None)
+                         python_workers=lib is None,
+                         # the pool's per-chunk cost is a few microseconds: finer chunks pay off
+                         chunks_per_thread=chunks_per_thread or (4 if lib is not None else 2),
+                         min_chunk_bytes=min_chunk_bytes or (NATIVE_MIN_CHUNK_BYTES if lib is not None
+                                                             else MIN_CHUNK_BYTES))
         self.native = lib is not None
         self._pool: _NativePool | None = None
         if lib is not None:
@@ -1162,20 +1174,23 @@ class MmapEngine(_RingEngine):
             return super()._submit(copies, after)
         pieces = self._pointer_pieces(copies)
         self._check_files(pieces)
-        triples = np.empty((len(pieces), 3), dtype=np.uint64)
+        flat: list[int] = []  # src, dst, nbytes per piece
         total = 0
+        populate = self._populate_ok
         last: tuple[Any, int, int] | None = None  # populate runs of neighbouring pieces at once
-        for i, (path, start, n, dst) in enumerate(pieces):
-            m = self._map(path)
-            triples[i] = (m.addr + start, dst, n)
+        maps = self._maps
+        for path, start, n, dst in pieces:
+            m = maps.get(path) or self._map(path)
+            flat += (m.addr + start, dst, n)
             total += n
-            if self._populate_ok:
+            if populate:
                 if last is not None and last[0] is m and start - last[2] < _MappedFile.GRANULE:
                     last = (m, last[1], max(last[2], start + n))
                 else:
                     self._populate(last)
                     last = (m, start, start + n)
         self._populate(last)
+        triples = np.array(flat, dtype=np.uint64)
         ticket = Ticket(total, 1)
         self._retain(ticket, copies)
         if after is not None:
@@ -1200,7 +1215,7 @@ class MmapEngine(_RingEngine):
             with self._maps_lock:
                 m = self._maps.get(path)
                 if m is None:
-                    m = _MappedFile(path, self.hugepage, self.collapse)
+                    m = _MappedFile(Path(path), self.hugepage, self.collapse)
                     self._maps[path] = m
         return m
 
@@ -1320,7 +1335,7 @@ class MmapEngine(_RingEngine):
         Returns the bytes whose page tables were set up."""
         done = 0
         for path in paths:
-            m = self._map(Path(path))
+            m = self._map(os.fspath(path))
             if self._populate_ok:
                 done += m.populate_resident()
         return done
@@ -1468,7 +1483,7 @@ class KvikioEngine(TransferEngine):
             with self._files_lock:
                 f = self._files.get(path)
                 if f is None:
-                    if not path.exists():
+                    if not os.path.exists(path):
                         raise CacheError(f"cache file {path} is missing",
                                          "rebuild the cache (mmap-offload warmup)")
                     f = self.kvikio.CuFile(path, "r")
@@ -1477,8 +1492,11 @@ class KvikioEngine(TransferEngine):
 
     def _submit(self, copies: list[Copy], after: Any) -> Ticket:
         pieces = self._pieces(copies)
+        sizes: dict[str, int] = {}
         for path, start, n, _ in pieces:
-            size = path.stat().st_size if path.exists() else 0
+            size = sizes.get(path)
+            if size is None:
+                size = sizes[path] = os.stat(path).st_size if os.path.exists(path) else 0
             if start + n > size:
                 raise CacheError(f"cache file {path} ends at {size} bytes, a read needs "
                                  f"{start + n} (missing or truncated?)", "run mmap-offload verify DIR")
