@@ -4,7 +4,7 @@
 #   2. benchmarks/bench_repack.py on CUDA          (repack GB/s, bar >= 20)
 #   3. benchmarks/bench_warmup.py on CUDA          (warm-up vs the disk's sequential write, bar >= 80%)
 #   4. benchmarks/bench_moe.py                     (tokens/s against UVA; see docs/BENCHMARKS.md)
-#   optional (TRANSFER=1): benchmarks/bench_transfer.py --native-only --skip-cold (warm engine vs H2D)
+#   optional (TRANSFER=1): benchmarks/bench_transfer.py $TRANSFER_ARGS (default --native-only --skip-cold)
 # $OUT gets check.log (steps 1-3 and the transfer table), transfer.json, and moe/ (step 4: run.log,
 # results.json, results.md, 3 PNGs): 8 files, the device tool's limit. kvikio wheels in .whl/ are
 # installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1, SKIP_WARMUP=1.
@@ -28,8 +28,8 @@ timeout 60 python3 benchmarks/bench_repack.py --device cuda --out /tmp/repack.js
 fi
 if [ "${TRANSFER:-0}" = 1 ]; then
 echo "== bench_transfer (warm, native pool vs Python threads)"
-timeout 200 python3 benchmarks/bench_transfer.py --native-only --skip-cold --size-gib ${TRANSFER_GIB:-4} \
-  --out "$OUT/transfer.json" 2>&1 | grep -v "^# env" | tail -16
+timeout 240 python3 benchmarks/bench_transfer.py --size-gib ${TRANSFER_GIB:-4} ${TRANSFER_ARGS:---native-only --skip-cold} \
+  --out "$OUT/transfer.json" 2>&1 | grep -v "^# env" | tail -${TRANSFER_TAIL:-16}
 rm -f /tmp/mmap_offload_bench.bin
 fi
 if [ "${SKIP_WARMUP:-0}" != 1 ]; then
