@@ -278,6 +278,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="few variants (CPU try-out)")
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--engines", default=None,
+                    help='warm variants as JSON [["mmap", {"threads": 8, ...}], ...] (pinned_bytes defaults to 256 MiB)')
     ap.add_argument("--native-only", action="store_true",
                     help="warm: the pool's defaults against the Python threads, slot sizes, 12/15 threads")
     ap.add_argument("--cold-rounds", type=int, default=2)
@@ -324,7 +326,9 @@ def main() -> None:
         ("mmap", dict(pinned_bytes=P, slot_bytes=32 * MiB, threads=8)),
         ("mmap", dict(pinned_bytes=P, slot_bytes=16 * MiB, threads=8, copy_impl="libc")),
     ]
-    if args.native_only:
+    if args.engines:  # an explicit list replaces the built-in ones
+        variants = [(k, {"pinned_bytes": P, **o}) for k, o in json.loads(args.engines)]
+    elif args.native_only:
         variants += [("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8, copy_impl="nt")),
                      ("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8, copy_impl="movsb")),
                      ("mmap", dict(pinned_bytes=P, slot_bytes=8 * MiB, threads=8, copy_impl="libc")),
@@ -353,7 +357,7 @@ def main() -> None:
         ]
     if device.type != "cuda":
         variants = [(k, o) for k, o in variants if not o.get("direct_threads")]
-    if have_kvikio() and device.type == "cuda":
+    if have_kvikio() and device.type == "cuda" and not args.engines:
         variants += [("auto", dict()),
                      ("kvikio", dict(kvikio_threads=16, task_size=8 * MiB)),
                      ("kvikio", dict(kvikio_threads=16, task_size=16 * MiB)),

@@ -77,7 +77,7 @@ typedef struct {
     int closing;
     int nthreads;
     pthread_t *threads;
-    int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb */
+    int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb, 4 tc */
     size_t prefetch;
 
     /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot */
@@ -95,6 +95,7 @@ static void cpu_copy(mo_pool *p, void *dst, const void *src, size_t n) {
     case 1: mo_copy_nt(dst, src, n, p->prefetch); break;
     case 2: mo_copy_nt4(dst, src, n, p->prefetch); break;
     case 3: mo_copy_movsb(dst, src, n); break;
+    case 4: mo_copy_tc(dst, src, n, p->prefetch); break;
     default: memcpy(dst, src, n);
     }
 }

@@ -814,7 +814,8 @@ class _RingEngine(TransferEngine):
 
     def __init__(self, device: torch.device, *, pinned_bytes: int, slot_bytes: int, threads: int,
                  reserve_bytes: int = 0, blocking_events: bool = True, python_workers: bool = True,
-                 chunks_per_thread: int = 2, min_chunk_bytes: int = MIN_CHUNK_BYTES):
+                 chunks_per_thread: int = 2, min_chunk_bytes: int = MIN_CHUNK_BYTES,
+                 ring_hugepage: bool = True):
         super().__init__(device)
         if threads < 1 or threads > 64:
             raise ValueError(f"threads must be in 1..64, got {threads}")
@@ -824,7 +825,7 @@ class _RingEngine(TransferEngine):
         self.threads = int(threads)
         self.chunks_per_thread = max(1, int(chunks_per_thread))
         self.min_chunk_bytes = _align_up(max(ALIGNMENT, int(min_chunk_bytes)))
-        self.ring = PinnedRing(num_slots, self.slot_bytes, pin=device.type == "cuda")
+        self.ring = PinnedRing(num_slots, self.slot_bytes, pin=device.type == "cuda", hugepage=ring_hugepage)
         self.stream: Any = (_CudaCopyStream(device, blocking_events) if device.type == "cuda"
                             else _CpuCopyStream())
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -987,7 +988,7 @@ class _RingEngine(TransferEngine):
         pass
 
 
-_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3}
+_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3, "tc": 4}
 
 
 def _cuda_runtime_api() -> list[int] | None:
@@ -1114,7 +1115,8 @@ class MmapEngine(_RingEngine):
                  direct_depth: int = 2, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", collapse: bool = False,
                  affinity: str | None = None, native: bool | str = "auto", stream_delay_us: int = 0,
-                 chunks_per_thread: int | None = None, min_chunk_bytes: int | None = None):
+                 chunks_per_thread: int | None = None, min_chunk_bytes: int | None = None,
+                 ring_hugepage: bool = True):
         self.affinity = affinity
         self.populate = populate
         self.hugepage = hugepage
@@ -1135,7 +1137,8 @@ class MmapEngine(_RingEngine):
                          # the pool's per-chunk cost is a few microseconds: finer chunks pay off
                          chunks_per_thread=chunks_per_thread or (4 if lib is not None else 2),
                          min_chunk_bytes=min_chunk_bytes or (NATIVE_MIN_CHUNK_BYTES if lib is not None
-                                                             else MIN_CHUNK_BYTES))
+                                                             else MIN_CHUNK_BYTES),
+                         ring_hugepage=ring_hugepage)
         self.native = lib is not None
         self._pool: _NativePool | None = None
         if lib is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -162,3 +164,32 @@ def test_no_pinned_memory_without_cuda():
         pytest.skip("CUDA present")
     with PinnedRing(2, PAGE) as r:
         assert r.pinned_bytes == 0 and total_pinned_bytes() == 0
+
+
+def _anon_huge_kib(addr: int) -> int | None:
+    """AnonHugePages of the mapping holding ``addr`` (/proc/self/smaps), None if not found."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= addr < hi:
+                for rest in lines[i + 1:]:
+                    if rest.startswith("AnonHugePages:"):
+                        return int(rest.split()[1])
+                return None
+    return None
+
+
+def test_buffer_asks_for_huge_pages_and_stays_exact():
+    """The ring's memory is backed by 2 MiB pages where THP allows (fewer TLB misses for the copy
+    threads); the size stays exact and the memory zeroed."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    with PinnedBuffer(16 << 20, pin=False) as b, PinnedBuffer(16 << 20, pin=False, hugepage=False) as small:
+        assert b.nbytes == 16 << 20
+        assert not b.tensor.any()
+        huge = _anon_huge_kib(b.ptr)
+        assert huge is not None and huge >= 2048, huge
+        assert (_anon_huge_kib(small.ptr) or 0) == 0 or "[always]" in thp.read_text()

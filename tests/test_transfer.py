@@ -76,6 +76,7 @@ ENGINES = [
     ("mmap", {"native": False}),
     ("mmap", {"native": True, "copy_impl": "libc"}),
     ("mmap", {"native": True, "copy_impl": "movsb", "populate": False}),
+    ("mmap", {"native": True, "copy_impl": "tc", "ring_hugepage": False}),
     ("mmap", {"populate": False, "hugepage": False, "copy_impl": "libc"}),
     ("mmap", {"copy_impl": "torch", "collapse": True}),
     ("mmap", {"copy_impl": "numpy", "affinity": "spread"}),
