@@ -779,17 +779,17 @@ def write_report(out: Path, meta: dict, rows: list[dict], variants: list[dict]) 
         f"VRAM budget for expert weights {gib(meta['budget_bytes'])} GiB.  ",
         f"Tuning in this run: {json.dumps({k: v for k, v in meta.get('tuning', {}).items() if k in ('pinned_h2d_gbps', 'decode_config', 'engine_opts')})}",
         "",
-        "| variant | trace | workload | tokens/s | step ms | PCIe MiB/step | routed MiB/step | pinned GiB | VRAM wts GiB | peak RSS GiB | anon+shm GiB | ready s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | trace | workload | tokens/s | step ms | host in delivery ms | PCIe MiB/step | routed MiB/step | pinned GiB | VRAM wts GiB | peak RSS GiB | anon+shm GiB | ready s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "tokens_per_s" not in r:
             lines.append(f"| {r['variant']} | {r['trace']} | {r['workload']} | {r.get('error') or r.get('skipped')} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         lines.append(
             f"| {r['variant']} | {r['trace']} | {r['workload']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
-            f"{r['pcie_bytes_per_step'] / 2**20:.1f} | {r['routed_bytes_per_step'] / 2**20:.1f} | "
+            f"{r.get('deliver_ms', 0):.2f} | {r['pcie_bytes_per_step'] / 2**20:.1f} | {r['routed_bytes_per_step'] / 2**20:.1f} | "
             f"{gib(r['pinned_bytes'])} | {gib(r['vram_weight_bytes'])} | {gib(r['peak_rss_bytes'])} | "
             f"{gib(r.get('anon_shmem_bytes', 0))} | {r['time_to_ready_s']:.2f} |"
         )
