@@ -13,7 +13,11 @@
  * same pool runs over mo_fake_* below: a CPU "stream" thread that executes copies in order and
  * CPU events, so the ring and batch logic are tested on machines without CUDA.
  *
- * Build: cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c csrc/copy_pool.c -lpthread */
+ * Lifetime: mo_pool_shutdown cancels what is queued and joins the workers (every batch issued);
+ * only then may the caller, once no thread is inside mo_pool_wait, call mo_pool_destroy.
+ *
+ * Built by native_copy_lib() in transfer.py (or by hand, then at $MMAP_OFFLOAD_NATIVE):
+ *   cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c csrc/copy_pool.c -lpthread -o libmo_native.so */
 #define _GNU_SOURCE
 #include "fastcopy.h"
 #include <pthread.h>
@@ -23,7 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 1
+#define MO_POOL_ABI 2
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -39,6 +43,7 @@ enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
 /* Status words of one batch, in an int64 array the caller owns and keeps alive until issued. */
 enum { ST_CHUNKS = 0, ST_DONE = 1, ST_ISSUED = 2, ST_ERROR = 3, ST_LEN = 4 };
 enum { ERR_CANCELLED = -1 }; /* > 0: the CUDA error code of the first failed call */
+enum { SUBMIT_CLOSED = -1, SUBMIT_INVALID = -2 }; /* mo_pool_submit: nothing was queued */
 
 typedef struct { uint64_t src, dst, n; } mo_piece;              /* input triple */
 typedef struct { uint64_t src, dst, n, off; } planned_piece;    /* off: offset in the slot */
@@ -74,7 +79,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv, slot_cv;
     batch *head, *tail;
-    int closing;
+    int closing, joined;
     int nthreads;
     pthread_t *threads;
     int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb, 4 tc */
@@ -83,6 +88,8 @@ typedef struct {
     /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot */
     uint64_t st_bytes, st_chunks, st_fill_ns, st_issue_ns, st_slot_wait_ns;
 } mo_pool;
+
+void mo_pool_shutdown(mo_pool *p);
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -146,10 +153,10 @@ static int run_chunk(mo_pool *p, batch *b, uint32_t ci) {
         err = p->memcpy_async((void *)(uintptr_t)q->dst, slot + q->off, q->n, H2D, p->stream);
     }
     int rec = p->event_record(p->slot_event[s], p->stream);
-    if (rec) {
-        /* no event guards the slot: wait for the stream's work through a fresh event */
-        err = err ? err : rec;
-    }
+    /* Without an event nothing guards the slot: a later fill may overwrite it before these copies
+     * ran. Only this batch's destinations can get those bytes, and it fails with ``rec`` (a failed
+     * record means a broken CUDA context; there is no stream sync to fall back on). */
+    if (rec && !err) err = rec;
     release_slot(p, s, rec == 0);
     uint64_t t2 = now_ns();
     pthread_mutex_lock(&p->mu);
@@ -248,13 +255,13 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     }
     return p;
 fail:
-    pthread_mutex_lock(&p->mu);
-    p->closing = 1;
-    pthread_cond_broadcast(&p->work_cv);
-    pthread_mutex_unlock(&p->mu);
-    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    mo_pool_shutdown(p);
     for (int i = 0; p->slot_event && i < nslots; i++)
         if (p->slot_event[i]) p->event_destroy(p->slot_event[i]);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->work_cv);
+    pthread_cond_destroy(&p->done_cv);
+    pthread_cond_destroy(&p->slot_cv);
     free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->threads); free(p);
     return NULL;
 }
@@ -262,16 +269,23 @@ fail:
 /* Queue a batch. Pieces are cut into chunks of at most chunk_bytes (<= slot_bytes); small
  * pieces share a chunk, each starting 64-byte aligned in the slot. ``status`` (ST_LEN int64,
  * zeroed by the caller) and ``event`` stay valid until status[ST_ISSUED] is 1.
- * Returns the number of chunks, or -1 (bad arguments / no memory: nothing queued). */
+ * Returns the number of chunks, SUBMIT_CLOSED (the pool is shut down) or SUBMIT_INVALID (bad
+ * arguments, too many pieces, no memory); then nothing was queued. */
 int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes,
                        int64_t *status, void *event) {
-    if (!p || !status || chunk_bytes == 0 || chunk_bytes > p->slot_bytes) return -1;
-    size_t cap = 0;
-    for (size_t i = 0; i < n; i++) cap += in[i].n / chunk_bytes + 2;
+    if (!p || !status || (n && !in) || chunk_bytes == 0 || chunk_bytes > p->slot_bytes)
+        return SUBMIT_INVALID;
+    /* a piece becomes at most n / chunk_bytes + 2 planned pieces (a partial first and last);
+     * indices are uint32 and the sum must not wrap (a wrapped cap under-allocates) */
+    uint64_t cap = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t q = in[i].n / chunk_bytes;
+        if (q > UINT32_MAX || (cap += q + 2) > UINT32_MAX) return SUBMIT_INVALID;
+    }
     batch *b = calloc(1, sizeof(*b));
     planned_piece *pieces = malloc((cap ? cap : 1) * sizeof(*pieces));
     chunk *chunks = malloc((cap ? cap : 1) * sizeof(*chunks));
-    if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return -1; }
+    if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return SUBMIT_INVALID; }
     size_t np = 0, nc = 0, used = 0;
     int open = 0;
     for (size_t i = 0; i < n; i++) {
@@ -303,7 +317,7 @@ int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     if (p->closing) {
         pthread_mutex_unlock(&p->mu);
         free(pieces); free(chunks); free(b);
-        return -1;
+        return SUBMIT_CLOSED;
     }
     if (nc == 0) { /* nothing to copy: issued at once (the event marks "now" on the stream) */
         if (event) {
@@ -322,9 +336,12 @@ int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     return (int64_t)nc;
 }
 
-/* Block until the batch of ``status`` is issued; returns status[ST_ERROR]. */
+/* Block until the batch of ``status`` is issued; returns status[ST_ERROR]. ``p`` must stay
+ * valid until this returns (mo_pool_shutdown issues every batch, then the caller lets waiters
+ * leave before mo_pool_destroy). Without a pool nothing will issue the batch: ERR_CANCELLED. */
 int64_t mo_pool_wait(mo_pool *p, int64_t *status) {
     if (__atomic_load_n(&status[ST_ISSUED], __ATOMIC_ACQUIRE)) return status[ST_ERROR];
+    if (!p) return ERR_CANCELLED;
     pthread_mutex_lock(&p->mu);
     while (!__atomic_load_n(&status[ST_ISSUED], __ATOMIC_ACQUIRE))
         pthread_cond_wait(&p->done_cv, &p->mu);
@@ -341,14 +358,25 @@ void mo_pool_stats(mo_pool *p, uint64_t *out) {
 }
 
 /* Cancel chunks not started (their batches finish with ERR_CANCELLED), finish those running,
- * wait for every slot's last device copy, free everything. The ring memory is the caller's. */
-void mo_pool_destroy(mo_pool *p) {
+ * join the workers: afterwards every batch is issued and submit returns SUBMIT_CLOSED, but the
+ * pool stays valid for mo_pool_wait / mo_pool_stats. Idempotent; one caller at a time. */
+void mo_pool_shutdown(mo_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
     p->closing = 1;
     pthread_cond_broadcast(&p->work_cv);
+    int joined = p->joined;
+    p->joined = 1;
     pthread_mutex_unlock(&p->mu);
-    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    if (!joined)
+        for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+}
+
+/* Shut down, wait for every slot's last device copy, free everything. No call on ``p`` may run
+ * or follow (the caller's job: mo_pool_wait blocks inside p). The ring memory is the caller's. */
+void mo_pool_destroy(mo_pool *p) {
+    if (!p) return;
+    mo_pool_shutdown(p);
     for (int i = 0; i < p->nslots; i++) {
         if (p->slot_used[i]) p->event_sync(p->slot_event[i]);
         p->event_destroy(p->slot_event[i]);
@@ -363,7 +391,9 @@ void mo_pool_destroy(mo_pool *p) {
 /* --- a CPU stand-in for the CUDA stream and events, so the pool runs without a GPU -----------
  * One thread executes the stream's copies in order (after ``delay_us`` each: tests use it to make
  * early slot reuse visible). An event records how many copies were queued before it; it is
- * complete once the stream has executed that many. */
+ * complete once the stream has executed that many. Events recorded on a stream hold a reference
+ * to it: a ticket's event outlives its engine (query / synchronize after close), so the stream's
+ * memory goes with its last reference, its thread at destroy. */
 typedef struct fake_op { struct fake_op *next; void *dst; const void *src; size_t n; } fake_op;
 typedef struct {
     pthread_mutex_t mu;
@@ -372,9 +402,25 @@ typedef struct {
     uint64_t queued, executed;
     unsigned delay_us;
     int closing;
+    int refs;                         /* the creator's + one per event last recorded here */
+    unsigned fail_copy, fail_record;  /* test hook: the n-th next call fails (0: none) */
+    int fail_code;
     pthread_t thread;
 } fake_stream;
 typedef struct { fake_stream *s; uint64_t target; } fake_event;
+
+static void fake_stream_unref(fake_stream *s) {
+    if (!s || __atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL)) return;
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    pthread_cond_destroy(&s->done_cv);
+    free(s);
+}
+
+/* under s->mu: 1 if this call is the one the test hook should fail */
+static int fake_fail_now(unsigned *countdown) {
+    return *countdown && --*countdown == 0;
+}
 
 static void *fake_stream_main(void *arg) {
     fake_stream *s = (fake_stream *)arg;
@@ -404,8 +450,18 @@ void *mo_fake_stream_create(unsigned delay_us) {
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
     s->delay_us = delay_us;
-    if (pthread_create(&s->thread, NULL, fake_stream_main, s)) { free(s); return NULL; }
+    s->refs = 1;
+    if (pthread_create(&s->thread, NULL, fake_stream_main, s)) { fake_stream_unref(s); return NULL; }
     return s;
+}
+
+/* Test hook: the ``nth`` next memcpy_async (what 0) or event_record (what 1) returns ``code``. */
+void mo_fake_stream_fail(void *stream, int what, unsigned nth, int code) {
+    fake_stream *s = (fake_stream *)stream;
+    pthread_mutex_lock(&s->mu);
+    if (what == 0) s->fail_copy = nth; else s->fail_record = nth;
+    s->fail_code = code;
+    pthread_mutex_unlock(&s->mu);
 }
 
 void mo_fake_stream_destroy(void *stream) {
@@ -416,7 +472,7 @@ void mo_fake_stream_destroy(void *stream) {
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
-    free(s);
+    fake_stream_unref(s);
 }
 
 int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *stream) {
@@ -426,6 +482,12 @@ int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *s
     if (!op) return 2; /* cudaErrorMemoryAllocation */
     op->next = NULL; op->dst = dst; op->src = src; op->n = n;
     pthread_mutex_lock(&s->mu);
+    if (fake_fail_now(&s->fail_copy)) {
+        int code = s->fail_code;
+        pthread_mutex_unlock(&s->mu);
+        free(op);
+        return code;
+    }
     if (s->tail) s->tail->next = op; else s->head = op;
     s->tail = op;
     s->queued++;
@@ -444,9 +506,17 @@ int mo_fake_event_record(void *ev, void *stream) {
     fake_event *e = (fake_event *)ev;
     fake_stream *s = (fake_stream *)stream;
     pthread_mutex_lock(&s->mu);
+    if (fake_fail_now(&s->fail_record)) {
+        int code = s->fail_code;
+        pthread_mutex_unlock(&s->mu);
+        return code;
+    }
     e->target = s->queued;
+    fake_stream *old = e->s;
+    if (old != s) __atomic_add_fetch(&s->refs, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&e->s, s, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&s->mu);
+    if (old != s) fake_stream_unref(old); /* an event is not re-recorded while another thread waits on it */
     return 0;
 }
 
@@ -472,6 +542,8 @@ int mo_fake_event_done(void *ev) {
 }
 
 int mo_fake_event_destroy(void *ev) {
+    if (!ev) return 0;
+    fake_stream_unref(((fake_event *)ev)->s);
     free(ev);
     return 0;
 }

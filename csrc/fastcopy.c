@@ -1,13 +1,17 @@
-/* Optional copy kernels for the mmap engine's fill step (mmap_offload/transfer.py, copy_impl=).
- * The engine works without this library (libc memcpy through ctypes); build it with
- *   cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c -o build/libmo_fastcopy.so
- * and the engine finds it in build/ (or at $MMAP_OFFLOAD_FASTCOPY). Plain C, no Python API:
- * ctypes calls release the GIL. */
+/* Copy kernels of the mmap engine's fill step (mmap_offload/transfer.py, copy_impl=), used by
+ * the Python copy threads through ctypes and by the native pool (copy_pool.c). Optional: the
+ * engine works without them (libc memcpy, Python threads). native_copy_lib() builds this file
+ * with copy_pool.c into build/libmo_native-<hash of the sources>.so on first use (with ``cc``,
+ * needs AVX2), or loads $MMAP_OFFLOAD_NATIVE. Plain C, no Python API: ctypes calls release the GIL. */
 #include "fastcopy.h"
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+/* AVX2 per function, not per build: the file compiles without -mavx2 (sanitizer builds, other
+ * flags); callers check the CPU (transfer.py loads the library only where AVX2 is present). */
+#define MO_AVX2 __attribute__((target("avx2")))
 
 /* "rep movsb": the microcoded string copy (fast on CPUs with ERMS/FSRM). */
 void mo_copy_movsb(void *dst, const void *src, size_t n) {
@@ -15,7 +19,7 @@ void mo_copy_movsb(void *dst, const void *src, size_t n) {
 }
 
 /* AVX2 loads + non-temporal stores, software prefetch `pf` bytes ahead of the source. */
-void mo_copy_nt(void *dst, const void *src, size_t n, size_t pf) {
+MO_AVX2 void mo_copy_nt(void *dst, const void *src, size_t n, size_t pf) {
     char *d = (char *)dst;
     const char *s = (const char *)src;
     size_t head = (32 - ((uintptr_t)d & 31)) & 31;
@@ -42,7 +46,7 @@ void mo_copy_nt(void *dst, const void *src, size_t n, size_t pf) {
 
 /* Four interleaved non-temporal streams (quarters of the range): more independent misses in
  * flight per core, so more L2 streamers work at once. */
-void mo_copy_nt4(void *dst, const void *src, size_t n, size_t pf) {
+MO_AVX2 void mo_copy_nt4(void *dst, const void *src, size_t n, size_t pf) {
     size_t q = (n / 4) & ~(size_t)4095;
     if (q < 4096 || ((uintptr_t)dst & 31) != ((uintptr_t)src & 31) % 32 || ((uintptr_t)dst & 31)) {
         mo_copy_nt(dst, src, n, pf);
@@ -74,7 +78,7 @@ void mo_copy_nt4(void *dst, const void *src, size_t n, size_t pf) {
 /* Temporal stores with a non-temporal-hinted (NTA) prefetch of the source: the destination (a
  * ring slot the GPU reads next) stays in the last-level cache, where the DMA can read it, and
  * the streamed source does not evict it. Pays off with a ring smaller than the LLC. */
-void mo_copy_tc(void *dst, const void *src, size_t n, size_t pf) {
+MO_AVX2 void mo_copy_tc(void *dst, const void *src, size_t n, size_t pf) {
     char *d = (char *)dst;
     const char *s = (const char *)src;
     size_t blocks = n / 128;

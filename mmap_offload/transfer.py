@@ -18,15 +18,19 @@ TransferEngine <- KvikioEngine):
     mmap    warm path. Each file is mapped once per engine, read-only, 2 MiB-aligned (large
             page-cache folios map as PMDs); ``threads`` workers copy from the mapping into free
             slots of an exact-size PinnedRing with a 4-stream non-temporal AVX2 copy
-            (csrc/fastcopy.c, built on first use with ``cc``; libc memcpy where it cannot be), the GIL
-            released, so it does not depend on OMP_NUM_THREADS; each filled slot goes to the
-            device with ``non_blocking`` on the ONE copy stream of that device (``copy_stream()``),
-            and the event recorded after it frees the slot: a slot is never refilled before its
-            H2D completed. A region is pre-faulted once per engine (MADV_POPULATE_READ) so later
-            passes copy at memory speed. Optional ``direct_threads``: workers that register a
-            read-only window of the mapping with ``cudaHostRegister`` and DMA straight from the
-            page cache (no CPU copy); their windows count in ``pinned_bytes`` (off by default:
-            the driver serialises registration at ~17-20 GB/s, measured no gain).
+            (csrc/fastcopy.c; libc memcpy where it cannot be built), the GIL released, so it does
+            not depend on OMP_NUM_THREADS; each filled slot goes to the device on the ONE copy
+            stream of that device (``copy_stream()``), and the event recorded after it frees the
+            slot: a slot is never refilled before its H2D completed. By default (``native=``
+            "auto") the workers are a pthread pool in C (csrc/copy_pool.c, built with the kernels
+            by ``native_copy_lib()`` on first use): one GIL-free call per batch cuts it into
+            chunks, fills slots and issues cudaMemcpyAsync with torch's libcudart (on the CPU: the
+            library's own stand-in stream); ``native=False`` keeps the Python threads. A region is
+            pre-faulted once per engine (MADV_POPULATE_READ) so later passes copy at memory speed.
+            Optional ``direct_threads``: workers that register a read-only window of the mapping
+            with ``cudaHostRegister`` and DMA straight from the page cache (no CPU copy); their
+            windows count in ``pinned_bytes`` (off by default: the driver serialises
+            registration at ~17-20 GB/s, measured no gain).
     pread   cold path. Same ring, filled by parallel ``os.preadv`` of the covering 4096-aligned
             range with O_DIRECT (no page-cache pollution, queue depth = threads); buffered
             ``preadv`` where the file system refuses O_DIRECT (metrics say which).
@@ -335,7 +339,8 @@ class Ticket:
         err = int(self._status[_ST_ERROR])
         if err and self.error is None:
             self.error = (MmapOffloadError("transfer cancelled: the engine was closed") if err < 0
-                          else RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}"))
+                          else RuntimeError(f"the copy pool's cudaMemcpyAsync / cudaEventRecord "
+                                            f"failed with CUDA error {err}"))
         self.event = self._native_event
         self._issued.set()
 
@@ -653,7 +658,7 @@ _native_lib: Any = None
 _native_lock = threading.Lock()
 _CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 _NATIVE_SOURCES = ("fastcopy.c", "copy_pool.c")
-NATIVE_POOL_ABI = 1  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 2  # csrc/copy_pool.c MO_POOL_ABI
 
 
 def _has_avx2() -> bool:
@@ -762,10 +767,12 @@ def _load_native(build: bool) -> Any:
         lib.mo_pool_wait.restype = ctypes.c_int64
         lib.mo_pool_wait.argtypes = [vp, vp]
         lib.mo_pool_stats.argtypes = [vp, vp]
+        lib.mo_pool_shutdown.argtypes = [vp]
         lib.mo_pool_destroy.argtypes = [vp]
         lib.mo_fake_stream_create.restype = vp
         lib.mo_fake_stream_create.argtypes = [ctypes.c_uint]
         lib.mo_fake_stream_destroy.argtypes = [vp]
+        lib.mo_fake_stream_fail.argtypes = [vp, ctypes.c_int, ctypes.c_uint, ctypes.c_int]
         lib.mo_fake_event_create.argtypes = [vp, ctypes.c_uint]
         lib.mo_fake_event_done.argtypes = [vp]
         lib.mo_fake_event_sync.argtypes = [vp]
@@ -1034,13 +1041,22 @@ class _FakeEvent:
 class _NativePool:
     """csrc/copy_pool.c: a pthread pool that fills ring slots and issues the H2D copies, one C call
     per batch. On CUDA it uses torch's libcudart and the device's copy stream; on CPU, the
-    library's own CPU stream (``stream_delay_us`` delays each of its copies: a test hook)."""
+    library's own CPU stream (``stream_delay_us`` delays each of its copies: a test hook).
+
+    Calls into the pool may run in any thread, also during ``close``: each holds a use count, and
+    ``close`` frees the pool only after shutting it down (every batch issued, so waiters return)
+    and after the last user left. ``handle`` stays set until then."""
 
     def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
                  copy_kind: int, prefetch: int, stream_delay_us: int = 0) -> None:
         self.lib = lib
         self.device = device
         self._fake_stream = None
+        self._cv = threading.Condition()
+        self._users = 0
+        self._closing = False
+        self._close_lock = threading.Lock()
+        self._final: dict[str, float] = {}
         if device.type == "cuda":
             api = _cuda_runtime_api()
             if api is None:
@@ -1048,6 +1064,8 @@ class _NativePool:
             handle, index = stream.handle, device.index
         else:
             self._fake_stream = lib.mo_fake_stream_create(int(stream_delay_us))
+            if not self._fake_stream:
+                raise MemoryError("the native copy pool's CPU stream could not start")
             api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
                 "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
                 "mo_fake_event_sync", "mo_fake_event_destroy")] + [None]
@@ -1068,36 +1086,79 @@ class _NativePool:
         ev = _FakeEvent(self.lib)
         return ev, ev.handle
 
+    def _enter(self, closing_ok: bool) -> int:
+        """The pool's handle with a use counted (release with ``_leave``), or 0: freed, or closing
+        and not ``closing_ok``."""
+        with self._cv:
+            if not self.handle or (self._closing and not closing_ok):
+                return 0
+            self._users += 1
+            return self.handle
+
+    def _leave(self) -> None:
+        with self._cv:
+            self._users -= 1
+            if not self._users:
+                self._cv.notify_all()
+
     def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket) -> int:
         """``triples``: flat uint64 (src address, dst address, nbytes) per piece."""
         status = np.zeros(_ST_LEN, dtype=np.int64)
         ev, handle = self.new_event()
-        ticket._status, ticket._native_event = status, ev
-        n = self.lib.mo_pool_submit(self.handle, triples.ctypes.data, len(triples) // 3, chunk_bytes,
-                                    status.ctypes.data, handle)
+        ticket._status, ticket._native_event = status, ev  # alive (with the ticket) until issued
+        h = self._enter(closing_ok=False)
+        try:
+            n = self.lib.mo_pool_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
+                                        status.ctypes.data, handle) if h else -1
+        finally:
+            if h:
+                self._leave()
         if n < 0:
             ticket._status = None
-            raise RuntimeError("transfer engine is closed")
+            if n == -1:
+                raise RuntimeError("transfer engine is closed")
+            raise MemoryError(f"the native copy pool refused a batch of {len(triples) // 3} pieces "
+                              f"(chunk_bytes {chunk_bytes}): too many pieces or no memory")
         return int(n)
 
     def wait(self, ticket: Ticket) -> None:
-        if self.handle:  # a closed pool finished (or cancelled) every batch first
-            self.lib.mo_pool_wait(self.handle, ticket._status.ctypes.data)
+        # closing_ok: shutdown issues every batch, so a waiter in there returns, then close frees
+        h = self._enter(closing_ok=True)
+        if not h:  # freed: shut down first, so every batch is issued
+            return
+        try:
+            self.lib.mo_pool_wait(h, ticket._status.ctypes.data)
+        finally:
+            self._leave()
 
     def stats(self) -> dict[str, float]:
+        h = self._enter(closing_ok=True)
+        if not h:
+            return dict(self._final)
         out = np.zeros(5, dtype=np.uint64)
-        if self.handle:
-            self.lib.mo_pool_stats(self.handle, out.ctypes.data)
+        try:
+            self.lib.mo_pool_stats(h, out.ctypes.data)
+        finally:
+            self._leave()
         return dict(bytes_moved=int(out[0]), chunks=int(out[1]), fill_seconds=int(out[2]) / 1e9,
                     issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9)
 
     def close(self) -> None:
-        """Cancel what is queued, finish what runs, wait for the slots' copies. Idempotent."""
-        if self.handle:
-            self._final = self.stats()
-            h, self.handle = self.handle, None
-            self.lib.mo_pool_destroy(h)
-        self._destroy_stream()
+        """Cancel what is queued, finish what runs, wait for the slots' copies. Idempotent; a
+        second caller returns once the first is done (the ring must outlive the workers)."""
+        with self._close_lock:
+            with self._cv:
+                h = self.handle
+                self._closing = True
+            if h:
+                self.lib.mo_pool_shutdown(h)  # every batch issued: waiters in the pool return
+                self._final = self.stats()
+                with self._cv:
+                    while self._users:
+                        self._cv.wait()
+                    self.handle = None
+                self.lib.mo_pool_destroy(h)
+            self._destroy_stream()
 
     def _destroy_stream(self) -> None:
         if self._fake_stream:
@@ -1195,10 +1256,12 @@ class MmapEngine(_RingEngine):
         self._populate(last)
         triples = np.array(flat, dtype=np.uint64)
         ticket = Ticket(total, 1)
-        self._retain(ticket, copies)
         if after is not None:
             self.stream.wait_event(after)
         nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket)
+        # after the submit (``copies`` holds the destinations meanwhile): a refused batch, never
+        # issued, would otherwise stay at the head of _inflight and pin everything behind it
+        self._retain(ticket, copies)
         with self._lock:
             self._counters["tickets"] += 1
             self._counters["copies"] += len(pieces)
@@ -1320,7 +1383,7 @@ class MmapEngine(_RingEngine):
         m["copy_impl"] = self.copy_impl
         m["native"] = self.native
         if self._pool is not None:
-            m.update(self._pool.stats() if self._pool.handle else getattr(self._pool, "_final", {}))
+            m.update(self._pool.stats())
         return m
 
     def close(self) -> None:

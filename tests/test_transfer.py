@@ -500,3 +500,244 @@ def test_native_pool_close_cancels_queued_work_and_keeps_dsts_alive(files):
         eng.wait(t)  # len(data) / 4096 chunks at 20 ms each: most were still queued
     with pytest.raises(RuntimeError, match="closed"):
         eng.submit([])
+
+
+@needs_native
+def test_native_pool_wait_during_close_returns(files):
+    """A wait that starts while another thread closes the engine returns (cancelled or done); it
+    used to find the pool's handle already cleared, skip the native wait and block forever on a
+    ticket that nothing would mark issued."""
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 4096, slot_bytes=4096, threads=1, native=True,
+                      stream_delay_us=20_000)
+    dst = torch.zeros(len(data), dtype=torch.uint8)
+    t = eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])])
+    pool = eng._pool
+    closers = [threading.Thread(target=eng.close, daemon=True) for _ in range(2)]  # two at once
+    closers[0].start()
+    deadline = time.monotonic() + 5
+    while not (getattr(pool, "_closing", False) or pool.handle is None) and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    closers[1].start()
+    outcome = []
+
+    def waiter():
+        try:
+            eng.wait(t)
+            outcome.append("done")
+        except MmapOffloadError as e:
+            outcome.append(str(e))
+
+    w = threading.Thread(target=waiter, daemon=True)
+    w.start()
+    w.join(10)
+    assert not w.is_alive(), "wait() hung on a ticket of an engine being closed"
+    assert outcome == ["done"] or "closed" in outcome[0]
+    for c in closers:
+        c.join(10)
+        assert not c.is_alive()
+    assert pool.handle is None and eng.closed
+    assert "ring_wait_seconds" in eng.metrics  # the final stats survive the pool
+
+
+@needs_native
+def test_native_ticket_event_outlives_the_engine(tmp_path):
+    """On the CPU a ticket's event lives on the pool's CPU stream, which close destroys. Querying
+    or synchronizing the event afterwards must not touch freed memory: handed out again (here at
+    once, zeroed, as the next allocations would), a stale event reads 'not done' and its
+    synchronize() waits forever. Events now hold a reference to their stream."""
+    import ctypes
+
+    lib = _pool_lib_or_skip()
+    vp = ctypes.c_void_p
+    lib.mo_fake_memcpy_async.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
+    lib.mo_fake_event_record.argtypes = [vp, vp]
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = vp, [ctypes.c_size_t]
+    libc.free.argtypes = [vp]
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    stream = lib.mo_fake_stream_create(0)
+    ev = transfer._FakeEvent(lib)
+    assert lib.mo_fake_memcpy_async(dst.ctypes.data, src.ctypes.data, 64, 1, stream) == 0
+    assert lib.mo_fake_event_record(ev.handle, stream) == 0
+    ev.synchronize()
+    lib.mo_fake_stream_destroy(stream)
+    sizes = [n for n in range(128, 321, 8) for _ in range(32)]
+    blocks = [libc.malloc(n) for n in sizes]
+    try:
+        for b, n in zip(blocks, sizes):
+            ctypes.memset(b, 0, n)
+        assert ev.query()
+        done = threading.Thread(target=ev.synchronize, daemon=True)
+        done.start()
+        done.join(10)
+        assert not done.is_alive(), "synchronize() of a completed event hung after its stream went"
+    finally:
+        for b in blocks:
+            libc.free(b)
+    del ev  # the last reference frees the stream
+    assert np.array_equal(dst, src)
+
+    # the same through an engine: wait / synchronize / query after close
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 256)
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 65536, slot_bytes=65536, threads=2, native=True)
+    out = torch.zeros(1 << 16, dtype=torch.uint8)
+    t = eng.submit([Copy(Extent(p, 0, 1 << 16), [(0, 1 << 16, out)])])
+    eng.wait(t)
+    eng.close()
+    eng.wait(t)
+    eng.synchronize(t)
+    assert t.event.query()
+    assert out.numpy().tobytes() == p.read_bytes()
+
+
+@needs_native
+def test_native_pool_refused_batch_does_not_pin_later_destinations(files, monkeypatch):
+    """A batch the pool refuses raises (not 'closed': the engine works on) and is not retained: a
+    never-issued ticket at the head of the in-flight list kept every later destination alive."""
+    import gc
+    import weakref
+
+    p, data = next(iter(files.items()))
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 65536, slot_bytes=65536, threads=2, native=True)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(eng, "_chunk_bytes", lambda total: 2 * eng.slot_bytes)  # > slot_bytes: refused
+            with pytest.raises(MemoryError):
+                eng.submit([Copy(Extent(p, 0, 4096), [(0, 4096, torch.zeros(4096, dtype=torch.uint8))])])
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        alive = weakref.ref(dst)
+        eng.wait(eng.submit([Copy(Extent(p, 0, 4096), [(0, 4096, dst)])]))
+        assert np.array_equal(dst.numpy(), data[:4096])
+        del dst
+        eng.wait(eng.submit([]))  # the next submit lets completed tickets go
+        gc.collect()
+        assert alive() is None
+    finally:
+        eng.close()
+
+
+def _pool_lib_or_skip():
+    lib = native_copy_lib()
+    if lib is None:
+        pytest.skip("no C compiler / AVX2: the native pool is unavailable")
+    return lib
+
+
+def _raw_pool(lib, ring: np.ndarray, slot_bytes: int, threads: int, delay_us: int = 0):
+    import ctypes
+
+    stream = lib.mo_fake_stream_create(delay_us)
+    api = (ctypes.c_void_p * 6)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+        "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
+        "mo_fake_event_sync", "mo_fake_event_destroy")], None)
+    pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, slot_bytes, len(ring) // slot_bytes,
+                              threads, 0, 0)
+    assert pool
+    return pool, stream, api
+
+
+@needs_native
+def test_native_pool_planning_edges():
+    """Direct calls: zero-length pieces, pieces larger than a chunk, chunk sizes that are not a
+    multiple of 64 or below it, many tiny pieces; bad arguments refused; after shutdown submit
+    says closed and wait (also without a pool) does not block."""
+    import ctypes
+
+    lib = _pool_lib_or_skip()
+    rng = np.random.default_rng(5)
+    slot = 4096
+    ring = np.zeros(3 * slot, dtype=np.uint8)
+    pool, stream, api = _raw_pool(lib, ring, slot, threads=3, delay_us=20)
+    src = rng.integers(0, 256, size=1 << 18, dtype=np.uint8)
+    try:
+        for chunk_bytes in (1, 63, 64, 100, 4000, 4096):
+            lens = [0, 1, 5, 0, 64, 65, 3 * slot + 17, 200, 0, 9000] + list(rng.integers(0, 300, 40))
+            dst = np.zeros(sum(lens) + 1, dtype=np.uint8)
+            trip, s0, d0 = [], 0, 0
+            for n in lens:
+                trip += [src.ctypes.data + s0, dst.ctypes.data + d0, int(n)]
+                s0 += int(n) + 7
+                d0 += int(n)
+            want = np.concatenate([src[s: s + int(n)] for s, n in
+                                   zip(np.cumsum([0] + [int(n) + 7 for n in lens[:-1]]), lens)])
+            trip = np.array(trip, dtype=np.uint64)
+            status = np.zeros(4, dtype=np.int64)
+            n = lib.mo_pool_submit(pool, trip.ctypes.data, len(lens), chunk_bytes, status.ctypes.data, None)
+            assert n == status[0] >= sum(lens) // chunk_bytes
+            assert lib.mo_pool_wait(pool, status.ctypes.data) == 0 and status[2] == 1
+            ev = ctypes.c_void_p()
+            lib.mo_fake_event_create(ctypes.byref(ev), 0)
+            status2 = np.zeros(4, dtype=np.int64)  # nothing to copy: issued at once, event marks now
+            assert lib.mo_pool_submit(pool, None, 0, chunk_bytes, status2.ctypes.data, ev) == 0
+            assert status2[2] == 1
+            lib.mo_fake_event_sync(ev)
+            lib.mo_fake_event_destroy(ev)
+            assert np.array_equal(dst[:-1], want) and dst[-1] == 0
+        status = np.zeros(4, dtype=np.int64)
+        one = np.array([src.ctypes.data, ring.ctypes.data, 1], dtype=np.uint64)
+        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, slot + 1, status.ctypes.data, None) == -2
+        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 0, status.ctypes.data, None) == -2
+        assert lib.mo_pool_submit(None, one.ctypes.data, 1, 64, status.ctypes.data, None) == -2
+        assert lib.mo_pool_wait(None, status.ctypes.data) == -1  # no pool will ever issue it
+        lib.mo_pool_shutdown(pool)
+        lib.mo_pool_shutdown(pool)  # idempotent
+        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 64, status.ctypes.data, None) == -1
+    finally:
+        lib.mo_pool_destroy(pool)
+        lib.mo_fake_stream_destroy(stream)
+
+
+@needs_native
+def test_native_pool_refuses_plans_whose_size_would_wrap():
+    """A piece count whose capacity estimate wraps (or exceeds the uint32 indices) is refused; it
+    used to under-allocate the piece array and write past it. In a subprocess: a crash stays there."""
+    import subprocess
+    import sys
+
+    _pool_lib_or_skip()
+    code = """if 1:
+        import ctypes, numpy as np
+        from mmap_offload.transfer import native_copy_lib
+        lib = native_copy_lib()
+        stream = lib.mo_fake_stream_create(0)
+        api = (ctypes.c_void_p * 6)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+            "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
+            "mo_fake_event_sync", "mo_fake_event_destroy")], None)
+        ring = np.zeros(2 * 4096, dtype=np.uint8)
+        pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0)
+        status = np.zeros(4, dtype=np.int64)
+        for n, cb in ((1 << 63, 1), ((1 << 64) - 1, 1), (1 << 40, 64)):  # never read: refused first
+            trip = np.array([ring.ctypes.data, ring.ctypes.data, n], dtype=np.uint64)
+            print(lib.mo_pool_submit(pool, trip.ctypes.data, 1, cb, status.ctypes.data, None))
+        lib.mo_pool_destroy(pool)
+        lib.mo_fake_stream_destroy(stream)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(transfer.__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [int(x) for x in r.stdout.split()][:3] == [-2, -2, -2]
+
+
+@needs_native
+@pytest.mark.parametrize("what,nth", [(0, 1), (0, 5), (1, 1), (1, 4)])
+def test_native_pool_cuda_errors_are_raised_not_hung(files, what, nth):
+    """A failing cudaMemcpyAsync (what 0) or cudaEventRecord (what 1: a slot's or the batch's
+    event) fails its ticket with the CUDA error; later tickets copy right."""
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 65536, slot_bytes=65536, threads=2, native=True,
+                      stream_delay_us=100)
+    try:
+        n = 16 * 65536
+        eng._pool.lib.mo_fake_stream_fail(eng._pool._fake_stream, what, nth, 719)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        t = eng.submit([Copy(Extent(p, 0, n), [(0, n, dst)])])
+        with pytest.raises(RuntimeError, match="CUDA error 719"):
+            eng.wait(t)
+        for _ in range(3):
+            dst = torch.zeros(n, dtype=torch.uint8)
+            eng.wait(eng.submit([Copy(Extent(p, 0, n), [(0, n, dst)])]))
+            assert np.array_equal(dst.numpy(), data[:n])
+    finally:
+        eng.close()
