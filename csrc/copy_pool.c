@@ -27,7 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 2
+#define MO_POOL_ABI 3
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -347,6 +347,15 @@ int64_t mo_pool_wait(mo_pool *p, int64_t *status) {
         pthread_cond_wait(&p->done_cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
     return status[ST_ERROR];
+}
+
+/* 1 once the batch of ``status`` is issued, with its ERROR word in *error; 0 before. The acquire
+ * load orders what the caller reads next (ERROR, the batch event) after the pool's release store,
+ * also on weakly ordered CPUs (Arm), where a plain read of the words would not. No pool needed. */
+int mo_status_issued(const int64_t *status, int64_t *error) {
+    if (!__atomic_load_n(&status[ST_ISSUED], __ATOMIC_ACQUIRE)) return 0;
+    *error = status[ST_ERROR];
+    return 1;
 }
 
 /* bytes, chunks, fill_ns, issue_ns, slot_wait_ns */

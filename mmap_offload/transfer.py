@@ -326,17 +326,19 @@ class Ticket:
         # native pool (csrc/copy_pool.c): status words it writes, and the event it records last
         self._status: np.ndarray | None = None
         self._native_event: Any = None
+        self._native_lib: Any = None
         if nchunks == 0:
             self._issued.set()
 
     def issued(self) -> bool:
         """True once every chunk was read and its device copy issued (or the ticket failed)."""
-        if not self._issued.is_set() and self._status is not None and self._status[_ST_ISSUED]:
-            self._native_issued()
+        if not self._issued.is_set() and self._status is not None:
+            err = ctypes.c_int64(0)  # read through C: acquire order, not a plain numpy read
+            if self._native_lib.mo_status_issued(self._status.ctypes.data, ctypes.byref(err)):
+                self._native_issued(err.value)
         return self._issued.is_set()
 
-    def _native_issued(self) -> None:
-        err = int(self._status[_ST_ERROR])
+    def _native_issued(self, err: int) -> None:
         if err and self.error is None:
             self.error = (MmapOffloadError("transfer cancelled: the engine was closed") if err < 0
                           else RuntimeError(f"the copy pool's cudaMemcpyAsync / cudaEventRecord "
@@ -658,7 +660,7 @@ _native_lib: Any = None
 _native_lock = threading.Lock()
 _CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 _NATIVE_SOURCES = ("fastcopy.c", "copy_pool.c")
-NATIVE_POOL_ABI = 2  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 3  # csrc/copy_pool.c MO_POOL_ABI
 
 
 def _has_avx2() -> bool:
@@ -767,6 +769,7 @@ def _load_native(build: bool) -> Any:
         lib.mo_pool_wait.restype = ctypes.c_int64
         lib.mo_pool_wait.argtypes = [vp, vp]
         lib.mo_pool_stats.argtypes = [vp, vp]
+        lib.mo_status_issued.argtypes = [vp, vp]
         lib.mo_pool_shutdown.argtypes = [vp]
         lib.mo_pool_destroy.argtypes = [vp]
         lib.mo_fake_stream_create.restype = vp
@@ -1106,6 +1109,7 @@ class _NativePool:
         status = np.zeros(_ST_LEN, dtype=np.int64)
         ev, handle = self.new_event()
         ticket._status, ticket._native_event = status, ev  # alive (with the ticket) until issued
+        ticket._native_lib = self.lib
         h = self._enter(closing_ok=False)
         try:
             n = self.lib.mo_pool_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
