@@ -114,18 +114,25 @@ def cuda_usable() -> bool:
         return False
 
 
-def _clear_cuda_error() -> None:
-    """Reset this thread's sticky-free CUDA 'last error' after a handled failure (best effort)."""
+def loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch already loaded, or None. Looked up with RTLD_NOLOAD: never
+    a second copy of the runtime (its own context state) in the process."""
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
-            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL | 0x4)  # RTLD_NOLOAD: only if loaded
+            return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL | 0x4)  # 0x4 = RTLD_NOLOAD
         except OSError:
             continue
-        try:
+    return None
+
+
+def _clear_cuda_error() -> None:
+    """Reset this thread's sticky-free CUDA 'last error' after a handled failure (best effort)."""
+    lib = loaded_cudart()
+    try:
+        if lib is not None:
             lib.cudaGetLastError()
-        except AttributeError:
-            pass
-        return
+    except AttributeError:
+        pass
 
 
 def cuda_host_register(addr: int, nbytes: int, flags: int = CUDA_HOST_REGISTER_PORTABLE) -> bool:

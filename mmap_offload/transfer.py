@@ -72,7 +72,7 @@ from .pinned import (
     CUDA_HOST_REGISTER_READ_ONLY, MADV_COLLAPSE, MADV_HUGEPAGE, MADV_POPULATE_READ, MAP_ANONYMOUS,
     MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, PAGE, PROT_READ,
     PinnedRing, RingClosedError, Slot, account_window, address_tensor, cuda_host_register,
-    cuda_host_unregister, madvise, memcpy, mincore_count, os_mmap, os_munmap, page_align_up,
+    cuda_host_unregister, loaded_cudart, madvise, memcpy, mincore_count, os_mmap, os_munmap, page_align_up,
 )
 
 ENGINE_KINDS = ("auto", "mmap", "pread", "kvikio")
@@ -243,18 +243,11 @@ def _load_memcpy_async() -> Any:
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL | 0x4)  # RTLD_NOLOAD: torch's own copy
-        except OSError:
-            continue
-        fn = getattr(lib, "cudaMemcpyAsync", None)
-        if fn is None:
-            continue
+    fn = getattr(loaded_cudart(), "cudaMemcpyAsync", None)
+    if fn is not None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        return fn
-    return None
+    return fn
 
 
 _MEMCPY_ASYNC: Any = None
@@ -1003,20 +996,15 @@ _NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3, "tc": 4}
 
 def _cuda_runtime_api() -> list[int] | None:
     """Addresses of the CUDA runtime functions the native pool calls, from the libcudart torch
-    loaded (RTLD_NOLOAD: never a second runtime); None if it is not found."""
+    loaded (``pinned.loaded_cudart``); None if it is not found."""
     torch.cuda.init()
+    lib = loaded_cudart()
     names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
              "cudaEventDestroy", "cudaSetDevice")
-    for lib_name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(lib_name, mode=ctypes.RTLD_GLOBAL | 0x4)
-        except OSError:
-            continue
-        try:
-            return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
-        except AttributeError:
-            continue
-    return None
+    try:
+        return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
+    except AttributeError:
+        return None
 
 
 class _FakeEvent:
@@ -1255,9 +1243,11 @@ class MmapEngine(_RingEngine):
                 if last is not None and last[0] is m and start - last[2] < _MappedFile.GRANULE:
                     last = (m, last[1], max(last[2], start + n))
                 else:
-                    self._populate(last)
+                    if last is not None:
+                        self._populate(*last)
                     last = (m, start, start + n)
-        self._populate(last)
+        if last is not None:
+            self._populate(*last)
         triples = np.array(flat, dtype=np.uint64)
         ticket = Ticket(total, 1)
         if after is not None:
@@ -1272,8 +1262,9 @@ class MmapEngine(_RingEngine):
             self._counters["chunks"] = self._counters.get("chunks", 0) + nchunks
         return ticket
 
-    def _populate(self, run: tuple[Any, int, int] | None) -> None:
-        if run is not None and self._populate_ok and not run[0].populate(run[1], run[2]):
+    def _populate(self, m: _MappedFile, start: int, end: int) -> None:
+        """Pre-fault [start, end) of ``m`` once; stop trying where the kernel refuses."""
+        if self._populate_ok and not m.populate(start, end):
             self._populate_ok = False  # kernel < 5.14: plain faults
 
     def _wait_native(self, ticket: Ticket) -> None:
@@ -1298,8 +1289,7 @@ class MmapEngine(_RingEngine):
             m = self._map(p.path)
             if self._populate_ok:
                 t0 = time.perf_counter()
-                if not m.populate(p.start, p.end):
-                    self._populate_ok = False  # kernel < 5.14: plain faults
+                self._populate(m, p.start, p.end)
                 stats.populate_s += time.perf_counter() - t0
             self._copy(slot.ptr + p.slot_off + (p.start - p.window), m.addr + p.start,
                        p.end - p.start)
