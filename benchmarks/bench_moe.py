@@ -297,27 +297,41 @@ def _make_engine(ctx: Ctx, kind: str, pattern: str = "experts"):
     return make_engine(kind, ctx.device, pinned_bytes=ctx.pinned_ring, **opts)
 
 
-class PrefetchVariant(Variant):
-    """LayerPrefetcher, lookahead 1, 2 buffers of [E, ...]: the whole budget."""
+class EngineVariant(Variant):
+    """A variant fed by a transfer engine of ``engine_kind``: opens, pre-faults and closes it."""
 
-    engine_kind = "mmap"
+    suffix = "?"
 
     def __init__(self, ctx, engine_kind="mmap", cold=False):
         super().__init__(ctx)
         self.engine_kind = engine_kind
         self.cold = cold
-        self.name = ("mmap" if engine_kind == "mmap" else engine_kind) + "-prefetch" + ("-cold" if cold else "")
+        self.name = engine_kind + "-" + self.suffix + ("-cold" if cold else "")
+
+    def _open_engine(self, pattern: str) -> None:
+        self.engine = _make_engine(self.ctx, self.engine_kind, pattern)
+        _prefault(self, self.engine)
+        self.pinned_bytes = int(self.engine.metrics.get("pinned_bytes", 0))
+
+    def _close_engine(self) -> None:
+        self.pinned_bytes = max(self.pinned_bytes, int(self.engine.metrics.get("pinned_bytes", 0)))
+        self.notes["engine"] = _engine_notes(self.engine)
+        self.engine.close()
+
+
+class PrefetchVariant(EngineVariant):
+    """LayerPrefetcher, lookahead 1, 2 buffers of [E, ...]: the whole budget."""
+
+    suffix = "prefetch"
 
     def setup(self):
         from mmap_offload.prefetch import LayerPrefetcher
 
         c = self.ctx
-        self.engine = _make_engine(c, self.engine_kind, "layer")
-        _prefault(self, self.engine)
+        self._open_engine("layer")
         nb = max(1, min(len(c.layers), c.budget_bytes // c.layer_nbytes))
         self.pf = LayerPrefetcher(c.cache, self.engine, c.device, lookahead=max(1, nb - 1), num_buffers=nb)
         self.vram_weight_bytes = nb * c.layer_nbytes
-        self.pinned_bytes = int(self.engine.metrics.get("pinned_bytes", 0))
         self.w_cache = {}
 
     def begin(self):
@@ -340,32 +354,27 @@ class PrefetchVariant(Variant):
         try:
             self.pf.sync()
         finally:
-            self.pinned_bytes = max(self.pinned_bytes, int(self.engine.metrics.get("pinned_bytes", 0)))
             self.notes["prefetch"] = dict(self.pf.metrics)
-            self.notes["engine"] = _engine_notes(self.engine)
-            self.engine.close()
+            self._close_engine()
 
 
-class CacheVariant(Variant):
+class CacheVariant(EngineVariant):
     """ExpertCache over a shared pool of budget bytes; routed experts only."""
 
+    suffix = "cache"
+
     def __init__(self, ctx, engine_kind="mmap", cold=False, policy="lfu-decay"):
-        super().__init__(ctx)
-        self.engine_kind = engine_kind
-        self.cold = cold
+        super().__init__(ctx, engine_kind, cold)
         self.policy = policy
-        self.name = ("mmap" if engine_kind == "mmap" else engine_kind) + "-cache" + ("-cold" if cold else "")
 
     def setup(self):
         from mmap_offload.expert_cache import ExpertCache
 
         c = self.ctx
-        self.engine = _make_engine(c, self.engine_kind, "experts")
-        _prefault(self, self.engine)
+        self._open_engine("experts")
         self.ec = ExpertCache(c.cache, self.engine, c.device, capacity_bytes=c.budget_bytes, shared=True,
                               policy=self.policy)
         self.vram_weight_bytes = self.ec.capacity_bytes
-        self.pinned_bytes = int(self.engine.metrics.get("pinned_bytes", 0))
         self.w_cache = {}
 
     def layer(self, li, ids):
@@ -385,10 +394,8 @@ class CacheVariant(Variant):
         try:
             self.ec.sync()
         finally:
-            self.pinned_bytes = max(self.pinned_bytes, int(self.engine.metrics.get("pinned_bytes", 0)))
-            self.notes["expert_cache"] = {k: v for k, v in self.ec.summary().items()}
-            self.notes["engine"] = _engine_notes(self.engine)
-            self.engine.close()
+            self.notes["expert_cache"] = dict(self.ec.summary())
+            self._close_engine()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -619,9 +626,7 @@ def bench_variant(var: Variant, ctx: Ctx, args, shp, workloads, trace_kinds, ref
                 continue
             try:
                 if var.cold and rows:  # each cold run starts cold
-                    if isinstance(var, CacheVariant):
-                        var.close()
-                    elif isinstance(var, PrefetchVariant):
+                    if isinstance(var, EngineVariant):
                         var.close()
                     ctx.cache.close()
                     cold_info = drop_page_cache(cache_files)
