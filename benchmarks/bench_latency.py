@@ -176,6 +176,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--file", default="/tmp/mmo_latency.bin")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default=None, help='JSON list of mmap make_engine options to compare')
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -198,10 +199,13 @@ def main() -> int:
     print(f"{'engine':34s} {'experts':>7s} {'MiB':>6s} {'submit':>8s} {'issued':>8s} {'landed':>8s} "
           f"{'GB/s':>6s} {'fill/thr':>8s}  ceilings: fill(8t) h2d  -> serial sum", flush=True)
     configs = [dict(threads=8, slot_bytes=16 * MiB, native=False),
-               dict(threads=8, slot_bytes=8 * MiB, chunks_per_thread=2, min_chunk_bytes=MiB),
-               dict(threads=8, slot_bytes=8 * MiB),  # native defaults: 4 chunks per thread, >= 512 KiB
-               dict(threads=8, slot_bytes=8 * MiB, chunks_per_thread=8, min_chunk_bytes=256 << 10),
-               dict(threads=12, slot_bytes=8 * MiB), dict(threads=15, slot_bytes=8 * MiB)]
+               dict(threads=8, slot_bytes=8 * MiB, slot_reuse="oldest", copy_impl="nt4"),  # session 2
+               dict(threads=8),  # defaults: hot slots, rep movsb, 4 MiB slots
+               dict(threads=8, copy_impl="nt4"),  # hot slots, non-temporal stores
+               dict(threads=8, slot_reuse="oldest"),  # rep movsb, oldest slot first
+               dict(threads=8, slot_reuse="oldest", copy_impl="nt4")]
+    if args.configs:
+        configs = json.loads(args.configs)
     for n in [int(x) for x in args.batches.split(",")]:
         fc = fill_ceiling(path, E, rec, n, max(5, args.reps // 4))
         hc = h2d_ceiling(device, n * rec, max(5, args.reps // 4))
@@ -210,7 +214,8 @@ def main() -> int:
             r.update(fill_ceiling_ms=1e3 * fc, h2d_ceiling_ms=1e3 * hc)
             res["rows"].append(r)
             name = ("native " if r["native"] else "python ") + " ".join(
-                f"{k[:5]}={v >> 10 if k.endswith('bytes') else v}" for k, v in opts.items() if k != "native")
+                f"{k[:5]}={v >> 10 if k.endswith('bytes') else v}" for k, v in opts.items()
+                if k not in ("native", "threads") or v != 8)
             print(f"{name[:34]:34s} {n:7d} {n * rec / MiB:6.0f} {r['submit_ms']:8.3f} {r['issued_ms']:8.3f} "
                   f"{r['landed_ms']:8.3f} {r['GBps']:6.1f} {r['fill_per_thread_GBps']:8.1f}  "
                   f"{1e3 * fc:.3f} {1e3 * hc:.3f} -> {1e3 * (fc + hc):.3f}", flush=True)

@@ -456,18 +456,17 @@ def tune_kernel(ctx: Ctx, args) -> dict:
 
 ENGINE_CANDIDATES = [  # small batches are cut adaptively; only those within --engine-threads are chosen
     dict(threads=8, slot_bytes=16 << 20, native=False),  # Python copy threads (the fallback)
-    dict(threads=8, slot_bytes=16 << 20),  # native pool (csrc/copy_pool.c) where it builds
+    dict(threads=8),  # the defaults: native pool, hot slots, rep movsb, 4 MiB slots
+    dict(threads=8, slot_bytes=2 << 20),
     dict(threads=8, slot_bytes=8 << 20),
-    dict(threads=8, slot_bytes=4 << 20),
-    dict(threads=8, slot_bytes=32 << 20),
-    dict(threads=12, slot_bytes=8 << 20),  # beyond the 8 threads of the serving bar: reported
-    dict(threads=15, slot_bytes=8 << 20),
+    dict(threads=8, slot_bytes=16 << 20, slot_reuse="oldest", copy_impl="nt4"),  # session 2's default
+    dict(threads=12),  # beyond the 8 threads of the serving bar: reported
 ]
 
 
 def _engine_notes(engine) -> dict:
     """Where an engine's time went (fill = CPU copy/read, issue = H2D launch, ring wait, populate)."""
-    keep = ("engine", "native", "copy_impl", "threads", "slot_bytes", "bytes_moved", "tickets", "chunks", "fill_seconds",
+    keep = ("engine", "native", "copy_impl", "slot_reuse", "threads", "slot_bytes", "bytes_moved", "tickets", "chunks", "fill_seconds",
             "issue_seconds", "ring_wait_seconds", "populate_seconds", "stall_seconds")
     return {k: v for k, v in engine.metrics.items() if k in keep}
 

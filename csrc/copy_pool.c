@@ -27,7 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 3
+#define MO_POOL_ABI 4
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -35,10 +35,19 @@ typedef int (*fn_memcpy_async)(void *dst, const void *src, size_t n, int kind, v
 typedef int (*fn_event_create)(void **ev, unsigned flags);
 typedef int (*fn_event_record)(void *ev, void *stream);
 typedef int (*fn_event_sync)(void *ev);
+typedef int (*fn_event_query)(void *ev); /* 0: complete */
 typedef int (*fn_event_destroy)(void *ev);
 typedef int (*fn_set_device)(int device);
+typedef int (*fn_host_register)(void *ptr, size_t n, unsigned flags);
+typedef int (*fn_host_unregister)(void *ptr);
 
-enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
+enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2, HOST_REGISTER_READ_ONLY = 0x8 };
+enum { ERR_ALREADY_REGISTERED = 712 }; /* cudaErrorHostMemoryAlreadyRegistered: windows overlap */
+enum { PAGE = 4096 };
+/* mo_pool_create flags. HOT_SLOTS: take the most recently freed slot whose copy has completed
+ * (its lines are likely still in the CPU caches, where the DMA can read them), the oldest
+ * otherwise; without it slots are reused oldest first. */
+enum { POOL_HOT_SLOTS = 1 };
 
 /* Status words of one batch, in an int64 array the caller owns and keeps alive until issued. */
 enum { ST_CHUNKS = 0, ST_DONE = 1, ST_ISSUED = 2, ST_ERROR = 3, ST_LEN = 4 };
@@ -58,13 +67,31 @@ typedef struct batch {
     void *event; /* recorded after the last chunk's copies; may be NULL */
 } batch;
 
+/* A direct worker's registered windows of the mapping, oldest first: each stays registered (its
+ * page-cache pages pinned) until the event recorded after its device copy completed. */
 typedef struct {
+    void **event;     /* depth events */
+    uintptr_t *addr;  /* window start (page-aligned) per pending entry, 0 if none */
+    size_t *len;
+    int depth, head, count;
+    int disabled;     /* registration refused for a reason other than overlap: copy instead */
+} direct_ctx;
+
+typedef struct mo_pool mo_pool;
+enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
+typedef struct { mo_pool *p; direct_ctx *d; int own[OWN_SLOTS]; } worker_arg;
+
+struct mo_pool {
     fn_memcpy_async memcpy_async;
     fn_event_create event_create;
     fn_event_record event_record;
     fn_event_sync event_sync;
     fn_event_destroy event_destroy;
     fn_set_device set_device;
+    fn_host_register host_register;     /* direct workers only; may be NULL */
+    fn_host_unregister host_unregister;
+    fn_event_query event_query;         /* POOL_HOT_SLOTS only */
+    int flags;
     int device;
     void *stream;
 
@@ -74,20 +101,25 @@ typedef struct {
     void **slot_event;
     int *slot_used;   /* 1 once an event was recorded for the slot */
     int *fifo;        /* free slots, oldest release first */
+    char *slot_free;  /* 1 while the slot is in fifo */
     int fifo_head, fifo_count;
 
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv, slot_cv;
     batch *head, *tail;
     int closing, joined;
-    int nthreads;
+    int nthreads, ncopy, ndirect;
     pthread_t *threads;
-    int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb, 4 tc */
+    worker_arg *args;
+    direct_ctx *direct;
+    int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb, 4 tc, 5 mixed (see cpu_copy) */
     size_t prefetch;
 
-    /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot */
+    /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot; bytes
+     * sent from registered windows, chunks a direct worker copied instead, ns registering */
     uint64_t st_bytes, st_chunks, st_fill_ns, st_issue_ns, st_slot_wait_ns;
-} mo_pool;
+    uint64_t st_direct_bytes, st_direct_fallbacks, st_register_ns;
+};
 
 void mo_pool_shutdown(mo_pool *p);
 
@@ -97,8 +129,15 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void cpu_copy(mo_pool *p, void *dst, const void *src, size_t n) {
-    switch (p->copy_kind) {
+/* "mixed": rep movsb for chunks of at least MIXED_MOVSB_MIN, nt4 below. rep movsb leaves the slot's
+ * lines in the caches, where the DMA reads them without touching memory: with hot slot reuse that
+ * won 6-15 points of H2D on whole layers. A small chunk, though, sits whole in the writing core's
+ * L2 (2 MiB on the machine measured), and DMA reads that snoop it there landed a 1-expert batch 2x
+ * later than non-temporal stores, which write it to memory at once (TRANSFER.md, session 3). */
+enum { MIXED_MOVSB_MIN = 4 << 20 };
+
+static void cpu_copy(mo_pool *p, int kind, void *dst, const void *src, size_t n) {
+    switch (kind) {
     case 1: mo_copy_nt(dst, src, n, p->prefetch); break;
     case 2: mo_copy_nt4(dst, src, n, p->prefetch); break;
     case 3: mo_copy_movsb(dst, src, n); break;
@@ -107,14 +146,52 @@ static void cpu_copy(mo_pool *p, void *dst, const void *src, size_t n) {
     }
 }
 
-static int acquire_slot(mo_pool *p) {
+/* under mu: take the free slot at position k (from the oldest) out of the free list */
+static int take_free_at(mo_pool *p, int k) {
+    int s = p->fifo[(p->fifo_head + k) % p->nslots];
+    for (int j = k; j < p->fifo_count - 1; j++) /* close the gap */
+        p->fifo[(p->fifo_head + j) % p->nslots] = p->fifo[(p->fifo_head + j + 1) % p->nslots];
+    p->fifo_count--;
+    p->slot_free[s] = 0;
+    return s;
+}
+
+/* under mu: 1 if slot s has no copy in flight (an event query costs microseconds: callers bound
+ * how many they make under the lock) */
+static int slot_idle(mo_pool *p, int s) {
+    if (p->slot_used[s] && p->event_query(p->slot_event[s]) != 0) return 0;
+    p->slot_used[s] = 0; /* complete: no wait needed */
+    return 1;
+}
+
+/* under mu, POOL_HOT_SLOTS: a free slot with no copy in flight whose lines are likely still in
+ * the caches: one of the worker's own last slots (the lines are in its core's cache, not in
+ * another core's, which a write would first have to snoop), else one of the HOT_SCAN newest
+ * free ones; -1 if none is idle. */
+enum { HOT_SCAN = 4 };
+static int take_hot_slot(mo_pool *p, worker_arg *w) {
+    for (int i = 0; w && i < OWN_SLOTS; i++) {
+        int s = w->own[i];
+        if (s < 0 || !p->slot_free[s] || !slot_idle(p, s)) continue;
+        for (int k = p->fifo_count - 1; k >= 0; k--)
+            if (p->fifo[(p->fifo_head + k) % p->nslots] == s) return take_free_at(p, k);
+    }
+    int queried = 0;
+    for (int k = p->fifo_count - 1; k >= 0 && queried < HOT_SCAN; k--) {
+        int s = p->fifo[(p->fifo_head + k) % p->nslots];
+        queried += p->slot_used[s];
+        if (slot_idle(p, s)) return take_free_at(p, k);
+    }
+    return -1;
+}
+
+static int acquire_slot(mo_pool *p, worker_arg *w) {
     uint64_t t0 = now_ns();
     pthread_mutex_lock(&p->mu);
     while (p->fifo_count == 0)
         pthread_cond_wait(&p->slot_cv, &p->mu);
-    int s = p->fifo[p->fifo_head];
-    p->fifo_head = (p->fifo_head + 1) % p->nslots;
-    p->fifo_count--;
+    int s = (p->flags & POOL_HOT_SLOTS) ? take_hot_slot(p, w) : -1;
+    if (s < 0) s = take_free_at(p, 0); /* the oldest */
     int used = p->slot_used[s];
     pthread_mutex_unlock(&p->mu);
     if (used) p->event_sync(p->slot_event[s]); /* its last device copy has completed */
@@ -125,26 +202,32 @@ static int acquire_slot(mo_pool *p) {
     return s;
 }
 
-static void release_slot(mo_pool *p, int s, int recorded) {
+static void release_slot(mo_pool *p, int s, int recorded, worker_arg *w) {
+    if (w) { /* remember it, newest first */
+        for (int i = OWN_SLOTS - 1; i > 0; i--) w->own[i] = w->own[i - 1];
+        w->own[0] = s;
+    }
     pthread_mutex_lock(&p->mu);
     p->slot_used[s] = recorded;
     p->fifo[(p->fifo_head + p->fifo_count) % p->nslots] = s;
     p->fifo_count++;
+    p->slot_free[s] = 1;
     pthread_cond_signal(&p->slot_cv);
     pthread_mutex_unlock(&p->mu);
 }
 
 /* One chunk: slot <- CPU copy <- mapping; device <- cudaMemcpyAsync <- slot. Returns the CUDA
  * error of the first failed call, 0 on success. */
-static int run_chunk(mo_pool *p, batch *b, uint32_t ci) {
+static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci) {
     const chunk *c = &b->chunks[ci];
-    int s = acquire_slot(p);
+    int s = acquire_slot(p, w);
     char *slot = p->ring + (size_t)s * p->slot_bytes;
     uint64_t t0 = now_ns(), bytes = 0;
+    for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
+    int kind = p->copy_kind == 5 ? (bytes >= MIXED_MOVSB_MIN ? 3 : 2) : p->copy_kind;
     for (uint32_t i = 0; i < c->count; i++) {
         const planned_piece *q = &b->pieces[c->first + i];
-        cpu_copy(p, slot + q->off, (const void *)(uintptr_t)q->src, q->n);
-        bytes += q->n;
+        cpu_copy(p, kind, slot + q->off, (const void *)(uintptr_t)q->src, q->n);
     }
     uint64_t t1 = now_ns();
     int err = 0;
@@ -157,7 +240,7 @@ static int run_chunk(mo_pool *p, batch *b, uint32_t ci) {
      * ran. Only this batch's destinations can get those bytes, and it fails with ``rec`` (a failed
      * record means a broken CUDA context; there is no stream sync to fall back on). */
     if (rec && !err) err = rec;
-    release_slot(p, s, rec == 0);
+    release_slot(p, s, rec == 0, w);
     uint64_t t2 = now_ns();
     pthread_mutex_lock(&p->mu);
     p->st_fill_ns += t1 - t0;
@@ -166,6 +249,63 @@ static int run_chunk(mo_pool *p, batch *b, uint32_t ci) {
     p->st_chunks++;
     pthread_mutex_unlock(&p->mu);
     return err;
+}
+
+/* Unregister the oldest pending window once its device copy completed. */
+static void retire_window(mo_pool *p, direct_ctx *d) {
+    int i = d->head;
+    p->event_sync(d->event[i]);
+    p->host_unregister((void *)d->addr[i]);
+    d->addr[i] = 0;
+    d->head = (d->head + 1) % d->depth;
+    d->count--;
+}
+
+static void retire_all(mo_pool *p, direct_ctx *d) {
+    while (d->count) retire_window(p, d);
+}
+
+/* A one-piece chunk straight from the page cache: register the page-aligned window of the mapping
+ * that holds it (read-only), cudaMemcpyAsync from there, record the window's event. No CPU copy:
+ * the DMA reads each byte once. Returns 1 and *err if it ran, 0 if the chunk must be copied through
+ * the ring instead (the window overlaps one registered by another worker, or the driver refuses
+ * read-only registration of file pages: then this worker stops trying). */
+static int run_direct_chunk(mo_pool *p, direct_ctx *d, batch *b, uint32_t ci, int *err) {
+    const chunk *c = &b->chunks[ci];
+    if (d->disabled || c->count != 1) return 0;
+    const planned_piece *q = &b->pieces[c->first];
+    uintptr_t w0 = (uintptr_t)q->src & ~(uintptr_t)(PAGE - 1);
+    uintptr_t w1 = ((uintptr_t)q->src + q->n + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+    if (d->count == d->depth) retire_window(p, d);
+    uint64_t t0 = now_ns();
+    int r = p->host_register((void *)w0, w1 - w0, HOST_REGISTER_READ_ONLY);
+    uint64_t t1 = now_ns();
+    if (r) {
+        if (r != ERR_ALREADY_REGISTERED) d->disabled = 1;
+        pthread_mutex_lock(&p->mu);
+        p->st_direct_fallbacks++;
+        p->st_register_ns += t1 - t0;
+        pthread_mutex_unlock(&p->mu);
+        return 0;
+    }
+    int i = (d->head + d->count) % d->depth;
+    d->addr[i] = w0;
+    d->len[i] = w1 - w0;
+    d->count++;
+    *err = p->memcpy_async((void *)(uintptr_t)q->dst, (const void *)(uintptr_t)q->src, q->n, H2D,
+                           p->stream);
+    int rec = p->event_record(d->event[i], p->stream);
+    /* A failed record means a broken CUDA context (as in run_chunk): the batch fails with it, and
+     * the window is unregistered when its (stale) event next reads complete. */
+    if (rec && !*err) *err = rec;
+    uint64_t t2 = now_ns();
+    pthread_mutex_lock(&p->mu);
+    p->st_register_ns += t1 - t0;
+    p->st_issue_ns += t2 - t1;
+    p->st_chunks++;
+    if (!*err) { p->st_bytes += q->n; p->st_direct_bytes += q->n; }
+    pthread_mutex_unlock(&p->mu);
+    return 1;
 }
 
 /* Mark one chunk of b finished (under mu); the last one records the batch event. */
@@ -186,12 +326,21 @@ static void chunk_finished(mo_pool *p, batch *b, int err) {
 }
 
 static void *worker(void *arg) {
-    mo_pool *p = (mo_pool *)arg;
+    worker_arg *w = (worker_arg *)arg;
+    mo_pool *p = w->p;
+    direct_ctx *d = w->d;
     if (p->set_device) p->set_device(p->device);
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->head && !p->closing)
+        while (!p->head && !p->closing) {
+            if (d && d->count) { /* idle: let go of the windows (their pages stay pinned otherwise) */
+                pthread_mutex_unlock(&p->mu);
+                retire_all(p, d);
+                pthread_mutex_lock(&p->mu);
+                continue;
+            }
             pthread_cond_wait(&p->work_cv, &p->mu);
+        }
         batch *b = p->head;
         if (!b) break; /* closing and nothing queued */
         uint32_t ci = b->taken++;
@@ -204,20 +353,42 @@ static void *worker(void *arg) {
             err = ERR_CANCELLED;
         } else {
             pthread_mutex_unlock(&p->mu);
-            err = run_chunk(p, b, ci);
+            if (!d || !run_direct_chunk(p, d, b, ci, &err))
+                err = run_chunk(p, w, b, ci);
             pthread_mutex_lock(&p->mu);
         }
         chunk_finished(p, b, err);
     }
     pthread_mutex_unlock(&p->mu);
+    if (d) retire_all(p, d);
     return NULL;
 }
 
-/* api: memcpy_async, event_create, event_record, event_sync, event_destroy, set_device (or 0).
- * Returns NULL if an allocation, an event or a thread could not be made. */
+static void free_direct(mo_pool *p) {
+    for (int k = 0; p->direct && k < p->ndirect; k++) {
+        direct_ctx *d = &p->direct[k];
+        for (int i = 0; d->event && i < d->depth; i++)
+            if (d->event[i]) p->event_destroy(d->event[i]);
+        free(d->event); free(d->addr); free(d->len);
+    }
+    free(p->direct);
+}
+
+/* api: memcpy_async, event_create, event_record, event_sync, event_destroy, set_device (or 0),
+ * host_register, host_unregister (both 0 when ndirect is 0), event_query (0 without
+ * POOL_HOT_SLOTS in ``flags``).
+ * ``ncopy`` workers copy through the ring; ``ndirect`` more send one-piece chunks from registered
+ * windows of the mapping (at most ``direct_depth`` windows of <= slot_bytes + 2 pages each
+ * registered at a time), copying through the ring where that is refused.
+ * Returns NULL if an argument is off or an allocation, an event or a thread could not be made. */
 mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, size_t slot_bytes,
-                        int nslots, int nthreads, int copy_kind, size_t prefetch) {
-    if (nslots < 1 || nthreads < 1 || !ring || !slot_bytes) return NULL;
+                        int nslots, int ncopy, int copy_kind, size_t prefetch, int ndirect,
+                        int direct_depth, int flags) {
+    if (nslots < 1 || ncopy < 0 || ndirect < 0 || ncopy + ndirect < 1 || !ring || !slot_bytes)
+        return NULL;
+    if (ndirect && (direct_depth < 1 || !api[6] || !api[7])) return NULL;
+    if ((flags & POOL_HOT_SLOTS) && !api[8]) return NULL;
+    int nthreads = ncopy + ndirect;
     mo_pool *p = calloc(1, sizeof(*p));
     if (!p) return NULL;
     p->memcpy_async = (fn_memcpy_async)api[0];
@@ -226,6 +397,14 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     p->event_sync = (fn_event_sync)api[3];
     p->event_destroy = (fn_event_destroy)api[4];
     p->set_device = (fn_set_device)api[5];
+    if (ndirect) {
+        p->host_register = (fn_host_register)api[6];
+        p->host_unregister = (fn_host_unregister)api[7];
+    }
+    p->event_query = (fn_event_query)api[8];
+    p->flags = flags;
+    p->ncopy = ncopy;
+    p->ndirect = ndirect;
     p->device = device;
     p->stream = stream;
     p->ring = (char *)ring;
@@ -236,33 +415,52 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     p->slot_event = calloc((size_t)nslots, sizeof(void *));
     p->slot_used = calloc((size_t)nslots, sizeof(int));
     p->fifo = calloc((size_t)nslots, sizeof(int));
+    p->slot_free = calloc((size_t)nslots, 1);
     p->threads = calloc((size_t)nthreads, sizeof(pthread_t));
+    p->args = calloc((size_t)nthreads, sizeof(worker_arg));
+    p->direct = ndirect ? calloc((size_t)ndirect, sizeof(direct_ctx)) : NULL;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
     pthread_cond_init(&p->slot_cv, NULL);
-    if (!p->slot_event || !p->slot_used || !p->fifo || !p->threads) goto fail;
+    if (!p->slot_event || !p->slot_used || !p->fifo || !p->slot_free || !p->threads || !p->args ||
+        (ndirect && !p->direct)) goto fail;
     if (p->set_device) p->set_device(device);
     for (int i = 0; i < nslots; i++) {
         /* blocking sync: a worker waiting for a slot sleeps instead of spinning on a copier's core */
         if (p->event_create(&p->slot_event[i], EV_BLOCKING_SYNC | EV_DISABLE_TIMING)) goto fail;
         p->fifo[i] = i;
+        p->slot_free[i] = 1;
     }
     p->fifo_count = nslots;
+    for (int k = 0; k < ndirect; k++) {
+        direct_ctx *d = &p->direct[k];
+        d->depth = direct_depth;
+        d->event = calloc((size_t)direct_depth, sizeof(void *));
+        d->addr = calloc((size_t)direct_depth, sizeof(uintptr_t));
+        d->len = calloc((size_t)direct_depth, sizeof(size_t));
+        if (!d->event || !d->addr || !d->len) goto fail;
+        for (int i = 0; i < direct_depth; i++)
+            if (p->event_create(&d->event[i], EV_BLOCKING_SYNC | EV_DISABLE_TIMING)) goto fail;
+    }
     for (int i = 0; i < nthreads; i++) {
-        if (pthread_create(&p->threads[i], NULL, worker, p)) goto fail;
+        p->args[i].p = p;
+        for (int k = 0; k < OWN_SLOTS; k++) p->args[i].own[k] = -1;
+        p->args[i].d = i >= ncopy ? &p->direct[i - ncopy] : NULL;
+        if (pthread_create(&p->threads[i], NULL, worker, &p->args[i])) goto fail;
         p->nthreads++;
     }
     return p;
 fail:
     mo_pool_shutdown(p);
+    free_direct(p);
     for (int i = 0; p->slot_event && i < nslots; i++)
         if (p->slot_event[i]) p->event_destroy(p->slot_event[i]);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->work_cv);
     pthread_cond_destroy(&p->done_cv);
     pthread_cond_destroy(&p->slot_cv);
-    free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->threads); free(p);
+    free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->slot_free); free(p->threads); free(p->args); free(p);
     return NULL;
 }
 
@@ -358,11 +556,12 @@ int mo_status_issued(const int64_t *status, int64_t *error) {
     return 1;
 }
 
-/* bytes, chunks, fill_ns, issue_ns, slot_wait_ns */
+/* bytes, chunks, fill_ns, issue_ns, slot_wait_ns, direct_bytes, direct_fallbacks, register_ns */
 void mo_pool_stats(mo_pool *p, uint64_t *out) {
     pthread_mutex_lock(&p->mu);
     out[0] = p->st_bytes; out[1] = p->st_chunks; out[2] = p->st_fill_ns;
     out[3] = p->st_issue_ns; out[4] = p->st_slot_wait_ns;
+    out[5] = p->st_direct_bytes; out[6] = p->st_direct_fallbacks; out[7] = p->st_register_ns;
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -390,11 +589,12 @@ void mo_pool_destroy(mo_pool *p) {
         if (p->slot_used[i]) p->event_sync(p->slot_event[i]);
         p->event_destroy(p->slot_event[i]);
     }
+    free_direct(p); /* the direct workers let go of their windows before they exited */
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->work_cv);
     pthread_cond_destroy(&p->done_cv);
     pthread_cond_destroy(&p->slot_cv);
-    free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->threads); free(p);
+    free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->slot_free); free(p->threads); free(p->args); free(p);
 }
 
 /* --- a CPU stand-in for the CUDA stream and events, so the pool runs without a GPU -----------
@@ -403,7 +603,13 @@ void mo_pool_destroy(mo_pool *p) {
  * complete once the stream has executed that many. Events recorded on a stream hold a reference
  * to it: a ticket's event outlives its engine (query / synchronize after close), so the stream's
  * memory goes with its last reference, its thread at destroy. */
-typedef struct fake_op { struct fake_op *next; void *dst; const void *src; size_t n; } fake_op;
+typedef struct fake_op {
+    struct fake_op *next;
+    void *dst;
+    const void *src;
+    size_t n;
+    int registered; /* src lay in a registered window when the copy was queued */
+} fake_op;
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv, done_cv;
@@ -417,6 +623,83 @@ typedef struct {
     pthread_t thread;
 } fake_stream;
 typedef struct { fake_stream *s; uint64_t target; } fake_event;
+
+/* Registered windows (mo_fake_host_register), process-wide like CUDA's: the CPU stream checks
+ * that a copy queued from a window still finds it registered when it runs. */
+enum { FAKE_WINDOWS = 256 };
+static struct {
+    pthread_mutex_t mu;
+    uintptr_t start[FAKE_WINDOWS], end[FAKE_WINDOWS];
+    uint64_t registrations, violations;
+    unsigned fail_next;  /* test hook: the next n registrations fail */
+    int fail_code;
+} fake_reg = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}, 0, 0, 0, 0};
+
+/* under fake_reg.mu: index of the window holding [a, a + n), -1 if none */
+static int fake_find(uintptr_t a, size_t n) {
+    for (int i = 0; i < FAKE_WINDOWS; i++)
+        if (fake_reg.end[i] && fake_reg.start[i] <= a && a + n <= fake_reg.end[i]) return i;
+    return -1;
+}
+
+int mo_fake_host_register(void *ptr, size_t n, unsigned flags) {
+    (void)flags;
+    uintptr_t a = (uintptr_t)ptr, e = a + n;
+    pthread_mutex_lock(&fake_reg.mu);
+    if (fake_reg.fail_next) {
+        fake_reg.fail_next--;
+        int code = fake_reg.fail_code;
+        pthread_mutex_unlock(&fake_reg.mu);
+        return code;
+    }
+    int free_i = -1;
+    for (int i = 0; i < FAKE_WINDOWS; i++) {
+        if (!fake_reg.end[i]) { if (free_i < 0) free_i = i; continue; }
+        if (a < fake_reg.end[i] && fake_reg.start[i] < e) {
+            pthread_mutex_unlock(&fake_reg.mu);
+            return ERR_ALREADY_REGISTERED;
+        }
+    }
+    if (free_i < 0 || (a & (PAGE - 1)) || !n) {
+        pthread_mutex_unlock(&fake_reg.mu);
+        return 1; /* cudaErrorInvalidValue */
+    }
+    fake_reg.start[free_i] = a;
+    fake_reg.end[free_i] = e;
+    fake_reg.registrations++;
+    pthread_mutex_unlock(&fake_reg.mu);
+    return 0;
+}
+
+int mo_fake_host_unregister(void *ptr) {
+    int rc = 713; /* cudaErrorHostMemoryNotRegistered */
+    pthread_mutex_lock(&fake_reg.mu);
+    for (int i = 0; i < FAKE_WINDOWS; i++)
+        if (fake_reg.end[i] && fake_reg.start[i] == (uintptr_t)ptr) {
+            fake_reg.start[i] = fake_reg.end[i] = 0;
+            rc = 0;
+            break;
+        }
+    pthread_mutex_unlock(&fake_reg.mu);
+    return rc;
+}
+
+/* registrations so far, copies that found their window gone, windows registered now */
+void mo_fake_registry_stats(uint64_t *out) {
+    pthread_mutex_lock(&fake_reg.mu);
+    uint64_t now = 0;
+    for (int i = 0; i < FAKE_WINDOWS; i++) now += fake_reg.end[i] != 0;
+    out[0] = fake_reg.registrations; out[1] = fake_reg.violations; out[2] = now;
+    pthread_mutex_unlock(&fake_reg.mu);
+}
+
+/* Test hook: the next ``n`` registrations return ``code``. */
+void mo_fake_host_register_fail(unsigned n, int code) {
+    pthread_mutex_lock(&fake_reg.mu);
+    fake_reg.fail_next = n;
+    fake_reg.fail_code = code;
+    pthread_mutex_unlock(&fake_reg.mu);
+}
 
 static void fake_stream_unref(fake_stream *s) {
     if (!s || __atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL)) return;
@@ -442,6 +725,11 @@ static void *fake_stream_main(void *arg) {
         if (!s->head) s->tail = NULL;
         pthread_mutex_unlock(&s->mu);
         if (s->delay_us) usleep(s->delay_us);
+        if (op->registered) {
+            pthread_mutex_lock(&fake_reg.mu);
+            if (fake_find((uintptr_t)op->src, op->n) < 0) fake_reg.violations++;
+            pthread_mutex_unlock(&fake_reg.mu);
+        }
         memcpy(op->dst, op->src, op->n);
         free(op);
         pthread_mutex_lock(&s->mu);
@@ -490,6 +778,9 @@ int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *s
     fake_op *op = malloc(sizeof(*op));
     if (!op) return 2; /* cudaErrorMemoryAllocation */
     op->next = NULL; op->dst = dst; op->src = src; op->n = n;
+    pthread_mutex_lock(&fake_reg.mu);
+    op->registered = fake_find((uintptr_t)src, n) >= 0;
+    pthread_mutex_unlock(&fake_reg.mu);
     pthread_mutex_lock(&s->mu);
     if (fake_fail_now(&s->fail_copy)) {
         int code = s->fail_code;
@@ -537,6 +828,13 @@ int mo_fake_event_sync(void *ev) {
     while (s->executed < e->target) pthread_cond_wait(&s->done_cv, &s->mu);
     pthread_mutex_unlock(&s->mu);
     return 0;
+}
+
+int mo_fake_event_done(void *ev);
+
+/* cudaEventQuery: 0 (cudaSuccess) if complete, 600 (cudaErrorNotReady) if not yet */
+int mo_fake_event_query(void *ev) {
+    return mo_fake_event_done(ev) ? 0 : 600;
 }
 
 /* 1 if complete (cudaSuccess semantics), 0 if not yet */

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import os
 import queue
@@ -648,20 +649,31 @@ def _libc_mmap_fixed(addr: int, length: int, fd: int) -> int:
 
 # --- copy kernels of the fill step -------------------------------------------------------------
 
-COPY_IMPLS = ("auto", "libc", "torch", "numpy", "movsb", "nt", "nt4", "tc")  # +"-pf<bytes>"
+COPY_IMPLS = ("auto", "libc", "torch", "numpy", "movsb", "nt", "nt4", "tc", "mixed")  # +"-pf<bytes>"
 _native_lib: Any = None
 _native_lock = threading.Lock()
 _CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 _NATIVE_SOURCES = ("fastcopy.c", "copy_pool.c")
-NATIVE_POOL_ABI = 3  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 4  # csrc/copy_pool.c MO_POOL_ABI
+
+
+def _has_erms() -> bool:
+    """The CPU has fast ``rep movsb`` (ERMS; Intel since 2012, AMD Zen 3+)."""
+    return _cpu_flag("erms")
 
 
 def _has_avx2() -> bool:
+    return _cpu_flag("avx2")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flag(name: str) -> bool:
+    """``name`` is in the first CPU's flags of /proc/cpuinfo (False where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return " avx2" in line
+                    return name in line.split(":", 1)[1].split()
     except OSError:
         pass
     return False
@@ -756,7 +768,7 @@ def _load_native(build: bool) -> Any:
             return None
         lib.mo_pool_create.restype = vp
         lib.mo_pool_create.argtypes = [vp, ctypes.c_int, vp, vp, sz, ctypes.c_int, ctypes.c_int,
-                                       ctypes.c_int, sz]
+                                       ctypes.c_int, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.mo_pool_submit.restype = ctypes.c_int64
         lib.mo_pool_submit.argtypes = [vp, vp, sz, sz, vp, vp]
         lib.mo_pool_wait.restype = ctypes.c_int64
@@ -773,6 +785,10 @@ def _load_native(build: bool) -> Any:
         lib.mo_fake_event_done.argtypes = [vp]
         lib.mo_fake_event_sync.argtypes = [vp]
         lib.mo_fake_event_destroy.argtypes = [vp]
+        lib.mo_fake_host_register.argtypes = [vp, sz, ctypes.c_uint]
+        lib.mo_fake_host_unregister.argtypes = [vp]
+        lib.mo_fake_registry_stats.argtypes = [vp]
+        lib.mo_fake_host_register_fail.argtypes = [ctypes.c_uint, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return lib
@@ -800,6 +816,8 @@ def _copier_fn(impl: str) -> Callable[[int, int, int], None]:
                                "it builds on first use from csrc/ with a C compiler (cc) on an AVX2 CPU")
     if impl == "movsb":
         return lib.mo_copy_movsb
+    if impl == "mixed":  # the pool picks per chunk (rep movsb >= 4 MiB); Python threads: nt4
+        impl = "nt4"
     base, _, pf = impl.partition("-pf")  # "nt", "nt4", or with a prefetch distance: "nt-pf4096"
     dist = int(pf) if pf.isdigit() else 1024
     if base == "nt":
@@ -824,6 +842,10 @@ class _RingEngine(TransferEngine):
             raise ValueError(f"threads must be in 1..64, got {threads}")
         self.slot_bytes = page_align_up(max(ALIGNMENT, int(slot_bytes)))
         ring_bytes = int(pinned_bytes) - int(reserve_bytes)
+        if reserve_bytes and ring_bytes < 2 * self.slot_bytes:
+            raise ValueError(f"pinned_bytes={pinned_bytes} leaves no room for a ring of 2 slots of "
+                             f"{self.slot_bytes} besides the direct windows ({reserve_bytes} bytes): "
+                             "raise pinned_bytes or lower direct_threads / direct_depth")
         num_slots = max(2, ring_bytes // self.slot_bytes)
         self.threads = int(threads)
         self.chunks_per_thread = max(1, int(chunks_per_thread))
@@ -991,7 +1013,7 @@ class _RingEngine(TransferEngine):
         pass
 
 
-_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3, "tc": 4}
+_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3, "tc": 4, "mixed": 5}
 
 
 def _cuda_runtime_api() -> list[int] | None:
@@ -1000,7 +1022,8 @@ def _cuda_runtime_api() -> list[int] | None:
     torch.cuda.init()
     lib = loaded_cudart()
     names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
-             "cudaEventDestroy", "cudaSetDevice")
+             "cudaEventDestroy", "cudaSetDevice", "cudaHostRegister", "cudaHostUnregister",
+             "cudaEventQuery")
     try:
         return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
     except AttributeError:
@@ -1039,7 +1062,8 @@ class _NativePool:
     and after the last user left. ``handle`` stays set until then."""
 
     def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
-                 copy_kind: int, prefetch: int, stream_delay_us: int = 0) -> None:
+                 copy_kind: int, prefetch: int, stream_delay_us: int = 0, direct_threads: int = 0,
+                 direct_depth: int = 2, hot_slots: bool = False) -> None:
         self.lib = lib
         self.device = device
         self._fake_stream = None
@@ -1057,14 +1081,16 @@ class _NativePool:
             self._fake_stream = lib.mo_fake_stream_create(int(stream_delay_us))
             if not self._fake_stream:
                 raise MemoryError("the native copy pool's CPU stream could not start")
-            api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+            api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None for n in (
                 "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-                "mo_fake_event_sync", "mo_fake_event_destroy")] + [None]
+                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_host_register",
+                "mo_fake_host_unregister", "mo_fake_event_query")]
             handle, index = self._fake_stream, -1
-        self._api = (ctypes.c_void_p * 6)(*api)
+        self._api = (ctypes.c_void_p * 9)(*api)
         self.stream = stream
         self.handle = lib.mo_pool_create(self._api, index, handle, ring.buffer.ptr, ring.slot_bytes,
-                                         ring.num_slots, threads, copy_kind, prefetch)
+                                         ring.num_slots, threads, copy_kind, prefetch,
+                                         direct_threads, direct_depth, 1 if hot_slots else 0)
         if not self.handle:
             self._destroy_stream()
             raise MemoryError("the native copy pool could not start (threads or CUDA events)")
@@ -1127,13 +1153,15 @@ class _NativePool:
         h = self._enter(closing_ok=True)
         if not h:
             return dict(self._final)
-        out = np.zeros(5, dtype=np.uint64)
+        out = np.zeros(8, dtype=np.uint64)
         try:
             self.lib.mo_pool_stats(h, out.ctypes.data)
         finally:
             self._leave()
         return dict(bytes_moved=int(out[0]), chunks=int(out[1]), fill_seconds=int(out[2]) / 1e9,
-                    issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9)
+                    issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9,
+                    direct_bytes=int(out[5]), direct_fallbacks=int(out[6]),
+                    register_seconds=int(out[7]) / 1e9)
 
     def close(self) -> None:
         """Cancel what is queued, finish what runs, wait for the slots' copies. Idempotent; a
@@ -1164,26 +1192,40 @@ class MmapEngine(_RingEngine):
     kind = "mmap"
 
     def __init__(self, device: torch.device, *, pinned_bytes: int = 256 << 20,
-                 slot_bytes: int = 16 << 20, threads: int = 8, direct_threads: int = 0,
+                 slot_bytes: int = 4 << 20, threads: int = 8, direct_threads: int = 0,
                  direct_depth: int = 2, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", collapse: bool = False,
                  affinity: str | None = None, native: bool | str = "auto", stream_delay_us: int = 0,
                  chunks_per_thread: int | None = None, min_chunk_bytes: int | None = None,
-                 ring_hugepage: bool = True):
+                 ring_hugepage: bool = True, slot_reuse: str = "auto"):
+        if slot_reuse not in ("auto", "oldest", "hot"):
+            raise ValueError(f"slot_reuse must be 'auto', 'oldest' or 'hot', got {slot_reuse!r}")
         self.affinity = affinity
         self.populate = populate
         self.hugepage = hugepage
         self.collapse = collapse
         self.copy_impl, self._copy = _copier(copy_impl)
-        self.direct_threads = int(direct_threads) if device.type == "cuda" else 0
         self.direct_depth = max(1, int(direct_depth))
         self._maps: dict[Path, _MappedFile] = {}
         self._maps_lock = threading.Lock()
         self._window_peak = 0
         self._window_now = 0
-        slot = page_align_up(max(ALIGNMENT, int(slot_bytes)))
-        reserve = self.direct_threads * self.direct_depth * slot
         lib = self._native_lib(native, copy_impl, affinity)
+        # "hot": the pool reuses the newest free slot whose copy completed, so the ring's working
+        # set stays in the CPU caches and the DMA reads it from there (the Python workers cannot)
+        self.slot_reuse = ("hot" if slot_reuse == "auto" else slot_reuse) if lib is not None else "oldest"
+        if copy_impl == "auto" and self.slot_reuse == "hot" and _has_erms():
+            # rep movsb for whole-slot chunks (it leaves the lines in the cache, where the DMA
+            # reads them: 6-15 points of H2D over non-temporal stores with hot slots), nt4 for
+            # small ones (csrc/copy_pool.c, cpu_copy; TRANSFER.md)
+            self.copy_impl, self._copy = _copier("mixed")
+        # register-window workers need CUDA, or the native pool (its CPU stand-in registry)
+        self.direct_threads = int(direct_threads) if device.type == "cuda" or lib is not None else 0
+        slot = page_align_up(max(ALIGNMENT, int(slot_bytes)))
+        # a window is a chunk (<= one slot) plus the partial pages at both ends
+        reserve = self.direct_threads * self.direct_depth * (slot + 2 * ALIGNMENT)
+        # pinned only on CUDA (the CPU stand-in registers nothing with the OS)
+        self._window_reserve = reserve if device.type == "cuda" else 0
         super().__init__(device, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes,
                          threads=threads, reserve_bytes=reserve, blocking_events=blocking_events,
                          python_workers=lib is None,
@@ -1199,14 +1241,18 @@ class MmapEngine(_RingEngine):
             try:
                 self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
                                          _NATIVE_COPY_KINDS[base], int(pf) if pf.isdigit() else 1024,
-                                         stream_delay_us)
+                                         stream_delay_us, self.direct_threads, self.direct_depth,
+                                         hot_slots=self.slot_reuse == "hot")
             except BaseException:
                 self.ring.close()
                 self.stream.close()
                 raise
+            if self._window_reserve:  # the pool's windows, counted at their bound while it runs
+                account_window(self._window_reserve)
         self._populate_ok = populate
-        for i in range(self.direct_threads):
-            self._workers.append(self._start_direct_worker(i))
+        if self._pool is None:
+            for i in range(self.direct_threads):
+                self._workers.append(self._start_direct_worker(i))
 
     def _native_lib(self, native: bool | str, copy_impl: str, affinity: str | None) -> Any:
         """The native library if the pool should copy: ``native`` True (required) or "auto" (when
@@ -1215,8 +1261,7 @@ class MmapEngine(_RingEngine):
             raise ValueError(f"native must be True, False or 'auto', got {native!r}")
         if native is False:
             return None
-        fits = (self.copy_impl.partition("-pf")[0] in _NATIVE_COPY_KINDS and not self.direct_threads
-                and affinity is None)
+        fits = self.copy_impl.partition("-pf")[0] in _NATIVE_COPY_KINDS and affinity is None
         lib = native_copy_lib() if fits else None
         if lib is None and native is True:
             raise UnsupportedError(
@@ -1369,13 +1414,13 @@ class MmapEngine(_RingEngine):
         m["direct_bytes"] = sum(s.direct_bytes for s in self._stats)
         m["direct_fallbacks"] = sum(s.direct_fallbacks for s in self._stats)
         m["window_pinned_peak_bytes"] = self._window_peak
-        m["pinned_bytes"] = self.ring.pinned_bytes + (
-            self.direct_threads * self.direct_depth * self.slot_bytes)
+        m["pinned_bytes"] = self.ring.pinned_bytes + self._window_reserve
         m["populate_seconds"] = sum(s.populate_s for s in self._stats)
         m["mapped_files"] = len(self._maps)
         m["mapped_bytes"] = sum(x.length for x in self._maps.values())
         m["copy_impl"] = self.copy_impl
         m["native"] = self.native
+        m["slot_reuse"] = self.slot_reuse
         if self._pool is not None:
             m.update(self._pool.stats())
         return m
@@ -1384,6 +1429,9 @@ class MmapEngine(_RingEngine):
         """Cancel chunks not started, finish those in flight, free the ring. Idempotent."""
         if not self._closed and self._pool is not None:
             self._pool.close()  # before the ring and the mappings it reads go
+            if self._window_reserve:
+                account_window(-self._window_reserve)
+                self._window_reserve = 0
         super().close()
 
     def prefault(self, paths: Sequence[str | os.PathLike]) -> int:
@@ -1612,27 +1660,31 @@ def gds_active() -> bool:
 
 
 def make_engine(kind: str = "auto", device: torch.device | str | None = None, *,
-                pinned_bytes: int = 256 << 20, slot_bytes: int = 16 << 20, threads: int = 8,
+                pinned_bytes: int = 256 << 20, slot_bytes: int | None = None, threads: int = 8,
                 **options: Any) -> TransferEngine:
     """Build a transfer engine. ``options`` go to the engine class (e.g. ``direct_threads`` for
-    mmap, ``direct_io`` for pread, ``task_size`` for kvikio)."""
+    mmap, ``direct_io`` for pread, ``task_size`` for kvikio). ``slot_bytes`` None: the engine's
+    own default (mmap 4 MiB, pread 16 MiB)."""
     if kind not in ENGINE_KINDS:
         raise UnsupportedError(f"unknown transfer engine {kind!r}",
                                f"choose one of {', '.join(ENGINE_KINDS)}")
     dev = _normalize_device(device)
     if kind == "auto":
         kind = "mmap"
-        if dev.type == "cuda":
+        if dev.type == "cuda" and gds_active():
             try:
                 import_kvikio()
-                kind = "kvikio"  # measured best warm (90% of H2D) and at par cold: TRANSFER.md
+                kind = "kvikio"  # GPUDirect Storage: disk -> GPU with no bounce buffer
             except MmapOffloadError:
                 pass
+        # without nvidia-fs kvikio reads through its own bounce buffers (compat mode): the mmap
+        # engine with 8 threads matched its 16 warm and beat it cold (TRANSFER.md)
+    if slot_bytes is not None:
+        options["slot_bytes"] = slot_bytes
     if kind == "mmap":
-        return MmapEngine(dev, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes, threads=threads,
-                          **options)
+        return MmapEngine(dev, pinned_bytes=pinned_bytes, threads=threads, **options)
     if kind == "pread":
-        return PreadEngine(dev, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes, threads=threads,
-                           **options)
+        return PreadEngine(dev, pinned_bytes=pinned_bytes, threads=threads, **options)
+    options.pop("slot_bytes", None)
     return KvikioEngine(dev, threads=options.pop("kvikio_threads", 16),
                         **{k: v for k, v in options.items() if k == "task_size"})

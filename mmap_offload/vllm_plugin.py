@@ -611,7 +611,7 @@ class MmapOffloader(_OffloaderBase):
             opts = self.options
             layer_bytes = self.cache.num_experts * sum(sp.nbytes for sp in self.cache.expert_specs)
             pinned = min(opts.pinned_mib << 20, max(64 << 20, 2 * layer_bytes))  # exact size; no more than a layer needs
-            slot_bytes = min(32 << 20, pinned // 2)
+            slot_bytes = min(4 << 20, pinned // 2)  # the mmap engine's default (TRANSFER.md)
             self.engine = make_engine(
                 opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes, threads=opts.threads
             )

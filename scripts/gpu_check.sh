@@ -4,10 +4,11 @@
 #   2. benchmarks/bench_repack.py on CUDA          (repack GB/s, bar >= 20)
 #   3. benchmarks/bench_warmup.py on CUDA          (warm-up vs the disk's sequential write, bar >= 80%)
 #   4. benchmarks/bench_moe.py                     (tokens/s against UVA; see docs/BENCHMARKS.md)
-#   optional (TRANSFER=1): benchmarks/bench_transfer.py $TRANSFER_ARGS (default --native-only --skip-cold)
+#   optional (TRANSFER=1): benchmarks/bench_transfer.py $TRANSFER_ARGS (default --skip-cold)
 # $OUT gets check.log (steps 1-3 and the transfer table), transfer.json, and moe/ (step 4: run.log,
 # results.json, results.md, 3 PNGs): 8 files, the device tool's limit. kvikio wheels in .whl/ are
-# installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1, SKIP_WARMUP=1.
+# installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1, SKIP_WARMUP=1,
+# SKIP_MOE=1, LATENCY=1 (benchmarks/bench_latency.py into check.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -28,9 +29,13 @@ timeout 60 python3 benchmarks/bench_repack.py --device cuda --out /tmp/repack.js
 fi
 if [ "${TRANSFER:-0}" = 1 ]; then
 echo "== bench_transfer (warm, native pool vs Python threads)"
-timeout 240 python3 benchmarks/bench_transfer.py --size-gib ${TRANSFER_GIB:-4} ${TRANSFER_ARGS:---native-only --skip-cold} \
+timeout 240 python3 benchmarks/bench_transfer.py --size-gib ${TRANSFER_GIB:-4} ${TRANSFER_ARGS:---skip-cold} \
   --out "$OUT/transfer.json" 2>&1 | grep -v "^# env" | tail -${TRANSFER_TAIL:-16}
 rm -f /tmp/mmap_offload_bench.bin
+fi
+if [ "${LATENCY:-0}" = 1 ]; then
+echo "== bench_latency (decode-sized batches: submit -> on GPU)"
+timeout 120 python3 benchmarks/bench_latency.py --reps ${LATENCY_REPS:-30} --out /tmp/latency.json 2>&1 | tail -30
 fi
 if [ "${SKIP_WARMUP:-0}" != 1 ]; then
 echo "== bench_warmup"
@@ -38,6 +43,7 @@ timeout 120 python3 benchmarks/bench_warmup.py --device cuda --gib ${WARMUP_GIB:
 fi
 echo "elapsed: $((SECONDS - t0)) s"
 } 2>&1 | tee "$OUT/check.log"
+[ "${SKIP_MOE:-0}" = 1 ] && exit 0
 echo "== bench_moe"
 SKIP_TESTS=1 SKIP_OOM=1 BENCH_DEADLINE=${BENCH_DEADLINE:-120} OUT="$OUT/moe" bash scripts/gpu_bench.sh
 echo "total: $((SECONDS - t0)) s"

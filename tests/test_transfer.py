@@ -75,6 +75,7 @@ ENGINES = [
     ("mmap", {}),
     ("mmap", {"native": False}),
     ("mmap", {"native": True, "copy_impl": "libc"}),
+    ("mmap", {"native": True, "slot_reuse": "oldest"}),
     ("mmap", {"native": True, "copy_impl": "movsb", "populate": False}),
     ("mmap", {"native": True, "copy_impl": "tc", "ring_hugepage": False}),
     ("mmap", {"populate": False, "hugepage": False, "copy_impl": "libc"}),
@@ -275,6 +276,9 @@ def test_resident_fraction_and_evict(tmp_path):
 # --- GPU ------------------------------------------------------------------------------------
 
 GPU_ENGINES = [("mmap", {}), ("mmap", {"native": False}), ("mmap", {"direct_threads": 1, "threads": 1}),
+               ("mmap", {"direct_threads": 1, "threads": 1, "native": False}),
+               ("mmap", {"direct_threads": 2, "threads": 3, "direct_depth": 3}),
+               ("mmap", {"slot_reuse": "hot", "copy_impl": "movsb"}),
                ("mmap", {"copy_impl": "libc"}),
                ("pread", {}), ("kvikio", {})]
 
@@ -288,7 +292,7 @@ def test_gpu_engines_bytes_equal(files, kind, opts):
     rng = random.Random(21)
     dev = torch.device("cuda", 0)
     opts = {"threads": 4, **opts}
-    eng = make_engine(kind, dev, pinned_bytes=4 << 20, slot_bytes=1 << 20, **opts)
+    eng = make_engine(kind, dev, pinned_bytes=12 << 20, slot_bytes=1 << 20, **opts)
     try:
         for _ in range(3):
             copies, expect = random_copies(files, rng, dev, 30)
@@ -302,7 +306,8 @@ def test_gpu_engines_bytes_equal(files, kind, opts):
             check([(whole, data)])
         m = eng.metrics
         if kind != "kvikio":
-            assert m["pinned_bytes"] == m["ring_bytes"] + opts.get("direct_threads", 0) * 2 * (1 << 20)
+            # direct windows count at their bound: depth 2 x (a slot + a partial page at each end)
+            assert m["pinned_bytes"] == m["ring_bytes"] + opts.get("direct_threads", 0) * opts.get("direct_depth", 2) * ((1 << 20) + 8192)
         if opts.get("direct_threads"):
             assert m["direct_bytes"] > 0
     finally:
@@ -312,13 +317,14 @@ def test_gpu_engines_bytes_equal(files, kind, opts):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("native", [True, False])
-def test_gpu_poisoned_slots_stay_intact(files, native):
+@pytest.mark.parametrize("native,reuse", [(True, "oldest"), (True, "hot"), (False, "oldest")])
+def test_gpu_poisoned_slots_stay_intact(files, native, reuse):
     """Many chunks through a 2-slot ring while the GPU is kept busy: bytes still equal."""
     if native and native_copy_lib() is None:
         pytest.skip("no C compiler / AVX2: the native pool is unavailable")
     dev = torch.device("cuda", 0)
-    eng = make_engine("mmap", dev, pinned_bytes=2 * 65536, slot_bytes=65536, threads=8, native=native)
+    eng = make_engine("mmap", dev, pinned_bytes=2 * 65536, slot_bytes=65536, threads=8, native=native,
+                      slot_reuse=reuse)
     assert eng.native == native
     try:
         p, data = next(iter(files.items()))
@@ -440,28 +446,31 @@ needs_native = pytest.mark.skipif(native_copy_lib() is None,
 
 
 @needs_native
-def test_native_pool_never_refills_a_slot_before_its_copy_ran(files):
+@pytest.mark.parametrize("reuse,slots", [("oldest", 2), ("hot", 2), ("hot", 5)])
+def test_native_pool_never_refills_a_slot_before_its_copy_ran(files, reuse, slots):
     """Poisoning for the native pool: its CPU stream runs each 'H2D' 2 ms late, 6 threads share 2
-    slots. A slot refilled before its event completed would hand later bytes to earlier copies."""
-    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 8192, slot_bytes=8192, threads=6, native=True,
-                      stream_delay_us=2000)
+    (or 5) slots. A slot refilled before its event completed would hand later bytes to earlier
+    copies. "hot" reuse takes the newest slot whose copy completed, so it must check, not assume."""
+    eng = make_engine("mmap", "cpu", pinned_bytes=slots * 8192, slot_bytes=8192, threads=6, native=True,
+                      stream_delay_us=2000, slot_reuse=reuse)
     try:
         assert eng.native
         copies, expect = random_copies(files, random.Random(7), "cpu", 20, max_len=40_000)
         eng.wait(eng.submit(copies))
         check(expect)
         m = eng.metrics
-        assert m["ring_slots"] == 2 and m["bytes_moved"] == sum(len(w) for _, w in expect)
+        assert m["ring_slots"] == slots and m["bytes_moved"] == sum(len(w) for _, w in expect)
         assert m["chunks"] > 4 * m["ring_slots"]  # cut into slot-sized chunks, far more than the slots
     finally:
         eng.close()
 
 
 @needs_native
-def test_native_pool_random_interleavings(files):
+@pytest.mark.parametrize("reuse", ["oldest", "hot"])
+def test_native_pool_random_interleavings(files, reuse):
     rng = random.Random(3)
     eng = make_engine("mmap", "cpu", pinned_bytes=3 * 65536, slot_bytes=65536, threads=4, native=True,
-                      stream_delay_us=50)
+                      stream_delay_us=50, slot_reuse=reuse)
     try:
         pending = []
         for _ in range(60):
@@ -629,11 +638,11 @@ def _raw_pool(lib, ring: np.ndarray, slot_bytes: int, threads: int, delay_us: in
     import ctypes
 
     stream = lib.mo_fake_stream_create(delay_us)
-    api = (ctypes.c_void_p * 6)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+    api = (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
         "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-        "mo_fake_event_sync", "mo_fake_event_destroy")], None)
+        "mo_fake_event_sync", "mo_fake_event_destroy")], None, None, None, None)
     pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, slot_bytes, len(ring) // slot_bytes,
-                              threads, 0, 0)
+                              threads, 0, 0, 0, 0, 0)
     assert pool
     return pool, stream, api
 
@@ -702,11 +711,11 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
         from mmap_offload.transfer import native_copy_lib
         lib = native_copy_lib()
         stream = lib.mo_fake_stream_create(0)
-        api = (ctypes.c_void_p * 6)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+        api = (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
             "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-            "mo_fake_event_sync", "mo_fake_event_destroy")], None)
+            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None, None, None)
         ring = np.zeros(2 * 4096, dtype=np.uint8)
-        pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0)
+        pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0, 0, 0, 0)
         status = np.zeros(4, dtype=np.int64)
         for n, cb in ((1 << 63, 1), ((1 << 64) - 1, 1), (1 << 40, 64)):  # never read: refused first
             trip = np.array([ring.ctypes.data, ring.ctypes.data, n], dtype=np.uint64)
@@ -739,5 +748,121 @@ def test_native_pool_cuda_errors_are_raised_not_hung(files, what, nth):
             dst = torch.zeros(n, dtype=torch.uint8)
             eng.wait(eng.submit([Copy(Extent(p, 0, n), [(0, n, dst)])]))
             assert np.array_equal(dst.numpy(), data[:n])
+    finally:
+        eng.close()
+
+
+def _registry(lib) -> tuple[int, int, int]:
+    """(registrations so far, copies that ran after their window was unregistered, windows now)
+    of the native pool's CPU stand-in for cudaHostRegister."""
+    out = np.zeros(3, dtype=np.uint64)
+    lib.mo_fake_registry_stats(out.ctypes.data)
+    return int(out[0]), int(out[1]), int(out[2])
+
+
+@needs_native
+@pytest.mark.parametrize("depth", [1, 3])
+def test_native_direct_windows_stay_registered_until_their_copies_ran(files, depth):
+    """Direct workers send one-piece chunks from registered windows of the mapping (no ring). The
+    CPU stream runs each copy 300 us late and checks, when it runs, that the window it reads is
+    still registered: a window let go before its copy completed is counted as a violation.
+    Windows are all let go once the workers are idle, and none is left after close."""
+    lib = native_copy_lib()
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    pinned = 16 * 65536
+    eng = make_engine("mmap", "cpu", pinned_bytes=pinned, slot_bytes=65536, threads=1,
+                      direct_threads=2, direct_depth=depth, native=True, stream_delay_us=300)
+    reg0, bad0, _ = _registry(lib)
+    try:
+        assert eng.native and eng.direct_threads == 2
+        # a window is a slot plus a partial page at each end; the ring gives way to them
+        assert eng.metrics["ring_slots"] == (pinned - 2 * depth * (65536 + 8192)) // 65536
+        rng = random.Random(depth)
+        for _ in range(4):
+            n = rng.randrange(8 * 65536, len(data) - 4096)
+            off = rng.choice([0, 4096, rng.randrange(1, len(data) - n)])
+            dst = torch.zeros(n, dtype=torch.uint8)
+            copies, expect = random_copies(files, rng, "cpu", 8, max_len=200_000)
+            eng.wait(eng.submit([Copy(Extent(p, off, n), [(0, n, dst)])] + copies))
+            check([(dst, data[off:off + n])] + expect)
+        m = eng.metrics
+        assert m["direct_bytes"] > 0 and m["bytes_moved"] > m["direct_bytes"]
+        reg, bad, _ = _registry(lib)
+        assert reg - reg0 >= m["chunks"] // 8 and bad == bad0
+        deadline = time.time() + 10
+        while _registry(lib)[2] and time.time() < deadline:  # idle workers let go
+            time.sleep(0.01)
+        assert _registry(lib)[2] == 0
+    finally:
+        eng.close()
+    assert _registry(lib)[2] == 0
+
+
+@needs_native
+def test_native_direct_refused_registration_copies_through_the_ring(files):
+    """Where the driver refuses read-only registration (an old GPU or driver: cudaErrorNotSupported),
+    a direct worker stops trying after the first refusal and copies through the ring instead."""
+    lib = native_copy_lib()
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    eng = make_engine("mmap", "cpu", pinned_bytes=8 * 65536, slot_bytes=65536, threads=1,
+                      direct_threads=1, native=True)
+    try:
+        lib.mo_fake_host_register_fail(1, 801)
+        for _ in range(3):
+            dst = torch.zeros(len(data), dtype=torch.uint8)
+            eng.wait(eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])]))
+            check([(dst, data)])
+        m = eng.metrics
+        assert m["direct_fallbacks"] == 1 and m["direct_bytes"] == 0
+        assert m["bytes_moved"] == 3 * len(data)
+    finally:
+        lib.mo_fake_host_register_fail(0, 0)
+        eng.close()
+
+
+@needs_native
+def test_native_direct_overlapping_windows_fall_back_per_chunk(files):
+    """Chunks that start mid-page share a page with their neighbours: two direct workers holding
+    neighbouring windows collide (cudaErrorHostMemoryAlreadyRegistered). That chunk goes through
+    the ring, the worker keeps registering the next ones, and every byte still arrives."""
+    lib = native_copy_lib()
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    eng = make_engine("mmap", "cpu", pinned_bytes=16 * 65536, slot_bytes=65536, threads=1,
+                      direct_threads=4, direct_depth=2, native=True, stream_delay_us=200,
+                      min_chunk_bytes=65536 - 1000)
+    reg0, bad0, _ = _registry(lib)
+    try:
+        for _ in range(3):
+            n = len(data) - 3000
+            dst = torch.zeros(n, dtype=torch.uint8)
+            eng.wait(eng.submit([Copy(Extent(p, 1500, n), [(0, n, dst)])]))
+            check([(dst, data[1500:1500 + n])])
+        m = eng.metrics
+        assert m["direct_bytes"] > 0 and m["direct_fallbacks"] > 0
+        assert m["bytes_moved"] == 3 * (len(data) - 3000)
+        assert _registry(lib)[1] == bad0
+    finally:
+        eng.close()
+    assert _registry(lib)[2] == 0
+
+
+@needs_native
+@pytest.mark.parametrize("reuse", ["hot", "oldest"])
+def test_native_mixed_copy_whole_slot_and_small_chunks_bytes_equal(tmp_path, reuse):
+    """copy_impl "mixed" (the default with hot slots where the CPU has ERMS): whole 4 MiB slots go
+    through rep movsb, smaller chunks through the non-temporal kernel; both land the file's bytes."""
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, 256, size=(13 << 20) + 777, dtype=np.uint8)
+    p = tmp_path / "big.bin"
+    p.write_bytes(data.tobytes())
+    eng = make_engine("mmap", "cpu", pinned_bytes=16 << 20, slot_bytes=4 << 20, threads=2, native=True,
+                      copy_impl="mixed", slot_reuse=reuse)
+    try:
+        assert eng.copy_impl == "mixed"
+        for off, n in ((0, len(data)), (4095, (9 << 20) + 3), (100, 5000), (len(data) - 70000, 70000)):
+            dst = torch.zeros(n, dtype=torch.uint8)
+            eng.wait(eng.submit([Copy(Extent(p, off, n), [(0, n, dst)])]))
+            check([(dst, data[off:off + n])])
+        assert eng.metrics["chunks"] >= 4
     finally:
         eng.close()
