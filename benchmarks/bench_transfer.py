@@ -455,6 +455,12 @@ def main() -> None:
             f"{best_warm['median_GBps'] / h2d:.2f} | | |")
         log(f"| warm mmap same, first pass (fresh mapping) | {best_warm['first_GBps']:.1f} | "
             f"{best_warm['first_GBps'] / h2d:.2f} | | |")
+    dflt = next((r for r in ok_warm if r["engine"] == "mmap" and r["opts"] == {"pinned_bytes": P, "threads": 8}),
+                None)  # the built-in list's first variant: what make_engine("mmap") gives
+    if dflt:
+        summary["warm_default_ratio"] = ratio = dflt["median_GBps"] / h2d
+        log(f"| warm mmap defaults (8 threads, 256 MiB pinned), median of passes 2.. | "
+            f"{dflt['median_GBps']:.1f} | {ratio:.2f} | {verdict(ratio)} | {dflt['pinned_bytes']} |")
     kv = [r for r in ok_warm if r["engine"].endswith("kvikio")]
     if kv:
         b = max(kv, key=lambda r: r["steady_GBps"])

@@ -17,28 +17,33 @@ TransferEngine <- KvikioEngine):
 
     mmap    warm path. Each file is mapped once per engine, read-only, 2 MiB-aligned (large
             page-cache folios map as PMDs); ``threads`` workers copy from the mapping into free
-            slots of an exact-size PinnedRing with a 4-stream non-temporal AVX2 copy
-            (csrc/fastcopy.c; libc memcpy where it cannot be built), the GIL released, so it does
-            not depend on OMP_NUM_THREADS; each filled slot goes to the device on the ONE copy
-            stream of that device (``copy_stream()``), and the event recorded after it frees the
-            slot: a slot is never refilled before its H2D completed. By default (``native=``
-            "auto") the workers are a pthread pool in C (csrc/copy_pool.c, built with the kernels
-            by ``native_copy_lib()`` on first use): one GIL-free call per batch cuts it into
-            chunks, fills slots and issues cudaMemcpyAsync with torch's libcudart (on the CPU: the
-            library's own stand-in stream); ``native=False`` keeps the Python threads. A region is
-            pre-faulted once per engine (MADV_POPULATE_READ) so later passes copy at memory speed.
-            Optional ``direct_threads``: workers that register a read-only window of the mapping
-            with ``cudaHostRegister`` and DMA straight from the page cache (no CPU copy); their
-            windows count in ``pinned_bytes`` (off by default: the driver serialises
-            registration at ~17-20 GB/s, measured no gain).
+            slots of an exact-size PinnedRing (4 MiB slots), the GIL released, so it does not
+            depend on OMP_NUM_THREADS; each filled slot goes to the device on the ONE copy stream
+            of that device (``copy_stream()``), and the event recorded after it frees the slot: a
+            slot is never refilled before its H2D completed. By default (``native=`` "auto") the
+            workers are a pthread pool in C (csrc/copy_pool.c, built with the copy kernels of
+            csrc/fastcopy.c by ``native_copy_lib()`` on first use): one GIL-free call per batch
+            cuts it into chunks, fills slots and issues cudaMemcpyAsync with torch's libcudart
+            (on the CPU: the library's own stand-in stream). The pool reuses the newest idle slot
+            (``slot_reuse="hot"``) and copies whole-slot chunks with ``rep movsb``, smaller ones
+            with non-temporal AVX2 stores (``copy_impl="mixed"``): the slot's lines are still in
+            the CPU caches when the DMA reads them (93% of pinned H2D with 8 threads against 75-86%
+            for non-temporal stores into the oldest slot: docs/TRANSFER.md). ``native=False``
+            keeps Python threads with the non-temporal kernel (libc memcpy where it cannot be
+            built). A region is pre-faulted once per engine (MADV_POPULATE_READ) so later passes
+            copy at memory speed. Optional ``direct_threads``: workers that register a read-only
+            window of the mapping with ``cudaHostRegister`` and DMA straight from the page cache
+            (no CPU copy); their windows count in ``pinned_bytes`` (off by default: registration
+            holds a driver lock the copy workers wait on; measured slower).
     pread   cold path. Same ring, filled by parallel ``os.preadv`` of the covering 4096-aligned
             range with O_DIRECT (no page-cache pollution, queue depth = threads); buffered
             ``preadv`` where the file system refuses O_DIRECT (metrics say which).
     kvikio  ``kvikio.CuFile(path).pread`` straight into the destination (GPUDirect Storage where
             the nvidia-fs driver runs, else kvikio's POSIX compat mode with its own bounce
             buffers). Needs ``pip install 'mmap-offload[gds]'``.
-    auto    kvikio on a CUDA device where kvikio imports (16 threads, 8 MiB tasks: measured 90% of
-            pinned H2D warm, at par with O_DIRECT cold); else mmap. docs/TRANSFER.md has numbers.
+    auto    kvikio where GPUDirect Storage is active (nvidia-fs loaded) and kvikio imports; else
+            mmap (kvikio's compat mode is pread into bounce buffers: with 16 threads it reached
+            88-89% of pinned H2D warm where mmap with 8 reached 91-93%). docs/TRANSFER.md has numbers.
 
 Completion. ``wait(ticket)`` blocks the host until every chunk of the ticket has been read from
 the file and its device copy issued; on CUDA it then makes the caller's current stream (or
@@ -174,15 +179,25 @@ class _CpuEvent:
 
 class _CpuCopyStream:
     """A FIFO of copies run by one thread: the CPU model of a CUDA copy stream (async, ordered).
+    The thread starts with the first copy or event (an engine whose native pool has its own stream
+    never starts it).
 
     ``before_copy`` is a test hook called with (dst, src) before each copy runs."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.before_copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-        self._thread = threading.Thread(target=self._run, name="mmap-offload-cpu-stream",
-                                        daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def _put(self, item: Any) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    t = threading.Thread(target=self._run, name="mmap-offload-cpu-stream", daemon=True)
+                    t.start()
+                    self._thread = t
+        self._q.put(item)
 
     def _run(self) -> None:
         error: BaseException | None = None  # reported at the next event, like a CUDA stream error
@@ -208,7 +223,7 @@ class _CpuCopyStream:
         pass
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._q.put((dst, src))
+        self._put((dst, src))
 
     def copy_part(self, dst: int, slot: Slot, offset: int, nbytes: int) -> None:
         self.copy(address_tensor(dst, nbytes), slot.tensor[offset:offset + nbytes])
@@ -218,16 +233,20 @@ class _CpuCopyStream:
 
     def record(self, ticket: bool = False) -> _CpuEvent:
         ev = _CpuEvent(ticket)
-        self._q.put(ev)
+        self._put(ev)
         return ev
 
     def wait_event(self, event: Any) -> None:
         event.synchronize()
 
     def close(self) -> None:
-        if self._thread.is_alive():
+        with self._start_lock:
+            t, self._thread = self._thread, None
+            if t is None:  # never started; a copy after close starts a new thread (as before)
+                return
+        if t.is_alive():
             self._q.put(None)
-            self._thread.join()
+            t.join()
 
 
 def _device_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:

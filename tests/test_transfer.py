@@ -866,3 +866,54 @@ def test_native_mixed_copy_whole_slot_and_small_chunks_bytes_equal(tmp_path, reu
         assert eng.metrics["chunks"] >= 4
     finally:
         eng.close()
+
+
+@needs_native
+def test_native_engine_starts_no_python_stream_thread(files):
+    """The native pool runs its own CPU stream: the Python stand-in stream's thread stays unstarted
+    (it used to idle for the engine's lifetime); the Python workers still start it on first use."""
+    def streams() -> int:
+        return sum(t.name == "mmap-offload-cpu-stream" and t.is_alive() for t in threading.enumerate())
+
+    before = streams()
+    p, data = next(iter(files.items()))
+    eng = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18, threads=2, native=True)
+    try:
+        dst = torch.zeros(len(data), dtype=torch.uint8)
+        eng.wait(eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])]))
+        check([(dst, data)])
+        assert streams() == before
+    finally:
+        eng.close()
+    py = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18, threads=2, native=False)
+    try:
+        dst = torch.zeros(len(data), dtype=torch.uint8)
+        py.wait(py.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])]))
+        check([(dst, data)])
+        assert streams() == before + 1
+    finally:
+        py.close()
+    assert streams() == before
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_auto_picks_kvikio_only_with_gds(monkeypatch):
+    """On CUDA "auto" is mmap unless GPUDirect Storage is active (then kvikio, where it imports):
+    kvikio's compat mode lost to the mmap engine warm and cold on the machine measured."""
+    monkeypatch.setattr(transfer, "gds_active", lambda: False)
+    eng = make_engine("auto", "cuda")
+    try:
+        assert eng.kind == "mmap" and eng.slot_bytes == 4 << 20
+    finally:
+        eng.close()
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return
+    monkeypatch.setattr(transfer, "gds_active", lambda: True)
+    eng = make_engine("auto", "cuda")
+    try:
+        assert eng.kind == "kvikio"
+    finally:
+        eng.close()
