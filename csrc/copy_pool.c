@@ -279,6 +279,12 @@ static int run_direct_chunk(mo_pool *p, direct_ctx *d, batch *b, uint32_t ci, in
     if (d->count == d->depth) retire_window(p, d);
     uint64_t t0 = now_ns();
     int r = p->host_register((void *)w0, w1 - w0, HOST_REGISTER_READ_ONLY);
+    if (r == ERR_ALREADY_REGISTERED && d->count) {
+        /* an unaligned chunk shares a page with the one this worker sent before: let go of its
+         * own windows (their copies are queued ahead and mostly done) and try once more */
+        retire_all(p, d);
+        r = p->host_register((void *)w0, w1 - w0, HOST_REGISTER_READ_ONLY);
+    }
     uint64_t t1 = now_ns();
     if (r) {
         if (r != ERR_ALREADY_REGISTERED) d->disabled = 1;
@@ -295,9 +301,14 @@ static int run_direct_chunk(mo_pool *p, direct_ctx *d, batch *b, uint32_t ci, in
     *err = p->memcpy_async((void *)(uintptr_t)q->dst, (const void *)(uintptr_t)q->src, q->n, H2D,
                            p->stream);
     int rec = p->event_record(d->event[i], p->stream);
-    /* A failed record means a broken CUDA context (as in run_chunk): the batch fails with it, and
-     * the window is unregistered when its (stale) event next reads complete. */
-    if (rec && !*err) *err = rec;
+    if (rec) {
+        /* A failed record means a broken CUDA context (as in run_chunk): the batch fails with it.
+         * Nothing tells when the copy from this window ran, so the window is never unregistered
+         * (its pages stay pinned: a leak, not a DMA from freed pages). */
+        d->addr[i] = 0;
+        d->count--;
+        if (!*err) *err = rec;
+    }
     uint64_t t2 = now_ns();
     pthread_mutex_lock(&p->mu);
     p->st_register_ns += t1 - t0;

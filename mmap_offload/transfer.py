@@ -194,15 +194,16 @@ class _CpuCopyStream:
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
-                    t = threading.Thread(target=self._run, name="mmap-offload-cpu-stream", daemon=True)
+                    t = threading.Thread(target=self._run, args=(self._q,), name="mmap-offload-cpu-stream",
+                                         daemon=True)
                     t.start()
                     self._thread = t
         self._q.put(item)
 
-    def _run(self) -> None:
+    def _run(self, q: queue.SimpleQueue) -> None:
         error: BaseException | None = None  # reported at the next event, like a CUDA stream error
         while True:
-            item = self._q.get()
+            item = q.get()
             if item is None:
                 return
             if isinstance(item, _CpuEvent):
@@ -242,11 +243,13 @@ class _CpuCopyStream:
     def close(self) -> None:
         with self._start_lock:
             t, self._thread = self._thread, None
-            if t is None:  # never started; a copy after close starts a new thread (as before)
+            if t is None:  # never started
                 return
-        if t.is_alive():
-            self._q.put(None)
-            t.join()
+            # the stop marker goes to this thread's queue; a copy after close gets a new thread
+            # with a queue of its own, which cannot take the marker
+            q, self._q = self._q, queue.SimpleQueue()
+            q.put(None)
+        t.join()
 
 
 def _device_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -835,8 +838,8 @@ def _copier_fn(impl: str) -> Callable[[int, int, int], None]:
                                "it builds on first use from csrc/ with a C compiler (cc) on an AVX2 CPU")
     if impl == "movsb":
         return lib.mo_copy_movsb
-    if impl == "mixed":  # the pool picks per chunk (rep movsb >= 4 MiB); Python threads: nt4
-        impl = "nt4"
+    if impl.startswith("mixed"):  # the pool picks per chunk (rep movsb >= 4 MiB); Python threads: nt4
+        impl = "nt4" + impl[len("mixed"):]
     base, _, pf = impl.partition("-pf")  # "nt", "nt4", or with a prefetch distance: "nt-pf4096"
     dist = int(pf) if pf.isdigit() else 1024
     if base == "nt":
@@ -1448,9 +1451,10 @@ class MmapEngine(_RingEngine):
         """Cancel chunks not started, finish those in flight, free the ring. Idempotent."""
         if not self._closed and self._pool is not None:
             self._pool.close()  # before the ring and the mappings it reads go
-            if self._window_reserve:
-                account_window(-self._window_reserve)
-                self._window_reserve = 0
+            with self._lock:  # two closers: released once
+                reserve, self._window_reserve = self._window_reserve, 0
+            if reserve:
+                account_window(-reserve)
         super().close()
 
     def prefault(self, paths: Sequence[str | os.PathLike]) -> int:

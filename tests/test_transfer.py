@@ -84,6 +84,8 @@ ENGINES = [
     ("mmap", {"copy_impl": "nt"}),
     ("mmap", {"copy_impl": "movsb"}),
     ("mmap", {"copy_impl": "nt4-pf4096"}),
+    ("mmap", {"copy_impl": "mixed-pf4096"}),
+    ("mmap", {"copy_impl": "mixed", "native": False}),
     ("mmap", {"copy_impl": "tc"}),
     ("pread", {}),
     ("pread", {"direct_io": False}),
@@ -92,7 +94,7 @@ ENGINES = [
 
 @pytest.mark.parametrize("kind,opts", ENGINES)
 def test_random_extents_bytes_equal(files, kind, opts):
-    if (opts.get("copy_impl", "")[:2] in ("nt", "mo") or opts.get("native")) and native_copy_lib() is None:
+    if (opts.get("copy_impl", "")[:2] in ("nt", "mo", "mi") or opts.get("native")) and native_copy_lib() is None:
         pytest.skip("no C compiler / AVX2: the native copy kernels are unavailable")
     rng = random.Random(hash((kind, tuple(opts))) & 0xFFFF)
     eng = make_engine(kind, "cpu", pinned_bytes=1 << 20, slot_bytes=256 << 10, threads=4, **opts)
@@ -917,3 +919,75 @@ def test_gpu_auto_picks_kvikio_only_with_gds(monkeypatch):
         assert eng.kind == "kvikio"
     finally:
         eng.close()
+
+
+@needs_native
+def test_native_direct_worker_reregisters_past_its_own_neighbouring_window(files):
+    """One direct worker sending unaligned chunks: each window shares a page with the one it sent
+    before (cudaHostRegister refuses the overlap). The worker lets go of its own earlier windows
+    and registers again instead of copying every other chunk through the ring."""
+    lib = native_copy_lib()
+    p, data = max(files.items(), key=lambda kv: len(kv[1]))
+    eng = make_engine("mmap", "cpu", pinned_bytes=16 * 65536, slot_bytes=65536, threads=1,
+                      direct_threads=1, direct_depth=2, native=True, stream_delay_us=200,
+                      min_chunk_bytes=65536)
+    bad0 = _registry(lib)[1]
+    try:
+        n = len(data) - 3000
+        dst = torch.zeros(n, dtype=torch.uint8)
+        eng.wait(eng.submit([Copy(Extent(p, 1500, n), [(0, n, dst)])]))
+        check([(dst, data[1500:1500 + n])])
+        m = eng.metrics
+        assert m["direct_bytes"] > 0 and m["direct_fallbacks"] == 0
+        assert _registry(lib)[1] == bad0
+    finally:
+        eng.close()
+
+
+@needs_native
+def test_native_direct_window_is_never_unregistered_under_a_copy_whose_event_failed():
+    """If recording a window's event fails (a broken CUDA context), nothing says when its copy ran:
+    the window must stay registered (a pinned-page leak) rather than be let go under the copy."""
+    import ctypes
+
+    lib = _pool_lib_or_skip()
+    stream = lib.mo_fake_stream_create(100_000)  # each copy runs 100 ms late
+    names = ("mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
+             "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_host_register",
+             "mo_fake_host_unregister", None)
+    api = (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
+                                  for n in names])
+    ring = np.zeros(2 * 4096, dtype=np.uint8)
+    src = np.arange(3 * 4096, dtype=np.uint8)
+    dst = np.zeros(5000, dtype=np.uint8)
+    pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096 * 2, 1, 0, 0, 0, 1, 2, 0)
+    assert pool
+    reg0, bad0, live0 = _registry(lib)
+    try:
+        lib.mo_fake_stream_fail(stream, 1, 1, 999)  # the direct worker's event record fails
+        trip = np.array([src.ctypes.data + 100, dst.ctypes.data, 5000], dtype=np.uint64)
+        status = np.zeros(4, dtype=np.int64)
+        assert lib.mo_pool_submit(pool, trip.ctypes.data, 1, 8192, status.ctypes.data, None) == 1
+        assert lib.mo_pool_wait(pool, status.ctypes.data) == 999
+    finally:
+        lib.mo_pool_destroy(pool)  # the idle worker retires its windows before it exits
+        lib.mo_fake_stream_destroy(stream)  # runs the late copy
+    reg, bad, live = _registry(lib)
+    assert reg == reg0 + 1 and bad == bad0 and live == live0 + 1  # kept, not let go under the copy
+    assert np.array_equal(dst, src[100:5100])
+    assert lib.mo_fake_host_unregister(src.ctypes.data & ~4095) == 0  # clean the registry up
+
+
+def test_cpu_stream_close_then_reuse_does_not_hang():
+    """The CPU stand-in stream: closing joins its thread; a copy after close starts a new thread with
+    a queue of its own (the old thread's stop marker cannot be taken by the new one)."""
+    st = transfer._CpuCopyStream()
+    st.close()  # never started: nothing to join
+    a, b = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    for _ in range(3):
+        st.copy(b, a)
+        st.record(ticket=True).synchronize()
+        assert torch.equal(a, b)
+        b.zero_()
+        st.close()
+    assert st._thread is None
