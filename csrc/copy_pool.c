@@ -72,7 +72,6 @@ typedef struct batch {
 typedef struct {
     void **event;     /* depth events */
     uintptr_t *addr;  /* window start (page-aligned) per pending entry, 0 if none */
-    size_t *len;
     int depth, head, count;
     int disabled;     /* registration refused for a reason other than overlap: copy instead */
 } direct_ctx;
@@ -100,9 +99,9 @@ struct mo_pool {
     int nslots;
     void **slot_event;
     int *slot_used;   /* 1 once an event was recorded for the slot */
-    int *fifo;        /* free slots, oldest release first */
+    int *fifo;        /* free slots fifo[0 .. fifo_count), oldest release first */
     char *slot_free;  /* 1 while the slot is in fifo */
-    int fifo_head, fifo_count;
+    int fifo_count;
 
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv, slot_cv;
@@ -148,9 +147,8 @@ static void cpu_copy(mo_pool *p, int kind, void *dst, const void *src, size_t n)
 
 /* under mu: take the free slot at position k (from the oldest) out of the free list */
 static int take_free_at(mo_pool *p, int k) {
-    int s = p->fifo[(p->fifo_head + k) % p->nslots];
-    for (int j = k; j < p->fifo_count - 1; j++) /* close the gap */
-        p->fifo[(p->fifo_head + j) % p->nslots] = p->fifo[(p->fifo_head + j + 1) % p->nslots];
+    int s = p->fifo[k];
+    memmove(&p->fifo[k], &p->fifo[k + 1], (size_t)(p->fifo_count - k - 1) * sizeof(int));
     p->fifo_count--;
     p->slot_free[s] = 0;
     return s;
@@ -174,11 +172,11 @@ static int take_hot_slot(mo_pool *p, worker_arg *w) {
         int s = w->own[i];
         if (s < 0 || !p->slot_free[s] || !slot_idle(p, s)) continue;
         for (int k = p->fifo_count - 1; k >= 0; k--)
-            if (p->fifo[(p->fifo_head + k) % p->nslots] == s) return take_free_at(p, k);
+            if (p->fifo[k] == s) return take_free_at(p, k);
     }
     int queried = 0;
     for (int k = p->fifo_count - 1; k >= 0 && queried < HOT_SCAN; k--) {
-        int s = p->fifo[(p->fifo_head + k) % p->nslots];
+        int s = p->fifo[k];
         queried += p->slot_used[s];
         if (slot_idle(p, s)) return take_free_at(p, k);
     }
@@ -209,8 +207,7 @@ static void release_slot(mo_pool *p, int s, int recorded, worker_arg *w) {
     }
     pthread_mutex_lock(&p->mu);
     p->slot_used[s] = recorded;
-    p->fifo[(p->fifo_head + p->fifo_count) % p->nslots] = s;
-    p->fifo_count++;
+    p->fifo[p->fifo_count++] = s;
     p->slot_free[s] = 1;
     pthread_cond_signal(&p->slot_cv);
     pthread_mutex_unlock(&p->mu);
@@ -296,7 +293,6 @@ static int run_direct_chunk(mo_pool *p, direct_ctx *d, batch *b, uint32_t ci, in
     }
     int i = (d->head + d->count) % d->depth;
     d->addr[i] = w0;
-    d->len[i] = w1 - w0;
     d->count++;
     *err = p->memcpy_async((void *)(uintptr_t)q->dst, (const void *)(uintptr_t)q->src, q->n, H2D,
                            p->stream);
@@ -380,7 +376,7 @@ static void free_direct(mo_pool *p) {
         direct_ctx *d = &p->direct[k];
         for (int i = 0; d->event && i < d->depth; i++)
             if (d->event[i]) p->event_destroy(d->event[i]);
-        free(d->event); free(d->addr); free(d->len);
+        free(d->event); free(d->addr);
     }
     free(p->direct);
 }
@@ -449,8 +445,7 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
         d->depth = direct_depth;
         d->event = calloc((size_t)direct_depth, sizeof(void *));
         d->addr = calloc((size_t)direct_depth, sizeof(uintptr_t));
-        d->len = calloc((size_t)direct_depth, sizeof(size_t));
-        if (!d->event || !d->addr || !d->len) goto fail;
+        if (!d->event || !d->addr) goto fail;
         for (int i = 0; i < direct_depth; i++)
             if (p->event_create(&d->event[i], EV_BLOCKING_SYNC | EV_DISABLE_TIMING)) goto fail;
     }
