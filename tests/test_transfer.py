@@ -636,13 +636,22 @@ def _pool_lib_or_skip():
     return lib
 
 
-def _raw_pool(lib, ring: np.ndarray, slot_bytes: int, threads: int, delay_us: int = 0):
+def _fake_api(lib, direct: bool = False):
+    """mo_pool_create's 9 CUDA entry points, from the library's CPU stand-ins (host_register and
+    host_unregister only with ``direct``; no event_query: no hot slots)."""
     import ctypes
 
+    names = ("mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
+             "mo_fake_event_sync", "mo_fake_event_destroy", None,
+             "mo_fake_host_register" if direct else None, "mo_fake_host_unregister" if direct else None,
+             None)
+    return (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
+                                   for n in names])
+
+
+def _raw_pool(lib, ring: np.ndarray, slot_bytes: int, threads: int, delay_us: int = 0):
     stream = lib.mo_fake_stream_create(delay_us)
-    api = (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
-        "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-        "mo_fake_event_sync", "mo_fake_event_destroy")], None, None, None, None)
+    api = _fake_api(lib)
     pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, slot_bytes, len(ring) // slot_bytes,
                               threads, 0, 0, 0, 0, 0)
     assert pool
@@ -948,15 +957,9 @@ def test_native_direct_worker_reregisters_past_its_own_neighbouring_window(files
 def test_native_direct_window_is_never_unregistered_under_a_copy_whose_event_failed():
     """If recording a window's event fails (a broken CUDA context), nothing says when its copy ran:
     the window must stay registered (a pinned-page leak) rather than be let go under the copy."""
-    import ctypes
-
     lib = _pool_lib_or_skip()
     stream = lib.mo_fake_stream_create(100_000)  # each copy runs 100 ms late
-    names = ("mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-             "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_host_register",
-             "mo_fake_host_unregister", None)
-    api = (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
-                                  for n in names])
+    api = _fake_api(lib, direct=True)
     ring = np.zeros(2 * 4096, dtype=np.uint8)
     src = np.arange(3 * 4096, dtype=np.uint8)
     dst = np.zeros(5000, dtype=np.uint8)
