@@ -338,10 +338,13 @@ def test_gpu_poisoned_slots_stay_intact(files, native, reuse):
         eng.close()
 
 
+needs_native = pytest.mark.skipif(native_copy_lib() is None,
+                                  reason="no C compiler / AVX2: the native library (copy kernels, pool) is unavailable")
+
+
+@needs_native
 def test_native_copy_kernels_edges():
     lib = native_copy_lib()
-    if lib is None:
-        pytest.skip("no C compiler / AVX2: the native copy kernels are unavailable")
     rng = np.random.default_rng(7)
     for n in [0, 1, 31, 32, 127, 128, 4095, 4096, 65536 * 4 + 123, (1 << 20) + 77]:
         for so, do in [(0, 0), (1, 0), (0, 1), (64, 32), (3, 5)]:
@@ -443,8 +446,6 @@ def test_destinations_stay_alive_until_their_copies_ran(tmp_path):
 
 # --- the native copy pool (csrc/copy_pool.c) over its CPU stream --------------------------------
 
-needs_native = pytest.mark.skipif(native_copy_lib() is None,
-                                  reason="no C compiler / AVX2: the native pool is unavailable")
 
 
 @needs_native
@@ -559,7 +560,7 @@ def test_native_ticket_event_outlives_the_engine(tmp_path):
     synchronize() waits forever. Events now hold a reference to their stream."""
     import ctypes
 
-    lib = _pool_lib_or_skip()
+    lib = native_copy_lib()
     vp = ctypes.c_void_p
     lib.mo_fake_memcpy_async.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
     lib.mo_fake_event_record.argtypes = [vp, vp]
@@ -629,13 +630,6 @@ def test_native_pool_refused_batch_does_not_pin_later_destinations(files, monkey
         eng.close()
 
 
-def _pool_lib_or_skip():
-    lib = native_copy_lib()
-    if lib is None:
-        pytest.skip("no C compiler / AVX2: the native pool is unavailable")
-    return lib
-
-
 def _fake_api(lib, direct: bool = False):
     """mo_pool_create's 9 CUDA entry points, from the library's CPU stand-ins (host_register and
     host_unregister only with ``direct``; no event_query: no hot slots)."""
@@ -665,7 +659,7 @@ def test_native_pool_planning_edges():
     says closed and wait (also without a pool) does not block."""
     import ctypes
 
-    lib = _pool_lib_or_skip()
+    lib = native_copy_lib()
     rng = np.random.default_rng(5)
     slot = 4096
     ring = np.zeros(3 * slot, dtype=np.uint8)
@@ -716,7 +710,6 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
     import subprocess
     import sys
 
-    _pool_lib_or_skip()
     code = """if 1:
         import ctypes, numpy as np
         from mmap_offload.transfer import native_copy_lib
@@ -957,7 +950,7 @@ def test_native_direct_worker_reregisters_past_its_own_neighbouring_window(files
 def test_native_direct_window_is_never_unregistered_under_a_copy_whose_event_failed():
     """If recording a window's event fails (a broken CUDA context), nothing says when its copy ran:
     the window must stay registered (a pinned-page leak) rather than be let go under the copy."""
-    lib = _pool_lib_or_skip()
+    lib = native_copy_lib()
     stream = lib.mo_fake_stream_create(100_000)  # each copy runs 100 ms late
     api = _fake_api(lib, direct=True)
     ring = np.zeros(2 * 4096, dtype=np.uint8)
