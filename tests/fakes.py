@@ -7,6 +7,8 @@
   and performs the copy only later: when its ticket is waited for, or at random on later calls.
   A buffer handed out before its copy completed, or overwritten while still in use, shows poison.
   It wraps any engine (the real transfer engine included) to do the actual copies.
+- ``SafeOpenTap``: wraps a safetensors ``safe_open`` handle and reports every tensor read through
+  it (the vLLM tests count what vLLM's loader reads).
 """
 
 from __future__ import annotations
@@ -209,3 +211,27 @@ class FailingEngine(SyncEngine):
         super().wait(ticket)
         if ticket < 0:
             raise CacheError("reading the cache failed: injected", "check the cache files")
+
+
+class SafeOpenTap:
+    """A safetensors ``safe_open`` handle that calls ``on_tensor(name, tensor)`` for every
+    ``get_tensor``; everything else goes to the wrapped handle (also as a context manager)."""
+
+    def __init__(self, f, on_tensor) -> None:
+        self._f = f
+        self._on_tensor = on_tensor
+
+    def __enter__(self) -> "SafeOpenTap":
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def get_tensor(self, name: str):
+        t = self._f.get_tensor(name)
+        self._on_tensor(name, t)
+        return t
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)

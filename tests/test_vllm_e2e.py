@@ -37,27 +37,16 @@ CHILD = textwrap.dedent(
     import mmap_offload.checkpoint as mc
     counts = {"loader_expert_bytes": 0, "loader_expert_tensors": 0, "loader_bytes": 0, "warmup_bytes": 0}
     _open = wu.safe_open
+    from fakes import SafeOpenTap  # tests/ is on PYTHONPATH (_run_child)
 
-    class _Counting:
-        def __init__(self, f):
-            self._f = f
-        def __enter__(self):
-            self._f.__enter__()
-            return self
-        def __exit__(self, *exc):
-            return self._f.__exit__(*exc)
-        def get_tensor(self, name):
-            t = self._f.get_tensor(name)
-            n = t.numel() * t.element_size()
-            counts["loader_bytes"] += n
-            if ".experts." in name:
-                counts["loader_expert_bytes"] += n
-                counts["loader_expert_tensors"] += 1
-            return t
-        def __getattr__(self, k):
-            return getattr(self._f, k)
+    def _count(name, t):
+        n = t.numel() * t.element_size()
+        counts["loader_bytes"] += n
+        if ".experts." in name:
+            counts["loader_expert_bytes"] += n
+            counts["loader_expert_tensors"] += 1
 
-    wu.safe_open = lambda *a, **k: _Counting(_open(*a, **k))
+    wu.safe_open = lambda *a, **k: SafeOpenTap(_open(*a, **k), _count)
     _read = mc.Checkpoint.read
     def _counting_read(self, ref, out=None):
         counts["warmup_bytes"] += ref.nbytes
@@ -117,6 +106,8 @@ def _run_child(tmp: Path, mode: str, ckpt: Path, cache: Path) -> dict:
     script.write_text(CHILD)
     out = tmp / f"{mode}.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    tests_dir = str(Path(__file__).resolve().parent)  # the child imports fakes.SafeOpenTap
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(script), mode, str(ckpt), str(cache), str(out), json.dumps(PROMPTS), str(MAX_TOKENS)],
         env=env, capture_output=True, text=True, timeout=900,

@@ -90,28 +90,12 @@ def test_skipped_expert_tensors_are_never_read(registered, tmp_path, monkeypatch
         experts = {r.name for l in c.moe.layers for e in range(c.moe.num_experts)
                    for p in c.expert_refs(l, e).values() for r in p.values()}
         everything = set(c.names())
+    from fakes import SafeOpenTap
+
     fetched: list[str] = []
     real_open = wu.safe_open
-
-    class Counting:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_tensor(self, name):
-            fetched.append(name)
-            return self.f.get_tensor(name)
-
-    monkeypatch.setattr(wu, "safe_open", lambda *a, **k: Counting(real_open(*a, **k)))
+    monkeypatch.setattr(wu, "safe_open",
+                        lambda *a, **k: SafeOpenTap(real_open(*a, **k), lambda name, t: fetched.append(name)))
     monkeypatch.setattr(vp, "_SKIP_NAMES", frozenset(experts))
     files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
     yielded = [n for n, _ in wu.safetensors_weights_iterator(files, False)]
