@@ -191,7 +191,7 @@ def cmd_demo(args) -> int:
 
 # -- vllm launcher -------------------------------------------------------------------------------------
 def cmd_vllm(args, rest: list[str]) -> int:
-    from .vllm_plugin import vllm_main
+    from .vllm_backend import vllm_main
 
     return vllm_main(rest)
 

@@ -215,6 +215,11 @@ class ExpertCache:
         return _to_device(torch.from_numpy(self._lut[self._li(layer)].astype(np.int32)),
                           torch.device(device or self.device))
 
+    def slot_map(self, layer: int) -> np.ndarray:
+        """``[E]`` int64 view (do not write): slot of each expert of ``layer``, -1 if not resident;
+        the same array for the whole run, current after each call on the pool (no copy made)."""
+        return self._lut[self._li(layer)]
+
     @property
     def capacity_bytes(self) -> int:
         """GPU bytes held by all slots."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mmap_offload.checkpoint import open_checkpoint
 from mmap_offload.errors import UnsupportedError
 from mmap_offload.synth import make_checkpoint
-from mmap_offload.vllm_plugin import MmapOffloader, MmapOptions
+from mmap_offload.vllm_backend import MmapOffloader, MmapOptions
 
 E, H, I, K, LAYERS = 4, 64, 128, 2, 4
 

@@ -57,13 +57,14 @@ CHILD = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    def run(**kw):
+    def run(sequential=False, **kw):
         for k in counts:
             counts[k] = 0
         llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                   max_model_len=128, max_num_seqs=4, seed=0, **kw)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        todo = [[TokensPrompt(prompt_token_ids=p)] for p in prompts] if sequential else [[TokensPrompt(prompt_token_ids=p) for p in prompts]]
+        outs = [o for batch in todo for o in llm.generate(batch, sp, use_tqdm=False)]
         from vllm.model_executor.offloader import get_offloader
         off = get_offloader()
         info = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "offloader": type(off).__name__,
@@ -71,7 +72,7 @@ CHILD = textwrap.dedent(
         if hasattr(off, "summary"):
             info["summary"] = off.summary()
             info["transforms"] = sorted(getattr(off, "_transforms", {}))
-            from mmap_offload.vllm_plugin import skipped_checkpoint_names
+            from mmap_offload.vllm_backend import skipped_checkpoint_names
             info["skipped_names"] = len(skipped_checkpoint_names())
             off.close()
         del llm
@@ -82,6 +83,7 @@ CHILD = textwrap.dedent(
     result = {}
     if mode == "ref":
         result["ref"] = run()
+        result["ref_seq"] = run(sequential=True)  # decode batch 1: the expert cache's run below
         out.write_text(json.dumps(result))
         # W4A16 on vLLM's CPU backend: its MoE layout is not Marlin; the probe must refuse it
         from mmap_offload.synth import PRESETS, make_checkpoint
@@ -96,6 +98,15 @@ CHILD = textwrap.dedent(
         # warm: lookahead 1, both layers stay resident after the first pass
         result["cold"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 0}})
         result["warm"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 1}})
+        # expert cache: 3 slots per layer for 4 experts (decode batch 1 routes 2: fetched, evicted),
+        # prefill routes more than 3: whole-layer streaming
+        from mmap_offload.checkpoint import open_checkpoint
+        from mmap_offload.cache_reader import open_cache
+        c = open_cache(cache, tp_rank=0, tp_size=1)
+        gib = 3 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
+        c.close()
+        result["experts"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": gib, "layer_stream_fraction": 1.0}})
     out.write_text(json.dumps(result))
     '''
 )
@@ -167,6 +178,19 @@ def test_warm_cache_same_tokens_and_reads_no_expert_bytes(runs):
     s = warm["summary"]
     assert s["skipped_bytes"] == _expert_bytes(runs["ckpt"])
     assert s["prefetch_loads"] >= 1 and s["prefetch_bytes_moved"] > 0
+
+
+def test_expert_cache_routes_through_the_pool_with_the_same_tokens(runs):
+    """Residency (patch 4): decode steps fetch only routed experts into 3 slots per layer (4
+    experts: misses and evictions), prefill streams whole layers; tokens equal no offload."""
+    ex = runs["experts"]
+    assert ex["tokens"] == runs["ref_seq"]["tokens"]
+    s = ex["summary"]
+    assert s["residency_pool_slots_per_layer"] == 3
+    assert s["residency_expert_calls"] >= 2 * (MAX_TOKENS - 1)  # every decode step of both layers
+    assert s["residency_layer_calls"] >= 2 * len(PROMPTS)  # prefill: whole layers
+    assert s["residency_pool_misses"] > 0 and s["residency_pool_evictions"] > 0 and s["residency_pool_hits"] > 0
+    assert ex["loader_expert_bytes"] == 0 and ex["warmup_bytes"] == 0
 
 
 def test_w4a16_with_a_non_marlin_moe_backend_is_refused(runs):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmap_offload.errors import UnsupportedError
-from mmap_offload.vllm_plugin import CONFIG_KEY, MmapOptions, launcher_argv
+from mmap_offload.vllm_backend import CONFIG_KEY, MmapOptions, launcher_argv
 
 
 def _vllm():
@@ -20,7 +20,7 @@ def _vllm():
 @pytest.fixture
 def registered():
     _vllm()
-    from mmap_offload.vllm_plugin import register
+    from mmap_offload.vllm_backend import register
 
     register()
     register()  # idempotent
@@ -67,7 +67,7 @@ def test_create_offloader_dispatch_where_the_runner_looks(registered):
     from vllm.config.offload import OffloadConfig, UVAOffloadConfig
     from vllm.model_executor.offloader import NoopOffloader, UVAOffloader
 
-    from mmap_offload.vllm_plugin import MmapOffloader
+    from mmap_offload.vllm_backend import MmapOffloader
 
     for create in (runner.create_offloader, base.create_offloader, pkg.create_offloader):
         off = create(OffloadConfig(offload_backend="mmap", uva=UVAOffloadConfig(cpu_offload_params={"experts"})))
@@ -81,7 +81,7 @@ def test_create_offloader_dispatch_where_the_runner_looks(registered):
 def test_skipped_expert_tensors_are_never_read(registered, tmp_path, monkeypatch):
     import vllm.model_executor.model_loader.weight_utils as wu
 
-    import mmap_offload.vllm_plugin as vp
+    import mmap_offload.vllm_backend.patches as vp
     from mmap_offload.checkpoint import open_checkpoint
     from mmap_offload.synth import PRESETS, make_checkpoint
 
@@ -110,7 +110,7 @@ def test_strict_load_check_counts_served_parameters(registered):
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from mmap_offload.vllm_plugin import _SERVED_FLAG
+    from mmap_offload.vllm_backend.patches import SERVED_FLAG
 
     model = torch.nn.Module()
     model.a = torch.nn.Parameter(torch.zeros(2))
@@ -118,7 +118,7 @@ def test_strict_load_check_counts_served_parameters(registered):
     loader = DefaultModelLoader(LoadConfig())
     with pytest.raises(ValueError, match="experts_w"):
         loader.track_weights_loading(model, {"a"})
-    setattr(model.experts_w, _SERVED_FLAG, True)
+    setattr(model.experts_w, SERVED_FLAG, True)
     loader.track_weights_loading(model, {"a"})  # served from the cache: counts as loaded
 
 
@@ -130,7 +130,7 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
 
     from vllm.model_executor.offloader import get_offloader, set_offloader
 
-    from mmap_offload.vllm_plugin import MmapOffloader
+    from mmap_offload.vllm_backend import MmapOffloader
 
     spec = importlib.util.spec_from_file_location("toy", Path(__file__).with_name("test_offloader_gpu.py"))
     toy = importlib.util.module_from_spec(spec)

