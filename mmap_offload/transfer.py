@@ -74,6 +74,7 @@ import torch
 
 from .cache_format import ALIGNMENT, Extent
 from .errors import CacheError, MmapOffloadError, UnsupportedError
+from .native import cpu_flag, library_status, load_library
 from .pinned import (
     CUDA_HOST_REGISTER_READ_ONLY, MADV_COLLAPSE, MADV_HUGEPAGE, MADV_POPULATE_READ, MAP_ANONYMOUS,
     MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, PAGE, PROT_READ,
@@ -672,122 +673,37 @@ def _libc_mmap_fixed(addr: int, length: int, fd: int) -> int:
 # --- copy kernels of the fill step -------------------------------------------------------------
 
 COPY_IMPLS = ("auto", "libc", "torch", "numpy", "movsb", "nt", "nt4", "tc", "mixed")  # +"-pf<bytes>"
-_native_lib: Any = None
-_native_lock = threading.Lock()
-_CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
-_NATIVE_SOURCES = ("fastcopy.c", "copy_pool.c")
 NATIVE_POOL_ABI = 4  # csrc/copy_pool.c MO_POOL_ABI
+_native_lock = threading.Lock()
 
 
 def _has_erms() -> bool:
     """The CPU has fast ``rep movsb`` (ERMS; Intel since 2012, AMD Zen 3+)."""
-    return _cpu_flag("erms")
-
-
-def _has_avx2() -> bool:
-    return _cpu_flag("avx2")
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_flag(name: str) -> bool:
-    """``name`` is in the first CPU's flags of /proc/cpuinfo (False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return name in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
-
-
-def _native_name() -> str | None:
-    """File name of the library built from the current sources (a hash of them: a build of older
-    sources is never loaded); None when csrc/ is not there (an installed wheel without it)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in _NATIVE_SOURCES + ("fastcopy.h",):
-        try:
-            h.update((_CSRC_DIR / name).read_bytes())
-        except OSError:
-            return None
-    return f"libmo_native-{h.hexdigest()[:12]}.so"
-
-
-def _build_native(name: str) -> Path | None:
-    """Compile csrc/*.c with the system C compiler into build/ (or ~/.cache); None if there is
-    no compiler, no source or no AVX2. Atomic (temp file + rename): ranks may race."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc or not _has_avx2():
-        return None
-    srcs = [str(_CSRC_DIR / n) for n in _NATIVE_SOURCES]
-    for d in (_CSRC_DIR.parent / "build", Path.home() / ".cache" / "mmap-offload"):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
-            os.close(fd)
-            r = subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", *srcs, "-lpthread", "-o", tmp],
-                               capture_output=True, timeout=120)
-            if r.returncode != 0:
-                os.unlink(tmp)
-                return None
-            out = d / name
-            os.replace(tmp, out)
-            for old in d.glob("libmo_native-*.so"):  # builds of earlier sources
-                if old.name != name:
-                    old.unlink(missing_ok=True)
-            return out
-        except (OSError, subprocess.SubprocessError):
-            continue
-    return None
+    return cpu_flag("erms")
 
 
 def native_copy_lib(build: bool = True) -> Any:
-    """The native library of csrc/ (copy kernels + batch copy pool), or None (then libc memcpy
-    and Python copy threads are used).
-
-    Looked up at $MMAP_OFFLOAD_NATIVE, build/libmo_native-<hash of the sources>.so,
-    ~/.cache/mmap-offload/; built there once with ``cc`` when missing (needs csrc/ and AVX2)."""
-    global _native_lib
+    """The native library of csrc/ (copy kernels + batch copy pool) with its entry points typed, or
+    None (then libc memcpy and Python copy threads are used). Found by ``mmap_offload.native``
+    (installed extension, run-time build, ...; ``library_status("mo_native")`` says which)."""
+    lib = load_library("mo_native", build)
+    if lib is None:
+        return None
     with _native_lock:
-        if _native_lib is None or (_native_lib is False and build and not _native_tried_build):
-            _native_lib = _load_native(build) or False
-    return _native_lib or None
+        return lib if _typed(lib) else None
 
 
-_native_tried_build = False
-
-
-def _load_native(build: bool) -> Any:
-    global _native_tried_build
-    if not _has_avx2():
-        return None
-    name = _native_name()
-    cands = [os.environ.get("MMAP_OFFLOAD_NATIVE", "")]
-    if name:
-        cands += [str(_CSRC_DIR.parent / "build" / name),
-                  str(Path.home() / ".cache" / "mmap-offload" / name)]
-    path = next((c for c in cands if c and os.path.exists(c)), None)
-    if path is None and build and name:
-        _native_tried_build = True
-        built = _build_native(name)
-        path = str(built) if built else None
-    if path is None:
-        return None
+@functools.lru_cache(maxsize=None)
+def _typed(lib: Any) -> bool:
+    """Declare the entry points' types once; False if the library is of another pool ABI."""
     try:
-        lib = ctypes.CDLL(path)
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.mo_copy_movsb.argtypes = [vp, vp, sz]
         lib.mo_copy_nt.argtypes = [vp, vp, sz, sz]
         lib.mo_copy_nt4.argtypes = lib.mo_copy_nt.argtypes
         lib.mo_copy_tc.argtypes = lib.mo_copy_nt.argtypes
         if lib.mo_pool_abi() != NATIVE_POOL_ABI:
-            return None
+            return False
         lib.mo_pool_create.restype = vp
         lib.mo_pool_create.argtypes = [vp, ctypes.c_int, vp, vp, sz, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_int, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -811,9 +727,9 @@ def _load_native(build: bool) -> Any:
         lib.mo_fake_host_unregister.argtypes = [vp]
         lib.mo_fake_registry_stats.argtypes = [vp]
         lib.mo_fake_host_register_fail.argtypes = [ctypes.c_uint, ctypes.c_int]
-    except (OSError, AttributeError):
-        return None
-    return lib
+    except AttributeError:
+        return False
+    return True
 
 
 def _copier(impl: str) -> tuple[str, Callable[[int, int, int], None]]:
@@ -834,8 +750,8 @@ def _copier_fn(impl: str) -> Callable[[int, int, int], None]:
         return lambda d, s, n: np.copyto(address_tensor(d, n).numpy(), address_tensor(s, n).numpy())
     lib = native_copy_lib()
     if lib is None:
-        raise UnsupportedError(f"copy_impl {impl!r} needs the native library",
-                               "it builds on first use from csrc/ with a C compiler (cc) on an AVX2 CPU")
+        raise UnsupportedError(f"copy_impl {impl!r} needs the native library mo_native, which is "
+                               + library_status("mo_native"), "pip install the package where cc runs, on an AVX2 CPU")
     if impl == "movsb":
         return lib.mo_copy_movsb
     if impl.startswith("mixed"):  # the pool picks per chunk (rep movsb >= 4 MiB); Python threads: nt4

@@ -19,7 +19,7 @@ export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
   df -h /tmp | tail -1
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)|L3"
   cat /sys/kernel/mm/transparent_hugepage/enabled; grep -E "FileHugePages|AnonHugePages" /proc/meminfo
-  python3 -c 'from mmap_offload.transfer import native_copy_lib as n; l = n(); print("native library:", l._name if l else "not built (no cc / AVX2): Python copy threads")'
+  python3 -c "from mmap_offload.native import library_status as s; print(\"native library mo_native:\", s(\"mo_native\"))"
 } 2>&1 | tee "$OUT/env.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pinned.py tests/test_transfer.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -15
