@@ -103,6 +103,10 @@ def test_missing_source_or_cpu_or_name_gives_none_and_a_reason(monkeypatch, tmp_
     monkeypatch.setattr(native, "CSRC_DIR", tmp_path / "csrc")
     monkeypatch.setattr(native, "cpu_flag", lambda name: True)
     assert native.load_library("mo_host") is None
+    assert "no csrc/ to build from" in native.library_status("mo_host")  # a wheel without a compiler
+    (tmp_path / "csrc").mkdir()
+    native._reset()
+    assert native.load_library("mo_host") is None
     assert "lacks host_kernel.c" in native.library_status("mo_host")
     monkeypatch.setattr(native, "cpu_flag", lambda name: False)
     native._reset()
