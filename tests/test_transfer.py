@@ -253,7 +253,7 @@ def test_kvikio_missing_gives_install_hint():
 
 
 def test_copy_impl_auto_falls_back_to_libc(monkeypatch, files):
-    monkeypatch.setattr(transfer, "native_copy_lib", lambda build=True: None)
+    monkeypatch.setattr(transfer.native_pool, "native_copy_lib", lambda build=True: None)
     eng = make_engine("mmap", "cpu", pinned_bytes=1 << 20, slot_bytes=1 << 18)
     assert eng.copy_impl == "libc" and eng.metrics["copy_impl"] == "libc"
     p, data = next(iter(files.items()))
@@ -569,7 +569,7 @@ def test_native_ticket_event_outlives_the_engine(tmp_path):
     libc.free.argtypes = [vp]
     src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
     stream = lib.mo_fake_stream_create(0)
-    ev = transfer._FakeEvent(lib)
+    ev = transfer.native_pool._FakeEvent(lib)
     assert lib.mo_fake_memcpy_async(dst.ctypes.data, src.ctypes.data, 64, 1, stream) == 0
     assert lib.mo_fake_event_record(ev.handle, stream) == 0
     ev.synchronize()
@@ -728,7 +728,7 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
         lib.mo_fake_stream_destroy(stream)
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(transfer.__file__).resolve().parents[1])
+                       cwd=Path(transfer.__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr[-2000:]
     assert [int(x) for x in r.stdout.split()][:3] == [-2, -2, -2]
 
@@ -977,7 +977,7 @@ def test_native_direct_window_is_never_unregistered_under_a_copy_whose_event_fai
 def test_cpu_stream_close_then_reuse_does_not_hang():
     """The CPU stand-in stream: closing joins its thread; a copy after close starts a new thread with
     a queue of its own (the old thread's stop marker cannot be taken by the new one)."""
-    st = transfer._CpuCopyStream()
+    st = transfer.streams._CpuCopyStream()
     st.close()  # never started: nothing to join
     a, b = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     for _ in range(3):

@@ -1,0 +1,252 @@
+"""The native copy pool (csrc/copy_pool.c + the copy kernels of csrc/fastcopy.c, library
+``mo_native`` found or built by ``mmap_offload.native``): its ctypes entry points (``native_copy_lib``),
+the CUDA runtime functions it calls, and ``_NativePool``, one C call per batch that fills ring slots
+and issues the H2D copies. Without a GPU it runs over the library's own CPU stand-in stream."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import UnsupportedError
+from ..native import cpu_flag, load_library
+from ..pinned import PinnedRing, loaded_cudart
+from .ticket import Ticket
+
+_ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_LEN = 0, 1, 2, 3, 4  # csrc/copy_pool.c
+
+NATIVE_POOL_ABI = 4  # csrc/copy_pool.c MO_POOL_ABI
+_native_lock = threading.Lock()
+
+
+def _has_erms() -> bool:
+    """The CPU has fast ``rep movsb`` (ERMS; Intel since 2012, AMD Zen 3+)."""
+    return cpu_flag("erms")
+
+
+def native_copy_lib(build: bool = True) -> Any:
+    """The native library of csrc/ (copy kernels + batch copy pool) with its entry points typed, or
+    None (then libc memcpy and Python copy threads are used). Found by ``mmap_offload.native``
+    (installed extension, run-time build, ...; ``library_status("mo_native")`` says which)."""
+    lib = load_library("mo_native", build)
+    if lib is None:
+        return None
+    with _native_lock:
+        return lib if _typed(lib) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _typed(lib: Any) -> bool:
+    """Declare the entry points' types once; False if the library is of another pool ABI."""
+    try:
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.mo_copy_movsb.argtypes = [vp, vp, sz]
+        lib.mo_copy_nt.argtypes = [vp, vp, sz, sz]
+        lib.mo_copy_nt4.argtypes = lib.mo_copy_nt.argtypes
+        lib.mo_copy_tc.argtypes = lib.mo_copy_nt.argtypes
+        if lib.mo_pool_abi() != NATIVE_POOL_ABI:
+            return False
+        lib.mo_pool_create.restype = vp
+        lib.mo_pool_create.argtypes = [vp, ctypes.c_int, vp, vp, sz, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_int, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.mo_pool_submit.restype = ctypes.c_int64
+        lib.mo_pool_submit.argtypes = [vp, vp, sz, sz, vp, vp]
+        lib.mo_pool_wait.restype = ctypes.c_int64
+        lib.mo_pool_wait.argtypes = [vp, vp]
+        lib.mo_pool_stats.argtypes = [vp, vp]
+        lib.mo_status_issued.argtypes = [vp, vp]
+        lib.mo_pool_shutdown.argtypes = [vp]
+        lib.mo_pool_destroy.argtypes = [vp]
+        lib.mo_fake_stream_create.restype = vp
+        lib.mo_fake_stream_create.argtypes = [ctypes.c_uint]
+        lib.mo_fake_stream_destroy.argtypes = [vp]
+        lib.mo_fake_stream_fail.argtypes = [vp, ctypes.c_int, ctypes.c_uint, ctypes.c_int]
+        lib.mo_fake_event_create.argtypes = [vp, ctypes.c_uint]
+        lib.mo_fake_event_done.argtypes = [vp]
+        lib.mo_fake_event_sync.argtypes = [vp]
+        lib.mo_fake_event_destroy.argtypes = [vp]
+        lib.mo_fake_host_register.argtypes = [vp, sz, ctypes.c_uint]
+        lib.mo_fake_host_unregister.argtypes = [vp]
+        lib.mo_fake_registry_stats.argtypes = [vp]
+        lib.mo_fake_host_register_fail.argtypes = [ctypes.c_uint, ctypes.c_int]
+    except AttributeError:
+        return False
+    return True
+
+
+_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3, "tc": 4, "mixed": 5}
+
+
+def _cuda_runtime_api() -> list[int] | None:
+    """Addresses of the CUDA runtime functions the native pool calls, from the libcudart torch
+    loaded (``pinned.loaded_cudart``); None if it is not found."""
+    torch.cuda.init()
+    lib = loaded_cudart()
+    names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
+             "cudaEventDestroy", "cudaSetDevice", "cudaHostRegister", "cudaHostUnregister",
+             "cudaEventQuery")
+    try:
+        return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
+    except AttributeError:
+        return None
+
+
+class _FakeEvent:
+    """A CPU event of the native pool's CPU stream (csrc/copy_pool.c, mo_fake_*)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        h = ctypes.c_void_p()
+        if lib.mo_fake_event_create(ctypes.byref(h), 0) != 0:
+            raise MemoryError("could not create a CPU event")
+        self.handle = h.value
+
+    def query(self) -> bool:
+        return bool(self._lib.mo_fake_event_done(self.handle))
+
+    def synchronize(self) -> None:
+        self._lib.mo_fake_event_sync(self.handle)
+
+    def __del__(self) -> None:
+        h, self.handle = getattr(self, "handle", None), None
+        if h:
+            self._lib.mo_fake_event_destroy(h)
+
+
+class _NativePool:
+    """csrc/copy_pool.c: a pthread pool that fills ring slots and issues the H2D copies, one C call
+    per batch. On CUDA it uses torch's libcudart and the device's copy stream; on CPU, the
+    library's own CPU stream (``stream_delay_us`` delays each of its copies: a test hook).
+
+    Calls into the pool may run in any thread, also during ``close``: each holds a use count, and
+    ``close`` frees the pool only after shutting it down (every batch issued, so waiters return)
+    and after the last user left. ``handle`` stays set until then."""
+
+    def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
+                 copy_kind: int, prefetch: int, stream_delay_us: int = 0, direct_threads: int = 0,
+                 direct_depth: int = 2, hot_slots: bool = False) -> None:
+        self.lib = lib
+        self.device = device
+        self._fake_stream = None
+        self._cv = threading.Condition()
+        self._users = 0
+        self._closing = False
+        self._close_lock = threading.Lock()
+        self._final: dict[str, float] = {}
+        if device.type == "cuda":
+            api = _cuda_runtime_api()
+            if api is None:
+                raise UnsupportedError("the CUDA runtime torch uses was not found", "use native=False")
+            handle, index = stream.handle, device.index
+        else:
+            self._fake_stream = lib.mo_fake_stream_create(int(stream_delay_us))
+            if not self._fake_stream:
+                raise MemoryError("the native copy pool's CPU stream could not start")
+            api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None for n in (
+                "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
+                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_host_register",
+                "mo_fake_host_unregister", "mo_fake_event_query")]
+            handle, index = self._fake_stream, -1
+        self._api = (ctypes.c_void_p * 9)(*api)
+        self.stream = stream
+        self.handle = lib.mo_pool_create(self._api, index, handle, ring.buffer.ptr, ring.slot_bytes,
+                                         ring.num_slots, threads, copy_kind, prefetch,
+                                         direct_threads, direct_depth, 1 if hot_slots else 0)
+        if not self.handle:
+            self._destroy_stream()
+            raise MemoryError("the native copy pool could not start (threads or CUDA events)")
+
+    def new_event(self) -> Any:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(blocking=self.stream.blocking)
+            ev.record(self.stream.stream)  # creates the handle; the pool records it again
+            return ev, ev.cuda_event
+        ev = _FakeEvent(self.lib)
+        return ev, ev.handle
+
+    def _enter(self, closing_ok: bool) -> int:
+        """The pool's handle with a use counted (release with ``_leave``), or 0: freed, or closing
+        and not ``closing_ok``."""
+        with self._cv:
+            if not self.handle or (self._closing and not closing_ok):
+                return 0
+            self._users += 1
+            return self.handle
+
+    def _leave(self) -> None:
+        with self._cv:
+            self._users -= 1
+            if not self._users:
+                self._cv.notify_all()
+
+    def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket) -> int:
+        """``triples``: flat uint64 (src address, dst address, nbytes) per piece."""
+        status = np.zeros(_ST_LEN, dtype=np.int64)
+        ev, handle = self.new_event()
+        ticket._status, ticket._native_event = status, ev  # alive (with the ticket) until issued
+        ticket._native_lib = self.lib
+        h = self._enter(closing_ok=False)
+        try:
+            n = self.lib.mo_pool_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
+                                        status.ctypes.data, handle) if h else -1
+        finally:
+            if h:
+                self._leave()
+        if n < 0:
+            ticket._status = None
+            if n == -1:
+                raise RuntimeError("transfer engine is closed")
+            raise MemoryError(f"the native copy pool refused a batch of {len(triples) // 3} pieces "
+                              f"(chunk_bytes {chunk_bytes}): too many pieces or no memory")
+        return int(n)
+
+    def wait(self, ticket: Ticket) -> None:
+        # closing_ok: shutdown issues every batch, so a waiter in there returns, then close frees
+        h = self._enter(closing_ok=True)
+        if not h:  # freed: shut down first, so every batch is issued
+            return
+        try:
+            self.lib.mo_pool_wait(h, ticket._status.ctypes.data)
+        finally:
+            self._leave()
+
+    def stats(self) -> dict[str, float]:
+        h = self._enter(closing_ok=True)
+        if not h:
+            return dict(self._final)
+        out = np.zeros(8, dtype=np.uint64)
+        try:
+            self.lib.mo_pool_stats(h, out.ctypes.data)
+        finally:
+            self._leave()
+        return dict(bytes_moved=int(out[0]), chunks=int(out[1]), fill_seconds=int(out[2]) / 1e9,
+                    issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9,
+                    direct_bytes=int(out[5]), direct_fallbacks=int(out[6]),
+                    register_seconds=int(out[7]) / 1e9)
+
+    def close(self) -> None:
+        """Cancel what is queued, finish what runs, wait for the slots' copies. Idempotent; a
+        second caller returns once the first is done (the ring must outlive the workers)."""
+        with self._close_lock:
+            with self._cv:
+                h = self.handle
+                self._closing = True
+            if h:
+                self.lib.mo_pool_shutdown(h)  # every batch issued: waiters in the pool return
+                self._final = self.stats()
+                with self._cv:
+                    while self._users:
+                        self._cv.wait()
+                    self.handle = None
+                self.lib.mo_pool_destroy(h)
+            self._destroy_stream()
+
+    def _destroy_stream(self) -> None:
+        if self._fake_stream:
+            s, self._fake_stream = self._fake_stream, None
+            self.lib.mo_fake_stream_destroy(s)
