@@ -188,4 +188,18 @@ def test_options_precedence_and_errors():
     with pytest.raises(UnsupportedError, match="lookahead"):
         MmapOptions.resolve({"lookahead": "many"}, env={})
     with pytest.raises(UnsupportedError, match="expert_cache_gib"):
-        MmapOptions.resolve({"expert_cache_gib": 4}, env={})
+        MmapOptions.resolve({"expert_cache_gib": -1}, env={})
+    with pytest.raises(UnsupportedError, match="layer_stream_fraction"):
+        MmapOptions.resolve({"layer_stream_fraction": 0}, env={})
+
+
+def test_expert_cache_size_option():
+    """None = auto (from what vLLM leaves free), 0 = layer streaming only, else GiB."""
+    assert MmapOptions.resolve(None, env={}).expert_cache_gib is None
+    assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_EXPERT_CACHE_GIB": "auto"}).expert_cache_gib is None
+    assert MmapOptions.resolve({"expert_cache_gib": "2.5"}, env={}).expert_cache_gib == 2.5
+    assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_EXPERT_CACHE_GIB": "0"}).expert_cache_gib == 0.0
+    argv = launcher_argv(["serve", "/m", "--mmap-expert-cache-gib", "3"])
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {CONFIG_KEY: {"expert_cache_gib": "3"}}
+    with pytest.raises(UnsupportedError, match="expert_cache_gib"):
+        launcher_argv(["serve", "/m", "--mmap-expert-cache-gib", "lots"])

@@ -519,13 +519,22 @@ class MmapOffloader(_OffloaderBase):
         return
 
     def close(self) -> None:
-        """Stop the engine and forget the skip list (tests; vLLM exits the process instead)."""
+        """Stop the engine, forget the skip list, and drop every reference to the model and to
+        device memory (vLLM keeps the offloader in a global: a second engine in the same process
+        would otherwise find the first one's buffers still allocated while it profiles memory)."""
         set_skipped_checkpoint_names(())
         if self.prefetcher is not None:
             self.prefetcher.sync()
+        if self.residency is not None:
+            self.residency.ec.sync()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        self.metrics = self.summary()  # what summary() reported stays readable after close
+        self.prefetcher = self.residency = None
+        self.targets, self._kernel_buffers, self._probe = [], [], {}
+        if self.cache is not None:
+            self.cache.close()
 
     def summary(self) -> dict[str, Any]:
         out = dict(self.metrics)

@@ -1,0 +1,80 @@
+"""Real vLLM on a GPU (the lent H200 with the vllm 0.26 bundle: scripts/gpu_vllm.sh): bf16 and
+compressed-tensors W4A16 (Marlin MoE) synthetic Mixtral-style models, greedy tokens of
+``--offload-backend mmap`` (cold cache, warm cache; layer streaming and the expert cache) equal to
+no offload and to vLLM's own ``uva``; a warm start reads no expert byte from the checkpoint; pinned
+host memory of the backend <= 0.5 GiB. One child process per quantization (tests/vllm_gpu_child.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("vllm")
+
+CHILD = Path(__file__).with_name("vllm_gpu_child.py")
+
+
+@pytest.fixture(scope="module", params=["bf16", "w4a16"])
+def run(request, tmp_path_factory):
+    quant = request.param
+    work = tmp_path_factory.mktemp(f"vllm_gpu_{quant}")
+    out = work / "result.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, str(CHILD), quant, str(work), str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    keep = os.environ.get("OUT")
+    if keep and out.exists():
+        Path(keep, f"vllm_gpu_{quant}.json").write_text(out.read_text())
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"vLLM GPU child ({quant}) failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    res = json.loads(out.read_text())
+    for case, r in res["cases"].items():
+        if "error" in r:
+            pytest.fail(f"{quant} {case}: {r['error']}\n{r.get('tb', '')}")
+    return res
+
+
+def test_mmap_tokens_equal_no_offload_and_uva(run):
+    cases = run["cases"]
+    ref = cases["ref"]["tokens"]
+    assert cases["uva"]["tokens"] == ref
+    for case in ("mmap_cold", "mmap_warm", "mmap_experts"):
+        assert cases[case]["offloader"] == "MmapOffloader", case
+        assert cases[case]["tokens"] == ref, case
+
+
+def test_w4a16_runs_through_vllms_marlin_moe(run):
+    if run["quant"] != "w4a16":
+        pytest.skip("bf16 runs vLLM's unquantized MoE")
+    for case in ("ref", "mmap_warm", "mmap_experts"):
+        assert "Marlin" in json.dumps(run["cases"][case]["kernel"]), run["cases"][case]["kernel"]
+
+
+def test_warm_start_reads_no_expert_byte(run):
+    cold, warm = run["cases"]["mmap_cold"], run["cases"]["mmap_warm"]
+    assert cold["loader_expert_bytes"] == 0 and cold["warmup_bytes"] == run["expert_bytes"]
+    for case in ("mmap_warm", "mmap_experts"):
+        assert run["cases"][case]["loader_expert_bytes"] == 0 and run["cases"][case]["warmup_bytes"] == 0, case
+    assert warm["summary"]["skipped_bytes"] == run["expert_bytes"]
+
+
+def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):
+    s = run["cases"]["mmap_experts"]["summary"]
+    assert s["residency_pool_slots_per_layer"] == 6
+    assert s["residency_expert_calls"] > 0 and s["residency_layer_calls"] > 0
+    assert s["residency_pool_misses"] > 0
+
+
+def test_pinned_host_memory_is_small(run):
+    for case in ("mmap_cold", "mmap_warm", "mmap_experts"):
+        assert run["cases"][case]["summary"]["engine_pinned_bytes"] <= 0.5 * 2**30, case

@@ -1,0 +1,147 @@
+"""One process, several vLLM engines in turn (engine in-process), for tests/test_vllm_gpu.py.
+
+    python3 tests/vllm_gpu_child.py QUANT WORKDIR OUT.json
+
+QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy prompts):
+    ref          no offload (experts in VRAM)
+    uva          vLLM's own --cpu-offload-params experts --offload-backend uva
+    mmap_cold    --offload-backend mmap, cache built while loading (layer streaming)
+    mmap_warm    the same, warm cache (layer streaming)
+    mmap_experts warm cache, expert cache of 6 slots per layer for 8 experts (decode: routed
+                 experts only; prefill: whole layers)
+Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
+(pinned bytes, residency counters), the MoE kernel class, time to ready.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+PROMPTS = [[1, 5, 9, 200, 33], [7, 8, 9, 10, 11, 12, 13, 14]]
+MAX_TOKENS = 16
+SHAPES = dict(arch="mixtral", num_layers=4, num_experts=8, hidden=512, intermediate=1024, top_k=2,
+              vocab_size=2048, num_heads=4, num_kv_heads=2, group_size=128)
+
+
+def main() -> int:
+    quant, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap
+    import torch
+    import vllm.model_executor.model_loader.weight_utils as wu
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.inputs import TokensPrompt
+
+    import mmap_offload.checkpoint as mc
+    from fakes import SafeOpenTap
+    from mmap_offload.synth import make_checkpoint
+    from mmap_offload.vllm_backend import register
+
+    register()  # the entry point vLLM would call (the checkout is on PYTHONPATH, not pip-installed)
+    ckpt = make_checkpoint(work / f"ckpt-{quant}", quant=quant, **SHAPES)
+    cache = work / f"cache-{quant}"
+    counts = {"loader_expert_bytes": 0, "warmup_bytes": 0}
+
+    def count(name, t):
+        if ".experts." in name:
+            counts["loader_expert_bytes"] += t.numel() * t.element_size()
+
+    real_open, real_read = wu.safe_open, mc.Checkpoint.read
+    wu.safe_open = lambda *a, **k: SafeOpenTap(real_open(*a, **k), count)
+
+    def counting_read(self, ref, out=None):
+        counts["warmup_bytes"] += ref.nbytes
+        return real_read(self, ref, out)
+
+    mc.Checkpoint.read = counting_read
+    expert_bytes = None
+    common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
+                  gpu_memory_utilization=0.3, seed=0, attention_config={"backend": "TRITON_ATTN"})
+    results: dict = {"quant": quant, "cases": {}}
+
+    def run(case: str, **kw) -> dict:
+        for k in counts:
+            counts[k] = 0
+        t0 = time.perf_counter()
+        llm = LLM(model=str(ckpt), **common, **kw)
+        res: dict = {"ready_s": round(time.perf_counter() - t0, 2)}
+        try:
+            def kernel_info(model):
+                for mod in model.modules():
+                    qm = getattr(mod, "quant_method", None)
+                    if qm is not None and any(n.startswith("w13_") for n, _ in mod.named_parameters(recurse=False)):
+                        mk = getattr(qm, "moe_kernel", None)
+                        fe = getattr(mk, "fused_experts", None) if mk is not None else None
+                        return {"method": type(qm).__name__, "experts": type(fe).__name__ if fe is not None else None}
+                return {}
+
+            res["kernel"] = llm.apply_model(kernel_info)[0]
+            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+            res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+            res.update(counts)
+            from vllm.model_executor.offloader import get_offloader
+
+            off = get_offloader()
+            res["offloader"] = type(off).__name__
+            if hasattr(off, "summary"):
+                res["summary"] = off.summary()
+                off.close()
+            from vllm.model_executor.offloader import NoopOffloader, set_offloader
+
+            set_offloader(NoopOffloader())  # vLLM keeps the offloader in a global: release it
+            if hasattr(torch.cuda, "host_memory_stats"):
+                st = torch.cuda.host_memory_stats()
+                res["torch_host_pinned_peak"] = int(st.get("allocated_bytes.current", 0) or 0)
+        finally:
+            del llm
+            gc.collect()
+            cleanup_dist_env_and_memory()
+            torch.cuda.empty_cache()
+        return res
+
+    from mmap_offload.checkpoint import open_checkpoint
+
+    with open_checkpoint(ckpt) as c:
+        expert_bytes = sum(r.nbytes for l in c.moe.layers for e in range(c.moe.num_experts)
+                           for parts in c.expert_refs(l, e).values() for r in parts.values())
+    results["expert_bytes"] = expert_bytes
+    mm = {"cache_dir": str(cache), "lookahead": 1, "expert_cache_gib": 0}
+    plan = [
+        ("ref", {}),
+        ("uva", dict(cpu_offload_gb=4, cpu_offload_params={"experts"}, offload_backend="uva")),
+        ("mmap_cold", dict(offload_backend="mmap", additional_config={"mmap_offload": mm})),
+        ("mmap_warm", dict(offload_backend="mmap", additional_config={"mmap_offload": mm})),
+    ]
+    for case, kw in plan:
+        try:
+            results["cases"][case] = run(case, **kw)
+        except BaseException as e:  # noqa: BLE001 - record and go on: the test names the case
+            results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
+        print(case, json.dumps(results["cases"][case])[:800], flush=True)
+    try:  # 6 slots per layer: sized from the cache's own record size
+        from mmap_offload.cache_reader import open_cache
+
+        c = open_cache(cache, tp_rank=0, tp_size=1)
+        gib = 6 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
+        c.close()
+        results["cases"]["mmap_experts"] = run("mmap_experts", offload_backend="mmap", additional_config={"mmap_offload": {
+            **mm, "expert_cache_gib": gib}})
+    except BaseException as e:  # noqa: BLE001
+        results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
+    print("mmap_experts", json.dumps(results["cases"]["mmap_experts"])[:800], flush=True)
+    out.write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
