@@ -202,6 +202,22 @@ class LayerPrefetcher:
         buf.handed_out = True
         return buf.tensors
 
+    def claim(self, layer: int) -> tuple[dict[str, torch.Tensor], Any]:
+        """Take ``layer``'s buffer for the caller to fill itself (only some experts, say): returns
+        ``(tensors, after)``, the buffer afterwards holds no layer for the prefetcher (a later
+        ``wait_for_layer`` reloads it). The release rule holds: ``after`` is an event recorded on
+        the current CUDA stream (None on CPU or when nothing used the buffer) that copies into it
+        from another stream must wait for; copies on the current stream are ordered anyway."""
+        buf = self._buffer_of(layer)
+        if buf.ticket is not None:  # never two writers at once
+            self._finish(buf)
+        after = None
+        if buf.handed_out and self.device.type == "cuda":
+            after = torch.cuda.current_stream(self.device).record_event()
+        buf.layer = None
+        buf.handed_out = True
+        return buf.tensors, after
+
     def sync(self) -> None:
         """Wait for every copy in flight."""
         for buf in self._buffers:

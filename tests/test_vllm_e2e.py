@@ -99,14 +99,17 @@ CHILD = textwrap.dedent(
         result["cold"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 0}})
         result["warm"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 1}})
         # expert cache: 3 slots per layer for 4 experts (decode batch 1 routes 2: fetched, evicted),
-        # prefill routes more than 3: whole-layer streaming
-        from mmap_offload.checkpoint import open_checkpoint
+        # prefill is expected to route more than 3 of 4 (layer_stream_fraction 0.75): whole layers
         from mmap_offload.cache_reader import open_cache
         c = open_cache(cache, tp_rank=0, tp_size=1)
-        gib = 3 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
+        slot_gib = len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30  # one slot per layer
         c.close()
         result["experts"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
-            "cache_dir": cache, "expert_cache_gib": gib, "layer_stream_fraction": 1.0}})
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75}})
+        # 2 slots per layer, batch of 3: more routed experts than slots: only those rows of the
+        # layer buffer are filled (hits from the pool, misses from the cache)
+        result["sparse"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 1.0}})
     out.write_text(json.dumps(result))
     '''
 )
@@ -191,6 +194,14 @@ def test_expert_cache_routes_through_the_pool_with_the_same_tokens(runs):
     assert s["residency_layer_calls"] >= 2 * len(PROMPTS)  # prefill: whole layers
     assert s["residency_pool_misses"] > 0 and s["residency_pool_evictions"] > 0 and s["residency_pool_hits"] > 0
     assert ex["loader_expert_bytes"] == 0 and ex["warmup_bytes"] == 0
+
+
+def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
+    sp = runs["sparse"]
+    assert sp["tokens"] == runs["ref"]["tokens"]
+    s = sp["summary"]
+    assert s["residency_pool_slots_per_layer"] == 2 and s["residency_layer_calls"] == 0
+    assert s["residency_sparse_calls"] > 0 and s["residency_sparse_miss_bytes"] > 0
 
 
 def test_w4a16_with_a_non_marlin_moe_backend_is_refused(runs):

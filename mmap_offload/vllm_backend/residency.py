@@ -10,9 +10,14 @@ distinct routed experts:
               place, hand the kernel ``slot ids = map[ids]``. The layer's parameters are bound
               once to the pool tensors ``[S, ...]`` (S <= E), so vLLM's own kernel (Marlin MoE,
               Triton, CPU) runs unchanged on whatever is resident.
-    layer     the step routes more than ``layer_stream_fraction`` of the layer's experts, or more
-              than its pool holds (prefill, large batches): the whole layer comes through the
-              ``LayerPrefetcher`` buffers (the next layer is started ahead), ids pass unchanged.
+    sparse    more distinct experts than the pool holds, but at most ``layer_stream_fraction`` of
+              the layer (decode at larger batches): the layer's slot buffer ``[E, ...]`` gets only
+              the routed experts: hits copied from the pool on the device (one gather per
+              tensor), misses read from the cache straight into their rows; ids pass unchanged.
+              Bytes over PCIe = the routed misses, as UVA's; the pool is not changed.
+    layer     the step routes more than ``layer_stream_fraction`` of the layer's experts
+              (prefill, large batches): the whole layer comes through the ``LayerPrefetcher``
+              buffers (the next layer is started ahead), ids pass unchanged.
 
 The host learns the routed experts with one small device->host copy per layer (a bincount over
 the ids, E integers), the price of fetching only what is routed. Per call nothing else is
@@ -32,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..expert_cache import ExpertCache
 from ..errors import UnsupportedError
+from ..expert_cache import ExpertCache
+from ..transfer import Copy
 
 
 class Residency:
@@ -52,7 +58,7 @@ class Residency:
         )
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
-        self.threshold = min(self.slots, max(1, int(opts.layer_stream_fraction * self.num_experts)))
+        self.threshold = max(1, int(opts.layer_stream_fraction * self.num_experts))
         E = self.num_experts
         pin = self.device.type == "cuda"
         self._map = {t.index: torch.full((E,), -1, dtype=torch.int32, device=self.device) for t in off.targets}
@@ -67,8 +73,9 @@ class Residency:
 
             self.trace = traces.read_csv(opts.routing_trace)  # [steps, layers, batch, top_k]
         self._step = 0
-        self.metrics: dict[str, Any] = dict(expert_calls=0, layer_calls=0, overflow_calls=0, route_s=0.0,
-                                            trace=bool(self.trace is not None))
+        self._idx_host = torch.empty((2, E), dtype=torch.int64, pin_memory=pin)  # sparse: rows, slots
+        self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, route_s=0.0,
+                                            sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
     def _bind_pool(self, t) -> None:
@@ -118,11 +125,12 @@ class Residency:
                 out = self._layer_mode(t, topk_ids, ahead=True)
             else:
                 used = self._routed(topk_ids)
-                if len(used) > self.threshold:
-                    self.metrics["overflow_calls"] += 1
-                    out = self._layer_mode(t, topk_ids, ahead=False)
-                else:
+                if len(used) <= self.slots:
                     out = self._expert_mode(t, topk_ids, used)
+                elif len(used) <= self.threshold:
+                    out = self._sparse_mode(t, topk_ids, used)
+                else:
+                    out = self._layer_mode(t, topk_ids, ahead=False)
         if t.index == len(self.off.targets) - 1:
             self._step += 1
         self.metrics["route_s"] += time.perf_counter() - t0
@@ -134,6 +142,45 @@ class Residency:
         if ahead and len(self.off.targets) > 1:
             pf = self.off.prefetcher
             pf.start_prefetch(pf.layer_after(t.layer, 1))  # a distinct buffer (any 2 consecutive are)
+        return ids
+
+    def _sparse_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
+        self.metrics["sparse_calls"] += 1
+        off, ec = self.off, self.ec
+        if off.options.verify_first_use:
+            self.cache.check_layer_once(t.layer)
+        tensors, after = off.prefetcher.claim(t.layer)
+        row = ec.slot_map(t.layer)
+        slots = row[used]
+        misses, hits = used[slots < 0], used[slots >= 0]
+        if len(misses):
+            cache, specs = self.cache, self.ec.specs
+            copies = [Copy(src=cache.expert_extent(t.layer, int(e)),
+                           dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs])
+                      for e in misses]
+            ticket = off.engine.submit(copies, after=after) if after is not None else off.engine.submit(copies)
+            self.metrics["sparse_miss_bytes"] += len(misses) * ec.expert_nbytes
+        if len(hits):  # the pool's copies of them are complete (ensure waited for them)
+            n = len(hits)
+            ih = self._idx_host
+            ih[0, :n] = torch.from_numpy(hits)
+            ih[1, :n] = torch.from_numpy(row[hits])
+            idx = ih[:, :n].to(self.device, non_blocking=True)
+            pool = ec.slots(t.layer)
+            for name in t.served:
+                dst = tensors[name].data
+                dst.index_copy_(0, idx[0], pool[name].index_select(0, idx[1]))
+        if len(misses):
+            off.engine.wait(ticket)
+        layer_tensors = tensors
+        if off._transforms:  # CPU prepacked kernels: the buffer's kernel-layout twin, whole
+            b = off.prefetcher.buffer_index(t.layer)
+            twin = off._kernel_buffers[b]
+            for name, fn in off._transforms.items():
+                fn(tensors[name].data, twin[name])
+            off._kernel_layer[b] = None  # holds some experts of a layer, not a whole one
+            layer_tensors = {**tensors, **twin}
+        self._bind_layer(t, layer_tensors)
         return ids
 
     def _expert_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
