@@ -78,3 +78,54 @@ def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):
 def test_pinned_host_memory_is_small(run):
     for case in ("mmap_cold", "mmap_warm", "mmap_experts"):
         assert run["cases"][case]["summary"]["engine_pinned_bytes"] <= 0.5 * 2**30, case
+
+
+TP2_CHILD = r'''
+import json, os, sys
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
+
+def main():
+    from mmap_offload.synth import make_checkpoint
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    work, case, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    ckpt = make_checkpoint(os.path.join(work, "ckpt"), arch="mixtral", quant="w4a16", num_layers=4, num_experts=8,
+                           hidden=1024, intermediate=1024, top_k=2, vocab_size=2048, num_heads=8, num_kv_heads=2,
+                           group_size=128)
+    kw = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
+              gpu_memory_utilization=0.3, seed=0, tensor_parallel_size=2, attention_config={"backend": "TRITON_ATTN"})
+    mm = {"cache_dir": os.path.join(work, "cache")}
+    if case == "mmap_layer":
+        kw.update(offload_backend="mmap", additional_config={"mmap_offload": {**mm, "expert_cache_gib": 0}})
+    elif case == "mmap_experts":
+        kw.update(offload_backend="mmap", additional_config={"mmap_offload": {**mm, "expert_cache_gib": 0.01}})
+    llm = LLM(model=str(ckpt), **kw)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ([1, 5, 9, 200, 33], [7, 8, 9, 10, 11, 12])], sp,
+                        use_tqdm=False)
+    open(out, "w").write(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    os._exit(0)
+
+main()
+'''
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs (the two-H200 machine)")
+def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
+    """TP=2 (spawned workers: the plugin comes in through its vllm.general_plugins entry point),
+    W4A16: each rank builds rank-r-of-2 while loading; layer streaming and the expert cache give
+    the tokens of TP=2 without offload."""
+    script = tmp_path / "tp2.py"
+    script.write_text(TP2_CHILD)
+    toks = {}
+    for case in ("ref", "mmap_layer", "mmap_experts"):
+        out = tmp_path / f"{case}.json"
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path), case, str(out)], capture_output=True,
+                              text=True, timeout=600)
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"TP=2 {case} failed with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+        toks[case] = json.loads(out.read_text())
+    assert toks["mmap_layer"] == toks["ref"] and toks["mmap_experts"] == toks["ref"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]

@@ -63,7 +63,8 @@ class Residency:
         pin = self.device.type == "cuda"
         self._map = {t.index: torch.full((E,), -1, dtype=torch.int32, device=self.device) for t in off.targets}
         self._map_host = {t.index: torch.empty((E,), dtype=torch.int32, pin_memory=pin) for t in off.targets}
-        self._counts_host = torch.empty((E,), dtype=torch.int64, pin_memory=pin)
+        self._counts_host = torch.empty((E,), dtype=torch.int8, pin_memory=pin)
+        self._used_dev = torch.zeros((E,), dtype=torch.int8, device=self.device)
         self._event = torch.cuda.Event() if pin else None
         self._bound: dict[int, str] = {}  # target index -> "pool" | "layer"
         self._twins: dict[str, torch.Tensor] = {}  # CPU platform transform: kernel layout of the pool
@@ -101,11 +102,13 @@ class Residency:
 
     # -- the step -------------------------------------------------------------------------------
     def _routed(self, ids: torch.Tensor) -> np.ndarray:
-        """Sorted distinct expert ids routed in ``ids`` (one E-sized device->host copy on CUDA)."""
+        """Sorted distinct expert ids routed in ``ids`` (one E-byte device->host copy on CUDA)."""
         if ids.device.type != "cuda":
             return np.unique(ids.reshape(-1).numpy())
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-        self._counts_host.copy_(counts[: self.num_experts], non_blocking=True)
+        used = self._used_dev
+        used.zero_()
+        used.index_fill_(0, ids.reshape(-1).long(), 1)  # no sync (bincount syncs for its size)
+        self._counts_host.copy_(used, non_blocking=True)
         self._event.record()
         self._event.synchronize()
         return np.flatnonzero(self._counts_host.numpy())
