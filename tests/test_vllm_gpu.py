@@ -119,11 +119,22 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
     the tokens of TP=2 without offload."""
     script = tmp_path / "tp2.py"
     script.write_text(TP2_CHILD)
+    env = dict(os.environ)
+    from importlib.metadata import entry_points
+
+    if not any(ep.value.startswith("mmap_offload") for ep in entry_points(group="vllm.general_plugins")):
+        # a checkout on PYTHONPATH (the GPU machine) is not pip-installed: give the spawned workers
+        # the entry point vLLM loads plugins from, as an installed package would
+        di = tmp_path / "plugin_site" / "mmap_offload_checkout-0.0.dist-info"
+        di.mkdir(parents=True)
+        (di / "METADATA").write_text("Metadata-Version: 2.1\nName: mmap-offload-checkout\nVersion: 0.0\n")
+        (di / "entry_points.txt").write_text("[vllm.general_plugins]\nmmap_offload = mmap_offload.vllm_backend:register\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(di.parent), env.get("PYTHONPATH")]))
     toks = {}
     for case in ("ref", "mmap_layer", "mmap_experts"):
         out = tmp_path / f"{case}.json"
         proc = subprocess.run([sys.executable, str(script), str(tmp_path), case, str(out)], capture_output=True,
-                              text=True, timeout=600)
+                              text=True, timeout=600, env=env)
         if proc.returncode != 0 or not out.exists():
             pytest.fail(f"TP=2 {case} failed with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
         toks[case] = json.loads(out.read_text())
