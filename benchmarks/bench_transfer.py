@@ -191,7 +191,7 @@ def run_engine(kind: str, opts: dict, device, path, start, size, extent, dsts, p
 
 
 def detail(m: dict) -> str:
-    """Where the time went, from engine metrics (per-thread fill rate, waits, direct bytes)."""
+    """Where the time went, from engine metrics (per-thread fill rate, waits, O_DIRECT bytes)."""
     out = ["native" if m.get("native") else "python"] if "native" in m else []
     if m.get("fill_seconds"):
         out.append(f"fill/thread {m['bytes_moved'] / m['fill_seconds'] / 1e9:.1f}GB/s")
@@ -200,10 +200,6 @@ def detail(m: dict) -> str:
             out.append(f"{k.split('_')[0]} {m[k]:.2f}s")
     if m.get("smaps", {}).get("FilePmdMapped"):
         out.append(f"pmd {m['smaps']['FilePmdMapped']}")
-    if m.get("direct_threads"):
-        out.append(f"direct {m['direct_bytes'] / GiB:.1f}GiB fb {m['direct_fallbacks']}")
-        out.append(f"register {m['register_seconds']:.2f}s" if m.get("native") else
-                   f"win-peak {m['window_pinned_peak_bytes'] >> 20}MiB")
     if "odirect_bytes" in m:
         out.append(f"odirect {m['odirect_bytes'] / GiB:.1f}GiB buffered {m['buffered_bytes'] / GiB:.1f}GiB")
     return " ".join(out)
@@ -335,14 +331,9 @@ def main() -> None:
             ("mmap", dict(pinned_bytes=P, threads=8, slot_bytes=8 * MiB)),
             ("mmap", dict(pinned_bytes=64 * MiB, threads=8)),
             ("mmap", dict(pinned_bytes=P, threads=8, slot_reuse="oldest")),  # rep movsb, cold slots
-            ("mmap", dict(pinned_bytes=P, threads=8, copy_impl="libc")),  # hot slots, libc memcpy
             ("mmap", dict(pinned_bytes=P, threads=8, copy_impl="nt4")),  # hot slots, NT stores
-            ("mmap", dict(pinned_bytes=P, threads=8, copy_impl="tc")),  # hot slots, AVX2 stores
-            ("mmap", dict(pinned_bytes=P, threads=7, direct_threads=1)),  # 1 registered-window worker
             ("mmap", dict(pinned_bytes=P, threads=12)),  # beyond the 8-thread rule: reported
         ]
-    if device.type != "cuda":
-        variants = [(k, o) for k, o in variants if not o.get("direct_threads")]
     if have_kvikio() and device.type == "cuda" and not args.engines:
         variants += [("auto", dict()),
                      ("kvikio", dict(kvikio_threads=16, task_size=8 * MiB)),
@@ -429,7 +420,7 @@ def main() -> None:
     # ---- summary
     ok_warm = [r for r in warm if "error" not in r and r["bytes_ok"]]
     mm = [r for r in ok_warm if r["engine"] == "mmap" and r["pinned_bytes"] <= P
-          and r["metrics"]["threads"] + r["metrics"].get("direct_threads", 0) <= 8]
+          and r["metrics"]["threads"] <= 8]
     best_warm = max(mm, key=lambda r: r["steady_GBps"]) if mm else None
     summary = {"h2d_ceiling_GBps": h2d}
 

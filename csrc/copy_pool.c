@@ -1,4 +1,4 @@
-/* Native batch copier of the mmap engine (mmap_offload/transfer.py, MmapEngine(native=True)).
+/* Native batch copier of the mmap engine (mmap_offload/transfer/native_pool.py wraps it).
  *
  * One GIL-free call per batch: Python hands over (src, dst, nbytes) triples, where src is an
  * address in a read-only mapping of a cache file (page cache) and dst a device address. A pool of
@@ -16,8 +16,9 @@
  * Lifetime: mo_pool_shutdown cancels what is queued and joins the workers (every batch issued);
  * only then may the caller, once no thread is inside mo_pool_wait, call mo_pool_destroy.
  *
- * Built by native_copy_lib() in transfer.py (or by hand, then at $MMAP_OFFLOAD_NATIVE):
- *   cc -O3 -mavx2 -shared -fPIC csrc/fastcopy.c csrc/copy_pool.c -lpthread -o libmo_native.so */
+ * Built with fastcopy.c as the library mo_native (mmap_offload/native.py: at pip install, else at
+ * run time; by hand, then at $MMAP_OFFLOAD_NATIVE_MO_NATIVE):
+ *   cc -O3 -mavx2 -shared -fPIC csrc/copy_pool.c csrc/fastcopy.c -lpthread -o libmo_native.so */
 #define _GNU_SOURCE
 #include "fastcopy.h"
 #include <pthread.h>
@@ -27,7 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 4
+#define MO_POOL_ABI 5
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -38,12 +39,8 @@ typedef int (*fn_event_sync)(void *ev);
 typedef int (*fn_event_query)(void *ev); /* 0: complete */
 typedef int (*fn_event_destroy)(void *ev);
 typedef int (*fn_set_device)(int device);
-typedef int (*fn_host_register)(void *ptr, size_t n, unsigned flags);
-typedef int (*fn_host_unregister)(void *ptr);
 
-enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2, HOST_REGISTER_READ_ONLY = 0x8 };
-enum { ERR_ALREADY_REGISTERED = 712 }; /* cudaErrorHostMemoryAlreadyRegistered: windows overlap */
-enum { PAGE = 4096 };
+enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
 /* mo_pool_create flags. HOT_SLOTS: take the most recently freed slot whose copy has completed
  * (its lines are likely still in the CPU caches, where the DMA can read them), the oldest
  * otherwise; without it slots are reused oldest first. */
@@ -67,18 +64,9 @@ typedef struct batch {
     void *event; /* recorded after the last chunk's copies; may be NULL */
 } batch;
 
-/* A direct worker's registered windows of the mapping, oldest first: each stays registered (its
- * page-cache pages pinned) until the event recorded after its device copy completed. */
-typedef struct {
-    void **event;     /* depth events */
-    uintptr_t *addr;  /* window start (page-aligned) per pending entry, 0 if none */
-    int depth, head, count;
-    int disabled;     /* registration refused for a reason other than overlap: copy instead */
-} direct_ctx;
-
 typedef struct mo_pool mo_pool;
 enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
-typedef struct { mo_pool *p; direct_ctx *d; int own[OWN_SLOTS]; } worker_arg;
+typedef struct { mo_pool *p; int own[OWN_SLOTS]; } worker_arg;
 
 struct mo_pool {
     fn_memcpy_async memcpy_async;
@@ -87,8 +75,6 @@ struct mo_pool {
     fn_event_sync event_sync;
     fn_event_destroy event_destroy;
     fn_set_device set_device;
-    fn_host_register host_register;     /* direct workers only; may be NULL */
-    fn_host_unregister host_unregister;
     fn_event_query event_query;         /* POOL_HOT_SLOTS only */
     int flags;
     int device;
@@ -107,17 +93,13 @@ struct mo_pool {
     pthread_cond_t work_cv, done_cv, slot_cv;
     batch *head, *tail;
     int closing, joined;
-    int nthreads, ncopy, ndirect;
+    int nthreads;
     pthread_t *threads;
     worker_arg *args;
-    direct_ctx *direct;
-    int copy_kind; /* 0 libc memcpy, 1 nt, 2 nt4, 3 movsb, 4 tc, 5 mixed (see cpu_copy) */
-    size_t prefetch;
+    int copy_kind; /* COPY_NT4 or COPY_MIXED (see run_chunk) */
 
-    /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot; bytes
-     * sent from registered windows, chunks a direct worker copied instead, ns registering */
+    /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot */
     uint64_t st_bytes, st_chunks, st_fill_ns, st_issue_ns, st_slot_wait_ns;
-    uint64_t st_direct_bytes, st_direct_fallbacks, st_register_ns;
 };
 
 void mo_pool_shutdown(mo_pool *p);
@@ -134,16 +116,11 @@ static uint64_t now_ns(void) {
  * L2 (2 MiB on the machine measured), and DMA reads that snoop it there landed a 1-expert batch 2x
  * later than non-temporal stores, which write it to memory at once (TRANSFER.md, session 3). */
 enum { MIXED_MOVSB_MIN = 4 << 20 };
-
-static void cpu_copy(mo_pool *p, int kind, void *dst, const void *src, size_t n) {
-    switch (kind) {
-    case 1: mo_copy_nt(dst, src, n, p->prefetch); break;
-    case 2: mo_copy_nt4(dst, src, n, p->prefetch); break;
-    case 3: mo_copy_movsb(dst, src, n); break;
-    case 4: mo_copy_tc(dst, src, n, p->prefetch); break;
-    default: memcpy(dst, src, n);
-    }
-}
+/* mo_pool_create copy_kind: "nt4" (4 interleaved non-temporal AVX2 streams: the kernel where the
+ * CPU lacks ERMS) or "mixed" (the default where it has it). Other kernels measured slower and were
+ * removed (TRANSFER.md, "Removed after measurement"). */
+enum { COPY_NT4 = 0, COPY_MIXED = 1 };
+enum { PREFETCH = 1024 }; /* nt4's software prefetch distance, bytes */
 
 /* under mu: take the free slot at position k (from the oldest) out of the free list */
 static int take_free_at(mo_pool *p, int k) {
@@ -221,10 +198,11 @@ static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci) {
     char *slot = p->ring + (size_t)s * p->slot_bytes;
     uint64_t t0 = now_ns(), bytes = 0;
     for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
-    int kind = p->copy_kind == 5 ? (bytes >= MIXED_MOVSB_MIN ? 3 : 2) : p->copy_kind;
+    int movsb = p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN;
     for (uint32_t i = 0; i < c->count; i++) {
         const planned_piece *q = &b->pieces[c->first + i];
-        cpu_copy(p, kind, slot + q->off, (const void *)(uintptr_t)q->src, q->n);
+        if (movsb) mo_copy_movsb(slot + q->off, (const void *)(uintptr_t)q->src, q->n);
+        else mo_copy_nt4(slot + q->off, (const void *)(uintptr_t)q->src, q->n, PREFETCH);
     }
     uint64_t t1 = now_ns();
     int err = 0;
@@ -248,73 +226,6 @@ static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci) {
     return err;
 }
 
-/* Unregister the oldest pending window once its device copy completed. */
-static void retire_window(mo_pool *p, direct_ctx *d) {
-    int i = d->head;
-    p->event_sync(d->event[i]);
-    p->host_unregister((void *)d->addr[i]);
-    d->addr[i] = 0;
-    d->head = (d->head + 1) % d->depth;
-    d->count--;
-}
-
-static void retire_all(mo_pool *p, direct_ctx *d) {
-    while (d->count) retire_window(p, d);
-}
-
-/* A one-piece chunk straight from the page cache: register the page-aligned window of the mapping
- * that holds it (read-only), cudaMemcpyAsync from there, record the window's event. No CPU copy:
- * the DMA reads each byte once. Returns 1 and *err if it ran, 0 if the chunk must be copied through
- * the ring instead (the window overlaps one registered by another worker, or the driver refuses
- * read-only registration of file pages: then this worker stops trying). */
-static int run_direct_chunk(mo_pool *p, direct_ctx *d, batch *b, uint32_t ci, int *err) {
-    const chunk *c = &b->chunks[ci];
-    if (d->disabled || c->count != 1) return 0;
-    const planned_piece *q = &b->pieces[c->first];
-    uintptr_t w0 = (uintptr_t)q->src & ~(uintptr_t)(PAGE - 1);
-    uintptr_t w1 = ((uintptr_t)q->src + q->n + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
-    if (d->count == d->depth) retire_window(p, d);
-    uint64_t t0 = now_ns();
-    int r = p->host_register((void *)w0, w1 - w0, HOST_REGISTER_READ_ONLY);
-    if (r == ERR_ALREADY_REGISTERED && d->count) {
-        /* an unaligned chunk shares a page with the one this worker sent before: let go of its
-         * own windows (their copies are queued ahead and mostly done) and try once more */
-        retire_all(p, d);
-        r = p->host_register((void *)w0, w1 - w0, HOST_REGISTER_READ_ONLY);
-    }
-    uint64_t t1 = now_ns();
-    if (r) {
-        if (r != ERR_ALREADY_REGISTERED) d->disabled = 1;
-        pthread_mutex_lock(&p->mu);
-        p->st_direct_fallbacks++;
-        p->st_register_ns += t1 - t0;
-        pthread_mutex_unlock(&p->mu);
-        return 0;
-    }
-    int i = (d->head + d->count) % d->depth;
-    d->addr[i] = w0;
-    d->count++;
-    *err = p->memcpy_async((void *)(uintptr_t)q->dst, (const void *)(uintptr_t)q->src, q->n, H2D,
-                           p->stream);
-    int rec = p->event_record(d->event[i], p->stream);
-    if (rec) {
-        /* A failed record means a broken CUDA context (as in run_chunk): the batch fails with it.
-         * Nothing tells when the copy from this window ran, so the window is never unregistered
-         * (its pages stay pinned: a leak, not a DMA from freed pages). */
-        d->addr[i] = 0;
-        d->count--;
-        if (!*err) *err = rec;
-    }
-    uint64_t t2 = now_ns();
-    pthread_mutex_lock(&p->mu);
-    p->st_register_ns += t1 - t0;
-    p->st_issue_ns += t2 - t1;
-    p->st_chunks++;
-    if (!*err) { p->st_bytes += q->n; p->st_direct_bytes += q->n; }
-    pthread_mutex_unlock(&p->mu);
-    return 1;
-}
-
 /* Mark one chunk of b finished (under mu); the last one records the batch event. */
 static void chunk_finished(mo_pool *p, batch *b, int err) {
     if (err && b->status[ST_ERROR] == 0) b->status[ST_ERROR] = err;
@@ -335,19 +246,10 @@ static void chunk_finished(mo_pool *p, batch *b, int err) {
 static void *worker(void *arg) {
     worker_arg *w = (worker_arg *)arg;
     mo_pool *p = w->p;
-    direct_ctx *d = w->d;
     if (p->set_device) p->set_device(p->device);
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->head && !p->closing) {
-            if (d && d->count) { /* idle: let go of the windows (their pages stay pinned otherwise) */
-                pthread_mutex_unlock(&p->mu);
-                retire_all(p, d);
-                pthread_mutex_lock(&p->mu);
-                continue;
-            }
-            pthread_cond_wait(&p->work_cv, &p->mu);
-        }
+        while (!p->head && !p->closing) pthread_cond_wait(&p->work_cv, &p->mu);
         batch *b = p->head;
         if (!b) break; /* closing and nothing queued */
         uint32_t ci = b->taken++;
@@ -360,42 +262,23 @@ static void *worker(void *arg) {
             err = ERR_CANCELLED;
         } else {
             pthread_mutex_unlock(&p->mu);
-            if (!d || !run_direct_chunk(p, d, b, ci, &err))
-                err = run_chunk(p, w, b, ci);
+            err = run_chunk(p, w, b, ci);
             pthread_mutex_lock(&p->mu);
         }
         chunk_finished(p, b, err);
     }
     pthread_mutex_unlock(&p->mu);
-    if (d) retire_all(p, d);
     return NULL;
 }
 
-static void free_direct(mo_pool *p) {
-    for (int k = 0; p->direct && k < p->ndirect; k++) {
-        direct_ctx *d = &p->direct[k];
-        for (int i = 0; d->event && i < d->depth; i++)
-            if (d->event[i]) p->event_destroy(d->event[i]);
-        free(d->event); free(d->addr);
-    }
-    free(p->direct);
-}
-
 /* api: memcpy_async, event_create, event_record, event_sync, event_destroy, set_device (or 0),
- * host_register, host_unregister (both 0 when ndirect is 0), event_query (0 without
- * POOL_HOT_SLOTS in ``flags``).
- * ``ncopy`` workers copy through the ring; ``ndirect`` more send one-piece chunks from registered
- * windows of the mapping (at most ``direct_depth`` windows of <= slot_bytes + 2 pages each
- * registered at a time), copying through the ring where that is refused.
+ * event_query (0 without POOL_HOT_SLOTS in ``flags``). ``nthreads`` workers copy through the ring.
  * Returns NULL if an argument is off or an allocation, an event or a thread could not be made. */
 mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, size_t slot_bytes,
-                        int nslots, int ncopy, int copy_kind, size_t prefetch, int ndirect,
-                        int direct_depth, int flags) {
-    if (nslots < 1 || ncopy < 0 || ndirect < 0 || ncopy + ndirect < 1 || !ring || !slot_bytes)
-        return NULL;
-    if (ndirect && (direct_depth < 1 || !api[6] || !api[7])) return NULL;
-    if ((flags & POOL_HOT_SLOTS) && !api[8]) return NULL;
-    int nthreads = ncopy + ndirect;
+                        int nslots, int nthreads, int copy_kind, int flags) {
+    if (nslots < 1 || nthreads < 1 || !ring || !slot_bytes) return NULL;
+    if (copy_kind != COPY_NT4 && copy_kind != COPY_MIXED) return NULL;
+    if ((flags & POOL_HOT_SLOTS) && !api[6]) return NULL;
     mo_pool *p = calloc(1, sizeof(*p));
     if (!p) return NULL;
     p->memcpy_async = (fn_memcpy_async)api[0];
@@ -404,34 +287,25 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     p->event_sync = (fn_event_sync)api[3];
     p->event_destroy = (fn_event_destroy)api[4];
     p->set_device = (fn_set_device)api[5];
-    if (ndirect) {
-        p->host_register = (fn_host_register)api[6];
-        p->host_unregister = (fn_host_unregister)api[7];
-    }
-    p->event_query = (fn_event_query)api[8];
+    p->event_query = (fn_event_query)api[6];
     p->flags = flags;
-    p->ncopy = ncopy;
-    p->ndirect = ndirect;
     p->device = device;
     p->stream = stream;
     p->ring = (char *)ring;
     p->slot_bytes = slot_bytes;
     p->nslots = nslots;
     p->copy_kind = copy_kind;
-    p->prefetch = prefetch;
     p->slot_event = calloc((size_t)nslots, sizeof(void *));
     p->slot_used = calloc((size_t)nslots, sizeof(int));
     p->fifo = calloc((size_t)nslots, sizeof(int));
     p->slot_free = calloc((size_t)nslots, 1);
     p->threads = calloc((size_t)nthreads, sizeof(pthread_t));
     p->args = calloc((size_t)nthreads, sizeof(worker_arg));
-    p->direct = ndirect ? calloc((size_t)ndirect, sizeof(direct_ctx)) : NULL;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
     pthread_cond_init(&p->slot_cv, NULL);
-    if (!p->slot_event || !p->slot_used || !p->fifo || !p->slot_free || !p->threads || !p->args ||
-        (ndirect && !p->direct)) goto fail;
+    if (!p->slot_event || !p->slot_used || !p->fifo || !p->slot_free || !p->threads || !p->args) goto fail;
     if (p->set_device) p->set_device(device);
     for (int i = 0; i < nslots; i++) {
         /* blocking sync: a worker waiting for a slot sleeps instead of spinning on a copier's core */
@@ -440,26 +314,15 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
         p->slot_free[i] = 1;
     }
     p->fifo_count = nslots;
-    for (int k = 0; k < ndirect; k++) {
-        direct_ctx *d = &p->direct[k];
-        d->depth = direct_depth;
-        d->event = calloc((size_t)direct_depth, sizeof(void *));
-        d->addr = calloc((size_t)direct_depth, sizeof(uintptr_t));
-        if (!d->event || !d->addr) goto fail;
-        for (int i = 0; i < direct_depth; i++)
-            if (p->event_create(&d->event[i], EV_BLOCKING_SYNC | EV_DISABLE_TIMING)) goto fail;
-    }
     for (int i = 0; i < nthreads; i++) {
         p->args[i].p = p;
         for (int k = 0; k < OWN_SLOTS; k++) p->args[i].own[k] = -1;
-        p->args[i].d = i >= ncopy ? &p->direct[i - ncopy] : NULL;
         if (pthread_create(&p->threads[i], NULL, worker, &p->args[i])) goto fail;
         p->nthreads++;
     }
     return p;
 fail:
     mo_pool_shutdown(p);
-    free_direct(p);
     for (int i = 0; p->slot_event && i < nslots; i++)
         if (p->slot_event[i]) p->event_destroy(p->slot_event[i]);
     pthread_mutex_destroy(&p->mu);
@@ -562,12 +425,11 @@ int mo_status_issued(const int64_t *status, int64_t *error) {
     return 1;
 }
 
-/* bytes, chunks, fill_ns, issue_ns, slot_wait_ns, direct_bytes, direct_fallbacks, register_ns */
+/* bytes, chunks, fill_ns, issue_ns, slot_wait_ns */
 void mo_pool_stats(mo_pool *p, uint64_t *out) {
     pthread_mutex_lock(&p->mu);
     out[0] = p->st_bytes; out[1] = p->st_chunks; out[2] = p->st_fill_ns;
     out[3] = p->st_issue_ns; out[4] = p->st_slot_wait_ns;
-    out[5] = p->st_direct_bytes; out[6] = p->st_direct_fallbacks; out[7] = p->st_register_ns;
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -595,7 +457,6 @@ void mo_pool_destroy(mo_pool *p) {
         if (p->slot_used[i]) p->event_sync(p->slot_event[i]);
         p->event_destroy(p->slot_event[i]);
     }
-    free_direct(p); /* the direct workers let go of their windows before they exited */
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->work_cv);
     pthread_cond_destroy(&p->done_cv);
@@ -614,7 +475,6 @@ typedef struct fake_op {
     void *dst;
     const void *src;
     size_t n;
-    int registered; /* src lay in a registered window when the copy was queued */
 } fake_op;
 typedef struct {
     pthread_mutex_t mu;
@@ -629,83 +489,6 @@ typedef struct {
     pthread_t thread;
 } fake_stream;
 typedef struct { fake_stream *s; uint64_t target; } fake_event;
-
-/* Registered windows (mo_fake_host_register), process-wide like CUDA's: the CPU stream checks
- * that a copy queued from a window still finds it registered when it runs. */
-enum { FAKE_WINDOWS = 256 };
-static struct {
-    pthread_mutex_t mu;
-    uintptr_t start[FAKE_WINDOWS], end[FAKE_WINDOWS];
-    uint64_t registrations, violations;
-    unsigned fail_next;  /* test hook: the next n registrations fail */
-    int fail_code;
-} fake_reg = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}, 0, 0, 0, 0};
-
-/* under fake_reg.mu: index of the window holding [a, a + n), -1 if none */
-static int fake_find(uintptr_t a, size_t n) {
-    for (int i = 0; i < FAKE_WINDOWS; i++)
-        if (fake_reg.end[i] && fake_reg.start[i] <= a && a + n <= fake_reg.end[i]) return i;
-    return -1;
-}
-
-int mo_fake_host_register(void *ptr, size_t n, unsigned flags) {
-    (void)flags;
-    uintptr_t a = (uintptr_t)ptr, e = a + n;
-    pthread_mutex_lock(&fake_reg.mu);
-    if (fake_reg.fail_next) {
-        fake_reg.fail_next--;
-        int code = fake_reg.fail_code;
-        pthread_mutex_unlock(&fake_reg.mu);
-        return code;
-    }
-    int free_i = -1;
-    for (int i = 0; i < FAKE_WINDOWS; i++) {
-        if (!fake_reg.end[i]) { if (free_i < 0) free_i = i; continue; }
-        if (a < fake_reg.end[i] && fake_reg.start[i] < e) {
-            pthread_mutex_unlock(&fake_reg.mu);
-            return ERR_ALREADY_REGISTERED;
-        }
-    }
-    if (free_i < 0 || (a & (PAGE - 1)) || !n) {
-        pthread_mutex_unlock(&fake_reg.mu);
-        return 1; /* cudaErrorInvalidValue */
-    }
-    fake_reg.start[free_i] = a;
-    fake_reg.end[free_i] = e;
-    fake_reg.registrations++;
-    pthread_mutex_unlock(&fake_reg.mu);
-    return 0;
-}
-
-int mo_fake_host_unregister(void *ptr) {
-    int rc = 713; /* cudaErrorHostMemoryNotRegistered */
-    pthread_mutex_lock(&fake_reg.mu);
-    for (int i = 0; i < FAKE_WINDOWS; i++)
-        if (fake_reg.end[i] && fake_reg.start[i] == (uintptr_t)ptr) {
-            fake_reg.start[i] = fake_reg.end[i] = 0;
-            rc = 0;
-            break;
-        }
-    pthread_mutex_unlock(&fake_reg.mu);
-    return rc;
-}
-
-/* registrations so far, copies that found their window gone, windows registered now */
-void mo_fake_registry_stats(uint64_t *out) {
-    pthread_mutex_lock(&fake_reg.mu);
-    uint64_t now = 0;
-    for (int i = 0; i < FAKE_WINDOWS; i++) now += fake_reg.end[i] != 0;
-    out[0] = fake_reg.registrations; out[1] = fake_reg.violations; out[2] = now;
-    pthread_mutex_unlock(&fake_reg.mu);
-}
-
-/* Test hook: the next ``n`` registrations return ``code``. */
-void mo_fake_host_register_fail(unsigned n, int code) {
-    pthread_mutex_lock(&fake_reg.mu);
-    fake_reg.fail_next = n;
-    fake_reg.fail_code = code;
-    pthread_mutex_unlock(&fake_reg.mu);
-}
 
 static void fake_stream_unref(fake_stream *s) {
     if (!s || __atomic_sub_fetch(&s->refs, 1, __ATOMIC_ACQ_REL)) return;
@@ -731,11 +514,6 @@ static void *fake_stream_main(void *arg) {
         if (!s->head) s->tail = NULL;
         pthread_mutex_unlock(&s->mu);
         if (s->delay_us) usleep(s->delay_us);
-        if (op->registered) {
-            pthread_mutex_lock(&fake_reg.mu);
-            if (fake_find((uintptr_t)op->src, op->n) < 0) fake_reg.violations++;
-            pthread_mutex_unlock(&fake_reg.mu);
-        }
         memcpy(op->dst, op->src, op->n);
         free(op);
         pthread_mutex_lock(&s->mu);
@@ -784,9 +562,6 @@ int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *s
     fake_op *op = malloc(sizeof(*op));
     if (!op) return 2; /* cudaErrorMemoryAllocation */
     op->next = NULL; op->dst = dst; op->src = src; op->n = n;
-    pthread_mutex_lock(&fake_reg.mu);
-    op->registered = fake_find((uintptr_t)src, n) >= 0;
-    pthread_mutex_unlock(&fake_reg.mu);
     pthread_mutex_lock(&s->mu);
     if (fake_fail_now(&s->fail_copy)) {
         int code = s->fail_code;

@@ -1,8 +1,8 @@
-/* Copy kernels of the mmap engine's fill step (mmap_offload/transfer.py, copy_impl=), used by
- * the Python copy threads through ctypes and by the native pool (copy_pool.c). Optional: the
- * engine works without them (libc memcpy, Python threads). native_copy_lib() builds this file
- * with copy_pool.c into build/libmo_native-<hash of the sources>.so on first use (with ``cc``,
- * needs AVX2), or loads $MMAP_OFFLOAD_NATIVE. Plain C, no Python API: ctypes calls release the GIL. */
+/* Copy kernels of the mmap engine's fill step: the native pool (copy_pool.c) copies whole-slot
+ * chunks with rep movsb and smaller ones with nt4 (its "mixed" kind; nt4 throughout where the CPU
+ * lacks ERMS); the Python copy threads use nt4 through ctypes. Built with copy_pool.c as the library
+ * mo_native (mmap_offload/native.py). Plain C, no Python API: ctypes calls release the GIL. Other
+ * kernels (single-stream nt, temporal AVX2 stores) measured slower and were removed (TRANSFER.md). */
 #include "fastcopy.h"
 #include <immintrin.h>
 #include <stddef.h>
@@ -10,7 +10,7 @@
 #include <string.h>
 
 /* AVX2 per function, not per build: the file compiles without -mavx2 (sanitizer builds, other
- * flags); callers check the CPU (transfer.py loads the library only where AVX2 is present). */
+ * flags); callers check the CPU (native.py loads the library only where AVX2 is present). */
 #define MO_AVX2 __attribute__((target("avx2")))
 
 /* "rep movsb": the microcoded string copy (fast on CPUs with ERMS/FSRM). */
@@ -18,8 +18,9 @@ void mo_copy_movsb(void *dst, const void *src, size_t n) {
     __asm__ __volatile__("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
 }
 
-/* AVX2 loads + non-temporal stores, software prefetch `pf` bytes ahead of the source. */
-MO_AVX2 void mo_copy_nt(void *dst, const void *src, size_t n, size_t pf) {
+/* AVX2 loads + non-temporal stores, software prefetch `pf` bytes ahead of the source (nt4's
+ * head and tail). */
+MO_AVX2 static void copy_nt(void *dst, const void *src, size_t n, size_t pf) {
     char *d = (char *)dst;
     const char *s = (const char *)src;
     size_t head = (32 - ((uintptr_t)d & 31)) & 31;
@@ -49,7 +50,7 @@ MO_AVX2 void mo_copy_nt(void *dst, const void *src, size_t n, size_t pf) {
 MO_AVX2 void mo_copy_nt4(void *dst, const void *src, size_t n, size_t pf) {
     size_t q = (n / 4) & ~(size_t)4095;
     if (q < 4096 || ((uintptr_t)dst & 31) != ((uintptr_t)src & 31) % 32 || ((uintptr_t)dst & 31)) {
-        mo_copy_nt(dst, src, n, pf);
+        copy_nt(dst, src, n, pf);
         return;
     }
     char *d[4];
@@ -72,28 +73,5 @@ MO_AVX2 void mo_copy_nt4(void *dst, const void *src, size_t n, size_t pf) {
         }
     }
     _mm_sfence();
-    mo_copy_nt((char *)dst + 4 * q, (const char *)src + 4 * q, n - 4 * q, pf);
-}
-
-/* Temporal stores with a non-temporal-hinted (NTA) prefetch of the source: the destination (a
- * ring slot the GPU reads next) stays in the last-level cache, where the DMA can read it, and
- * the streamed source does not evict it. Pays off with a ring smaller than the LLC. */
-MO_AVX2 void mo_copy_tc(void *dst, const void *src, size_t n, size_t pf) {
-    char *d = (char *)dst;
-    const char *s = (const char *)src;
-    size_t blocks = n / 128;
-    for (size_t i = 0; i < blocks; i++) {
-        _mm_prefetch(s + pf, _MM_HINT_NTA);
-        _mm_prefetch(s + pf + 64, _MM_HINT_NTA);
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(s + 96));
-        _mm256_storeu_si256((__m256i *)(d), a);
-        _mm256_storeu_si256((__m256i *)(d + 32), b);
-        _mm256_storeu_si256((__m256i *)(d + 64), c);
-        _mm256_storeu_si256((__m256i *)(d + 96), e);
-        s += 128; d += 128;
-    }
-    memcpy(d, s, n % 128);
+    copy_nt((char *)dst + 4 * q, (const char *)src + 4 * q, n - 4 * q, pf);
 }

@@ -3,7 +3,5 @@
 #define MO_FASTCOPY_H
 #include <stddef.h>
 void mo_copy_movsb(void *dst, const void *src, size_t n);
-void mo_copy_nt(void *dst, const void *src, size_t n, size_t pf);
 void mo_copy_nt4(void *dst, const void *src, size_t n, size_t pf);
-void mo_copy_tc(void *dst, const void *src, size_t n, size_t pf);
 #endif

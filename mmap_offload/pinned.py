@@ -10,7 +10,7 @@
                                   that still reads it (the H2D of a transfer engine).
 
 Events are anything with ``query() -> bool`` and ``synchronize()``: ``torch.cuda.Event`` on a GPU,
-the CPU stand-in of ``transfer.py`` without one, or a test's fake. Without CUDA the same classes
+the CPU stand-in of ``transfer/streams.py`` without one, or a test's fake. Without CUDA the same classes
 hand out ordinary (pageable) memory and ``pinned_bytes`` is 0.
 
 ``total_pinned_bytes()`` is the process-wide sum of what this module holds locked right now.
@@ -37,10 +37,9 @@ PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS = 0x1, 0x2, 0x10, 0x20
 MAP_NORESERVE, MAP_POPULATE = 0x4000, 0x8000
 MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED, MADV_HUGEPAGE = 2, 3, 4, 14
-MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE = 22, 23, 25
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
 
 CUDA_HOST_REGISTER_PORTABLE = 0x1
-CUDA_HOST_REGISTER_READ_ONLY = 0x8
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -162,13 +161,8 @@ def _account(delta: int) -> None:
 
 
 def total_pinned_bytes() -> int:
-    """Bytes this process holds page-locked through this module right now (buffers + windows)."""
+    """Bytes this process holds page-locked through this module right now."""
     return _total_pinned
-
-
-def account_window(nbytes: int) -> None:
-    """Record a transient registration made elsewhere (a registered file window); negative to end."""
-    _account(nbytes)
 
 
 class PinnedBuffer:

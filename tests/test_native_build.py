@@ -1,6 +1,7 @@
 """mmap_offload.native: the install-time extension is what loads; without a compiler or a source the
 package reports "not available: <reason>" instead of raising. Builds go to tmp_path (no network)."""
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -62,10 +63,13 @@ def test_the_installed_extension_is_what_loads(built_ext, monkeypatch):
 
 def test_this_install_loads_its_extension_when_setup_built_one():
     """In the test venv (`pip install -e .` by scripts/test.sh) the in-tree extension is picked."""
-    if native.installed_extension("mo_native") is None:
+    ext = native.installed_extension("mo_native")
+    if ext is None:
         pytest.skip("this install predates setup.py (reinstall: pip install -e .)")
     if not native.cpu_flag("avx2"):
         pytest.skip("mo_native needs AVX2 to load")
+    if native._compiled_hash(ctypes.CDLL(str(ext)), "mo_native") != native.source_hash("mo_native"):
+        pytest.skip("csrc/ changed since the install (reinstall: pip install -e .)")
     assert native.library_status("mo_native").startswith("installed extension (")
 
 

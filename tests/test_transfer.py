@@ -74,19 +74,12 @@ PY_WORKERS = {"mmap": {"native": False}, "pread": {}}
 ENGINES = [
     ("mmap", {}),
     ("mmap", {"native": False}),
-    ("mmap", {"native": True, "copy_impl": "libc"}),
     ("mmap", {"native": True, "slot_reuse": "oldest"}),
-    ("mmap", {"native": True, "copy_impl": "movsb", "populate": False}),
-    ("mmap", {"native": True, "copy_impl": "tc", "ring_hugepage": False}),
-    ("mmap", {"populate": False, "hugepage": False, "copy_impl": "libc"}),
-    ("mmap", {"copy_impl": "torch", "collapse": True}),
-    ("mmap", {"copy_impl": "numpy", "affinity": "spread"}),
-    ("mmap", {"copy_impl": "nt"}),
-    ("mmap", {"copy_impl": "movsb"}),
-    ("mmap", {"copy_impl": "nt4-pf4096"}),
-    ("mmap", {"copy_impl": "mixed-pf4096"}),
+    ("mmap", {"native": True, "copy_impl": "nt4", "populate": False}),
+    ("mmap", {"native": True, "copy_impl": "mixed", "ring_hugepage": False}),
+    ("mmap", {"populate": False, "hugepage": False}),
+    ("mmap", {"copy_impl": "nt4"}),
     ("mmap", {"copy_impl": "mixed", "native": False}),
-    ("mmap", {"copy_impl": "tc"}),
     ("pread", {}),
     ("pread", {"direct_io": False}),
 ]
@@ -262,7 +255,7 @@ def test_copy_impl_auto_falls_back_to_libc(monkeypatch, files):
     assert np.array_equal(dst.numpy(), data)
     eng.close()
     with pytest.raises(UnsupportedError, match="native library"):
-        make_engine("mmap", "cpu", copy_impl="nt")
+        make_engine("mmap", "cpu", copy_impl="nt4")
 
 
 def test_resident_fraction_and_evict(tmp_path):
@@ -277,11 +270,7 @@ def test_resident_fraction_and_evict(tmp_path):
 
 # --- GPU ------------------------------------------------------------------------------------
 
-GPU_ENGINES = [("mmap", {}), ("mmap", {"native": False}), ("mmap", {"direct_threads": 1, "threads": 1}),
-               ("mmap", {"direct_threads": 1, "threads": 1, "native": False}),
-               ("mmap", {"direct_threads": 2, "threads": 3, "direct_depth": 3}),
-               ("mmap", {"slot_reuse": "hot", "copy_impl": "movsb"}),
-               ("mmap", {"copy_impl": "libc"}),
+GPU_ENGINES = [("mmap", {}), ("mmap", {"native": False}), ("mmap", {"slot_reuse": "oldest", "copy_impl": "nt4"}),
                ("pread", {}), ("kvikio", {})]
 
 
@@ -301,17 +290,14 @@ def test_gpu_engines_bytes_equal(files, kind, opts):
             t = eng.submit(copies)
             eng.wait(t)  # the current stream waits on the ticket's event; .cpu() runs after it
             check(expect)
-        p, data = next(iter(files.items()))  # whole-slot chunks: the direct workers take these
+        p, data = next(iter(files.items()))  # whole-slot chunks
         for _ in range(10):
             whole = torch.zeros(len(data), dtype=torch.uint8, device=dev)
             eng.wait(eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), whole)])]))
             check([(whole, data)])
         m = eng.metrics
         if kind != "kvikio":
-            # direct windows count at their bound: depth 2 x (a slot + a partial page at each end)
-            assert m["pinned_bytes"] == m["ring_bytes"] + opts.get("direct_threads", 0) * opts.get("direct_depth", 2) * ((1 << 20) + 8192)
-        if opts.get("direct_threads"):
-            assert m["direct_bytes"] > 0
+            assert m["pinned_bytes"] == m["ring_bytes"]
     finally:
         eng.close()
         eng.close()
@@ -349,9 +335,7 @@ def test_native_copy_kernels_edges():
     for n in [0, 1, 31, 32, 127, 128, 4095, 4096, 65536 * 4 + 123, (1 << 20) + 77]:
         for so, do in [(0, 0), (1, 0), (0, 1), (64, 32), (3, 5)]:
             src = rng.integers(0, 256, n + 256, dtype=np.uint8)
-            for fn in (lambda d, s: lib.mo_copy_nt(d, s, n, 1024),
-                       lambda d, s: lib.mo_copy_nt4(d, s, n, 4096),
-                       lambda d, s: lib.mo_copy_tc(d, s, n, 512),
+            for fn in (lambda d, s: lib.mo_copy_nt4(d, s, n, 4096),
                        lambda d, s: lib.mo_copy_movsb(d, s, n)):
                 dst = np.zeros(n + 256, dtype=np.uint8)
                 fn(dst.ctypes.data + do, src.ctypes.data + so)
@@ -630,16 +614,14 @@ def test_native_pool_refused_batch_does_not_pin_later_destinations(files, monkey
         eng.close()
 
 
-def _fake_api(lib, direct: bool = False):
-    """mo_pool_create's 9 CUDA entry points, from the library's CPU stand-ins (host_register and
-    host_unregister only with ``direct``; no event_query: no hot slots)."""
+def _fake_api(lib):
+    """mo_pool_create's 7 CUDA entry points, from the library's CPU stand-ins (no set_device; no
+    event_query: no hot slots)."""
     import ctypes
 
     names = ("mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-             "mo_fake_event_sync", "mo_fake_event_destroy", None,
-             "mo_fake_host_register" if direct else None, "mo_fake_host_unregister" if direct else None,
-             None)
-    return (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
+             "mo_fake_event_sync", "mo_fake_event_destroy", None, None)
+    return (ctypes.c_void_p * 7)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
                                    for n in names])
 
 
@@ -647,7 +629,7 @@ def _raw_pool(lib, ring: np.ndarray, slot_bytes: int, threads: int, delay_us: in
     stream = lib.mo_fake_stream_create(delay_us)
     api = _fake_api(lib)
     pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, slot_bytes, len(ring) // slot_bytes,
-                              threads, 0, 0, 0, 0, 0)
+                              threads, 0, 0)
     assert pool
     return pool, stream, api
 
@@ -715,11 +697,11 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
         from mmap_offload.transfer import native_copy_lib
         lib = native_copy_lib()
         stream = lib.mo_fake_stream_create(0)
-        api = (ctypes.c_void_p * 9)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+        api = (ctypes.c_void_p * 7)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
             "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None, None, None)
+            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None)
         ring = np.zeros(2 * 4096, dtype=np.uint8)
-        pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0, 0, 0, 0)
+        pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0)
         status = np.zeros(4, dtype=np.int64)
         for n, cb in ((1 << 63, 1), ((1 << 64) - 1, 1), (1 << 40, 64)):  # never read: refused first
             trip = np.array([ring.ctypes.data, ring.ctypes.data, n], dtype=np.uint64)
@@ -754,100 +736,6 @@ def test_native_pool_cuda_errors_are_raised_not_hung(files, what, nth):
             assert np.array_equal(dst.numpy(), data[:n])
     finally:
         eng.close()
-
-
-def _registry(lib) -> tuple[int, int, int]:
-    """(registrations so far, copies that ran after their window was unregistered, windows now)
-    of the native pool's CPU stand-in for cudaHostRegister."""
-    out = np.zeros(3, dtype=np.uint64)
-    lib.mo_fake_registry_stats(out.ctypes.data)
-    return int(out[0]), int(out[1]), int(out[2])
-
-
-@needs_native
-@pytest.mark.parametrize("depth", [1, 3])
-def test_native_direct_windows_stay_registered_until_their_copies_ran(files, depth):
-    """Direct workers send one-piece chunks from registered windows of the mapping (no ring). The
-    CPU stream runs each copy 300 us late and checks, when it runs, that the window it reads is
-    still registered: a window let go before its copy completed is counted as a violation.
-    Windows are all let go once the workers are idle, and none is left after close."""
-    lib = native_copy_lib()
-    p, data = max(files.items(), key=lambda kv: len(kv[1]))
-    pinned = 16 * 65536
-    eng = make_engine("mmap", "cpu", pinned_bytes=pinned, slot_bytes=65536, threads=1,
-                      direct_threads=2, direct_depth=depth, native=True, stream_delay_us=300)
-    reg0, bad0, _ = _registry(lib)
-    try:
-        assert eng.native and eng.direct_threads == 2
-        # a window is a slot plus a partial page at each end; the ring gives way to them
-        assert eng.metrics["ring_slots"] == (pinned - 2 * depth * (65536 + 8192)) // 65536
-        rng = random.Random(depth)
-        for _ in range(4):
-            n = rng.randrange(8 * 65536, len(data) - 4096)
-            off = rng.choice([0, 4096, rng.randrange(1, len(data) - n)])
-            dst = torch.zeros(n, dtype=torch.uint8)
-            copies, expect = random_copies(files, rng, "cpu", 8, max_len=200_000)
-            eng.wait(eng.submit([Copy(Extent(p, off, n), [(0, n, dst)])] + copies))
-            check([(dst, data[off:off + n])] + expect)
-        m = eng.metrics
-        assert m["direct_bytes"] > 0 and m["bytes_moved"] > m["direct_bytes"]
-        reg, bad, _ = _registry(lib)
-        assert reg - reg0 >= m["chunks"] // 8 and bad == bad0
-        deadline = time.time() + 10
-        while _registry(lib)[2] and time.time() < deadline:  # idle workers let go
-            time.sleep(0.01)
-        assert _registry(lib)[2] == 0
-    finally:
-        eng.close()
-    assert _registry(lib)[2] == 0
-
-
-@needs_native
-def test_native_direct_refused_registration_copies_through_the_ring(files):
-    """Where the driver refuses read-only registration (an old GPU or driver: cudaErrorNotSupported),
-    a direct worker stops trying after the first refusal and copies through the ring instead."""
-    lib = native_copy_lib()
-    p, data = max(files.items(), key=lambda kv: len(kv[1]))
-    eng = make_engine("mmap", "cpu", pinned_bytes=8 * 65536, slot_bytes=65536, threads=1,
-                      direct_threads=1, native=True)
-    try:
-        lib.mo_fake_host_register_fail(1, 801)
-        for _ in range(3):
-            dst = torch.zeros(len(data), dtype=torch.uint8)
-            eng.wait(eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), dst)])]))
-            check([(dst, data)])
-        m = eng.metrics
-        assert m["direct_fallbacks"] == 1 and m["direct_bytes"] == 0
-        assert m["bytes_moved"] == 3 * len(data)
-    finally:
-        lib.mo_fake_host_register_fail(0, 0)
-        eng.close()
-
-
-@needs_native
-def test_native_direct_overlapping_windows_fall_back_per_chunk(files):
-    """Chunks that start mid-page share a page with their neighbours: two direct workers holding
-    neighbouring windows collide (cudaErrorHostMemoryAlreadyRegistered). That chunk goes through
-    the ring, the worker keeps registering the next ones, and every byte still arrives."""
-    lib = native_copy_lib()
-    p, data = max(files.items(), key=lambda kv: len(kv[1]))
-    eng = make_engine("mmap", "cpu", pinned_bytes=16 * 65536, slot_bytes=65536, threads=1,
-                      direct_threads=4, direct_depth=2, native=True, stream_delay_us=200,
-                      min_chunk_bytes=65536 - 1000)
-    reg0, bad0, _ = _registry(lib)
-    try:
-        for _ in range(3):
-            n = len(data) - 3000
-            dst = torch.zeros(n, dtype=torch.uint8)
-            eng.wait(eng.submit([Copy(Extent(p, 1500, n), [(0, n, dst)])]))
-            check([(dst, data[1500:1500 + n])])
-        m = eng.metrics
-        assert m["direct_bytes"] > 0 and m["direct_fallbacks"] > 0
-        assert m["bytes_moved"] == 3 * (len(data) - 3000)
-        assert _registry(lib)[1] == bad0
-    finally:
-        eng.close()
-    assert _registry(lib)[2] == 0
 
 
 @needs_native
@@ -921,57 +809,6 @@ def test_gpu_auto_picks_kvikio_only_with_gds(monkeypatch):
         assert eng.kind == "kvikio"
     finally:
         eng.close()
-
-
-@needs_native
-def test_native_direct_worker_reregisters_past_its_own_neighbouring_window(files):
-    """One direct worker sending unaligned chunks: each window shares a page with the one it sent
-    before (cudaHostRegister refuses the overlap). The worker lets go of its own earlier windows
-    and registers again instead of copying every other chunk through the ring."""
-    lib = native_copy_lib()
-    p, data = max(files.items(), key=lambda kv: len(kv[1]))
-    eng = make_engine("mmap", "cpu", pinned_bytes=16 * 65536, slot_bytes=65536, threads=1,
-                      direct_threads=1, direct_depth=2, native=True, stream_delay_us=200,
-                      min_chunk_bytes=65536)
-    bad0 = _registry(lib)[1]
-    try:
-        n = len(data) - 3000
-        dst = torch.zeros(n, dtype=torch.uint8)
-        eng.wait(eng.submit([Copy(Extent(p, 1500, n), [(0, n, dst)])]))
-        check([(dst, data[1500:1500 + n])])
-        m = eng.metrics
-        assert m["direct_bytes"] > 0 and m["direct_fallbacks"] == 0
-        assert _registry(lib)[1] == bad0
-    finally:
-        eng.close()
-
-
-@needs_native
-def test_native_direct_window_is_never_unregistered_under_a_copy_whose_event_failed():
-    """If recording a window's event fails (a broken CUDA context), nothing says when its copy ran:
-    the window must stay registered (a pinned-page leak) rather than be let go under the copy."""
-    lib = native_copy_lib()
-    stream = lib.mo_fake_stream_create(100_000)  # each copy runs 100 ms late
-    api = _fake_api(lib, direct=True)
-    ring = np.zeros(2 * 4096, dtype=np.uint8)
-    src = np.arange(3 * 4096, dtype=np.uint8)
-    dst = np.zeros(5000, dtype=np.uint8)
-    pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096 * 2, 1, 0, 0, 0, 1, 2, 0)
-    assert pool
-    reg0, bad0, live0 = _registry(lib)
-    try:
-        lib.mo_fake_stream_fail(stream, 1, 1, 999)  # the direct worker's event record fails
-        trip = np.array([src.ctypes.data + 100, dst.ctypes.data, 5000], dtype=np.uint64)
-        status = np.zeros(4, dtype=np.int64)
-        assert lib.mo_pool_submit(pool, trip.ctypes.data, 1, 8192, status.ctypes.data, None) == 1
-        assert lib.mo_pool_wait(pool, status.ctypes.data) == 999
-    finally:
-        lib.mo_pool_destroy(pool)  # the idle worker retires its windows before it exits
-        lib.mo_fake_stream_destroy(stream)  # runs the late copy
-    reg, bad, live = _registry(lib)
-    assert reg == reg0 + 1 and bad == bad0 and live == live0 + 1  # kept, not let go under the copy
-    assert np.array_equal(dst, src[100:5100])
-    assert lib.mo_fake_host_unregister(src.ctypes.data & ~4095) == 0  # clean the registry up
 
 
 def test_cpu_stream_close_then_reuse_does_not_hang():

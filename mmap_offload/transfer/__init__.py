@@ -21,20 +21,18 @@ TransferEngine <- KvikioEngine):
             depend on OMP_NUM_THREADS; each filled slot goes to the device on the ONE copy stream
             of that device (``copy_stream()``), and the event recorded after it frees the slot: a
             slot is never refilled before its H2D completed. By default (``native=`` "auto") the
-            workers are a pthread pool in C (csrc/copy_pool.c, built with the copy kernels of
-            csrc/fastcopy.c by ``native_copy_lib()`` on first use): one GIL-free call per batch
+            workers are a pthread pool in C (csrc/copy_pool.c with the copy kernels of
+            csrc/fastcopy.c, the library mo_native: built at pip install, else at run time, by
+            ``mmap_offload.native``): one GIL-free call per batch
             cuts it into chunks, fills slots and issues cudaMemcpyAsync with torch's libcudart
             (on the CPU: the library's own stand-in stream). The pool reuses the newest idle slot
             (``slot_reuse="hot"``) and copies whole-slot chunks with ``rep movsb``, smaller ones
             with non-temporal AVX2 stores (``copy_impl="mixed"``): the slot's lines are still in
             the CPU caches when the DMA reads them (93% of pinned H2D with 8 threads against 75-86%
-            for non-temporal stores into the oldest slot: docs/TRANSFER.md). ``native=False``
-            keeps Python threads with the non-temporal kernel (libc memcpy where it cannot be
-            built). A region is pre-faulted once per engine (MADV_POPULATE_READ) so later passes
-            copy at memory speed. Optional ``direct_threads``: workers that register a read-only
-            window of the mapping with ``cudaHostRegister`` and DMA straight from the page cache
-            (no CPU copy); their windows count in ``pinned_bytes`` (off by default: registration
-            holds a driver lock the copy workers wait on; measured slower).
+            for non-temporal stores into the oldest slot: docs/TRANSFER.md). Where the library is
+            unavailable (or ``native=False``), Python threads copy instead, with the non-temporal
+            kernel or libc memcpy. A region is pre-faulted once per engine (MADV_POPULATE_READ) so
+            later passes copy at memory speed.
     pread   cold path. Same ring, filled by parallel ``os.preadv`` of the covering 4096-aligned
             range with O_DIRECT (no page-cache pollution, queue depth = threads); buffered
             ``preadv`` where the file system refuses O_DIRECT (metrics say which).
@@ -69,11 +67,11 @@ import torch
 
 from ..errors import MmapOffloadError, UnsupportedError
 from .kvikio_engine import GDS_INSTALL_HINT, KvikioEngine, gds_active, import_kvikio
-from .mmap_engine import NATIVE_MIN_CHUNK_BYTES, MmapEngine
+from .mmap_engine import COPY_IMPLS, NATIVE_MIN_CHUNK_BYTES, MmapEngine
 from .native_pool import NATIVE_POOL_ABI, native_copy_lib
 from .pagecache import evict_page_cache, resident_fraction
 from .pread_engine import PreadEngine
-from .ring import COPY_IMPLS, MIN_CHUNK_BYTES, spread_cpus
+from .ring import MIN_CHUNK_BYTES
 from .streams import copy_stream
 from .ticket import Copy, Ticket, TransferEngine, _normalize_device
 
@@ -81,7 +79,7 @@ __all__ = [
     "COPY_IMPLS", "ENGINE_KINDS", "GDS_INSTALL_HINT", "MIN_CHUNK_BYTES", "NATIVE_MIN_CHUNK_BYTES",
     "NATIVE_POOL_ABI", "Copy", "KvikioEngine", "MmapEngine", "PreadEngine", "Ticket", "TransferEngine",
     "copy_stream", "evict_page_cache", "gds_active", "import_kvikio", "make_engine", "native_copy_lib",
-    "resident_fraction", "spread_cpus",
+    "resident_fraction",
 ]
 
 ENGINE_KINDS = ("auto", "mmap", "pread", "kvikio")
@@ -90,7 +88,7 @@ ENGINE_KINDS = ("auto", "mmap", "pread", "kvikio")
 def make_engine(kind: str = "auto", device: torch.device | str | None = None, *,
                 pinned_bytes: int = 256 << 20, slot_bytes: int | None = None, threads: int = 8,
                 **options: Any) -> TransferEngine:
-    """Build a transfer engine. ``options`` go to the engine class (e.g. ``direct_threads`` for
+    """Build a transfer engine. ``options`` go to the engine class (e.g. ``slot_reuse`` for
     mmap, ``direct_io`` for pread, ``task_size`` for kvikio). ``slot_bytes`` None: the engine's
     own default (mmap 4 MiB, pread 16 MiB)."""
     if kind not in ENGINE_KINDS:

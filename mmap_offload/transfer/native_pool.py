@@ -20,7 +20,7 @@ from .ticket import Ticket
 
 _ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_LEN = 0, 1, 2, 3, 4  # csrc/copy_pool.c
 
-NATIVE_POOL_ABI = 4  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 5  # csrc/copy_pool.c MO_POOL_ABI
 _native_lock = threading.Lock()
 
 
@@ -46,14 +46,12 @@ def _typed(lib: Any) -> bool:
     try:
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.mo_copy_movsb.argtypes = [vp, vp, sz]
-        lib.mo_copy_nt.argtypes = [vp, vp, sz, sz]
-        lib.mo_copy_nt4.argtypes = lib.mo_copy_nt.argtypes
-        lib.mo_copy_tc.argtypes = lib.mo_copy_nt.argtypes
+        lib.mo_copy_nt4.argtypes = [vp, vp, sz, sz]
         if lib.mo_pool_abi() != NATIVE_POOL_ABI:
             return False
         lib.mo_pool_create.restype = vp
         lib.mo_pool_create.argtypes = [vp, ctypes.c_int, vp, vp, sz, ctypes.c_int, ctypes.c_int,
-                                       ctypes.c_int, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                                       ctypes.c_int, ctypes.c_int]
         lib.mo_pool_submit.restype = ctypes.c_int64
         lib.mo_pool_submit.argtypes = [vp, vp, sz, sz, vp, vp]
         lib.mo_pool_wait.restype = ctypes.c_int64
@@ -70,16 +68,12 @@ def _typed(lib: Any) -> bool:
         lib.mo_fake_event_done.argtypes = [vp]
         lib.mo_fake_event_sync.argtypes = [vp]
         lib.mo_fake_event_destroy.argtypes = [vp]
-        lib.mo_fake_host_register.argtypes = [vp, sz, ctypes.c_uint]
-        lib.mo_fake_host_unregister.argtypes = [vp]
-        lib.mo_fake_registry_stats.argtypes = [vp]
-        lib.mo_fake_host_register_fail.argtypes = [ctypes.c_uint, ctypes.c_int]
     except AttributeError:
         return False
     return True
 
 
-_NATIVE_COPY_KINDS = {"libc": 0, "nt": 1, "nt4": 2, "movsb": 3, "tc": 4, "mixed": 5}
+_NATIVE_COPY_KINDS = {"nt4": 0, "mixed": 1}  # csrc/copy_pool.c COPY_NT4, COPY_MIXED
 
 
 def _cuda_runtime_api() -> list[int] | None:
@@ -88,8 +82,7 @@ def _cuda_runtime_api() -> list[int] | None:
     torch.cuda.init()
     lib = loaded_cudart()
     names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
-             "cudaEventDestroy", "cudaSetDevice", "cudaHostRegister", "cudaHostUnregister",
-             "cudaEventQuery")
+             "cudaEventDestroy", "cudaSetDevice", "cudaEventQuery")
     try:
         return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
     except AttributeError:
@@ -128,8 +121,7 @@ class _NativePool:
     and after the last user left. ``handle`` stays set until then."""
 
     def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
-                 copy_kind: int, prefetch: int, stream_delay_us: int = 0, direct_threads: int = 0,
-                 direct_depth: int = 2, hot_slots: bool = False) -> None:
+                 copy_kind: int, stream_delay_us: int = 0, hot_slots: bool = False) -> None:
         self.lib = lib
         self.device = device
         self._fake_stream = None
@@ -149,14 +141,12 @@ class _NativePool:
                 raise MemoryError("the native copy pool's CPU stream could not start")
             api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None for n in (
                 "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_host_register",
-                "mo_fake_host_unregister", "mo_fake_event_query")]
+                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_event_query")]
             handle, index = self._fake_stream, -1
-        self._api = (ctypes.c_void_p * 9)(*api)
+        self._api = (ctypes.c_void_p * len(api))(*api)
         self.stream = stream
         self.handle = lib.mo_pool_create(self._api, index, handle, ring.buffer.ptr, ring.slot_bytes,
-                                         ring.num_slots, threads, copy_kind, prefetch,
-                                         direct_threads, direct_depth, 1 if hot_slots else 0)
+                                         ring.num_slots, threads, copy_kind, 1 if hot_slots else 0)
         if not self.handle:
             self._destroy_stream()
             raise MemoryError("the native copy pool could not start (threads or CUDA events)")
@@ -219,15 +209,13 @@ class _NativePool:
         h = self._enter(closing_ok=True)
         if not h:
             return dict(self._final)
-        out = np.zeros(8, dtype=np.uint64)
+        out = np.zeros(5, dtype=np.uint64)
         try:
             self.lib.mo_pool_stats(h, out.ctypes.data)
         finally:
             self._leave()
         return dict(bytes_moved=int(out[0]), chunks=int(out[1]), fill_seconds=int(out[2]) / 1e9,
-                    issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9,
-                    direct_bytes=int(out[5]), direct_fallbacks=int(out[6]),
-                    register_seconds=int(out[7]) / 1e9)
+                    issue_seconds=int(out[3]) / 1e9, ring_wait_seconds=int(out[4]) / 1e9)
 
     def close(self) -> None:
         """Cancel what is queued, finish what runs, wait for the slots' copies. Idempotent; a

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..pinned import (
-    MADV_COLLAPSE, MADV_HUGEPAGE, MADV_POPULATE_READ, MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE,
+    MADV_HUGEPAGE, MADV_POPULATE_READ, MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE,
     MAP_SHARED, PAGE, PROT_READ, madvise, mincore_count, os_mmap, os_munmap, page_align_up,
 )
 
@@ -59,9 +59,8 @@ class _MappedFile:
 
     GRANULE = 2 << 20
 
-    def __init__(self, path: Path, hugepage: bool, collapse: bool = False):
+    def __init__(self, path: Path, hugepage: bool):
         self.path = path
-        self.collapse = collapse
         fd = os.open(path, os.O_RDONLY)
         try:
             self.size = os.fstat(fd).st_size
@@ -82,8 +81,6 @@ class _MappedFile:
         a = (g0 + int(todo[0])) * self.GRANULE
         b = min(self.length, (g0 + int(todo[-1]) + 1) * self.GRANULE)
         ok = madvise(self.addr + a, b - a, MADV_POPULATE_READ)
-        if self.collapse:
-            madvise(self.addr + a, b - a, MADV_COLLAPSE)  # best effort: 2 MiB folios
         self.populated[g0:g1] = True
         return ok
 

@@ -1,7 +1,7 @@
 """The ring engine base of mmap and pread: plan pieces into slot-sized chunks, fill a slot of the
 exact-size ``PinnedRing``, issue its H2D on the copy stream, free the slot on its event; the Python
-worker threads that do it (the mmap engine's fallback where the native pool is unavailable; the
-pread engine's workers) and their copy kernels."""
+worker threads that do it (the pread engine's workers; the mmap engine's fallback where the native
+pool is unavailable)."""
 
 from __future__ import annotations
 
@@ -10,79 +10,26 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 
 from ..cache_format import ALIGNMENT
-from ..errors import CacheError, MmapOffloadError, UnsupportedError
-from ..native import library_status
-from ..pinned import PinnedRing, RingClosedError, Slot, address_tensor, memcpy, page_align_up
-from . import native_pool
+from ..errors import CacheError, MmapOffloadError
+from ..pinned import PinnedRing, RingClosedError, Slot, page_align_up
 from .streams import _CpuCopyStream, _CudaCopyStream
 from .ticket import Copy, Ticket, TransferEngine, _align_down, _align_up, _Chunk, _Part
 
 MIN_CHUNK_BYTES = 1 << 20  # below this, per-chunk overhead outweighs the parallelism gained
-COPY_IMPLS = ("auto", "libc", "torch", "numpy", "movsb", "nt", "nt4", "tc", "mixed")  # +"-pf<bytes>"
+
+
 
 class _WorkerStats:
-    __slots__ = ("fill_s", "issue_s", "chunks", "direct_bytes", "direct_fallbacks", "odirect_bytes",
-                 "buffered_bytes", "populate_s")
+    __slots__ = ("fill_s", "issue_s", "chunks", "odirect_bytes", "buffered_bytes", "populate_s")
 
     def __init__(self) -> None:
         for k in self.__slots__:
             setattr(self, k, 0)
-
-
-def spread_cpus() -> list[int]:
-    """The allowed logical CPUs ordered one per physical core first (SMT siblings last)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    first, rest, seen = [], [], set()
-    for cpu in allowed:
-        try:
-            sib = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
-        except OSError:
-            sib = str(cpu)
-        key = sib.strip()
-        (rest if key in seen else first).append(cpu)
-        seen.add(key)
-    return first + rest
-
-
-def _copier(impl: str) -> tuple[str, Callable[[int, int, int], None]]:
-    """(name, function (dst_addr, src_addr, nbytes)) that copies with the GIL released.
-    "auto": the 4-stream non-temporal AVX2 kernel where it builds (measured fastest, TRANSFER.md),
-    else libc memcpy."""
-    if impl == "auto":
-        impl = "nt4" if native_pool.native_copy_lib() is not None else "libc"
-    return impl, _copier_fn(impl)
-
-
-def _copier_fn(impl: str) -> Callable[[int, int, int], None]:
-    if impl == "libc":
-        return memcpy
-    if impl == "torch":
-        return lambda d, s, n: address_tensor(d, n).copy_(address_tensor(s, n))
-    if impl == "numpy":
-        return lambda d, s, n: np.copyto(address_tensor(d, n).numpy(), address_tensor(s, n).numpy())
-    lib = native_pool.native_copy_lib()
-    if lib is None:
-        raise UnsupportedError(f"copy_impl {impl!r} needs the native library mo_native, which is "
-                               + library_status("mo_native"), "pip install the package where cc runs, on an AVX2 CPU")
-    if impl == "movsb":
-        return lib.mo_copy_movsb
-    if impl.startswith("mixed"):  # the pool picks per chunk (rep movsb >= 4 MiB); Python threads: nt4
-        impl = "nt4" + impl[len("mixed"):]
-    base, _, pf = impl.partition("-pf")  # "nt", "nt4", or with a prefetch distance: "nt-pf4096"
-    dist = int(pf) if pf.isdigit() else 1024
-    if base == "nt":
-        return lambda d, s, n: lib.mo_copy_nt(d, s, n, dist)
-    if base == "nt4":
-        return lambda d, s, n: lib.mo_copy_nt4(d, s, n, dist)
-    if base == "tc":
-        return lambda d, s, n: lib.mo_copy_tc(d, s, n, dist)
-    raise UnsupportedError(f"unknown copy_impl {impl!r}", f"choose one of {', '.join(COPY_IMPLS)}")
 
 
 class _RingEngine(TransferEngine):
@@ -90,19 +37,14 @@ class _RingEngine(TransferEngine):
     copy stream, ticket bookkeeping. Subclasses implement ``_fill(chunk, slot, stats)``."""
 
     def __init__(self, device: torch.device, *, pinned_bytes: int, slot_bytes: int, threads: int,
-                 reserve_bytes: int = 0, blocking_events: bool = True, python_workers: bool = True,
+                 blocking_events: bool = True, python_workers: bool = True,
                  chunks_per_thread: int = 2, min_chunk_bytes: int = MIN_CHUNK_BYTES,
                  ring_hugepage: bool = True):
         super().__init__(device)
         if threads < 1 or threads > 64:
             raise ValueError(f"threads must be in 1..64, got {threads}")
         self.slot_bytes = page_align_up(max(ALIGNMENT, int(slot_bytes)))
-        ring_bytes = int(pinned_bytes) - int(reserve_bytes)
-        if reserve_bytes and ring_bytes < 2 * self.slot_bytes:
-            raise ValueError(f"pinned_bytes={pinned_bytes} leaves no room for a ring of 2 slots of "
-                             f"{self.slot_bytes} besides the direct windows ({reserve_bytes} bytes): "
-                             "raise pinned_bytes or lower direct_threads / direct_depth")
-        num_slots = max(2, ring_bytes // self.slot_bytes)
+        num_slots = max(2, int(pinned_bytes) // self.slot_bytes)
         self.threads = int(threads)
         self.chunks_per_thread = max(1, int(chunks_per_thread))
         self.min_chunk_bytes = _align_up(max(ALIGNMENT, int(min_chunk_bytes)))
@@ -189,10 +131,6 @@ class _RingEngine(TransferEngine):
 
     def _worker(self, stats: _WorkerStats, index: int) -> None:
         self.stream.enter_thread()
-        if getattr(self, "affinity", None) == "spread":
-            cpus = spread_cpus()
-            if cpus:
-                os.sched_setaffinity(0, {cpus[index % len(cpus)]})
         while True:
             chunk = self._q.get()
             if chunk is None:

@@ -102,9 +102,6 @@ class _CpuCopyStream:
     def copy_part(self, dst: int, slot: Slot, offset: int, nbytes: int) -> None:
         self.copy(address_tensor(dst, nbytes), slot.tensor[offset:offset + nbytes])
 
-    def copy_ptr(self, dst: int, src: int, nbytes: int) -> None:
-        self.copy(address_tensor(dst, nbytes), address_tensor(src, nbytes))
-
     def record(self, ticket: bool = False) -> _CpuEvent:
         ev = _CpuEvent(ticket)
         self._put(ev)
