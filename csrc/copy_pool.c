@@ -22,13 +22,15 @@
 #define _GNU_SOURCE
 #include "fastcopy.h"
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 5
+#define MO_POOL_ABI 6
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -47,8 +49,11 @@ enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
 enum { POOL_HOT_SLOTS = 1 };
 
 /* Status words of one batch, in an int64 array the caller owns and keeps alive until issued. */
-enum { ST_CHUNKS = 0, ST_DONE = 1, ST_ISSUED = 2, ST_ERROR = 3, ST_LEN = 4 };
-enum { ERR_CANCELLED = -1 }; /* > 0: the CUDA error code of the first failed call */
+/* ST_FAULT: with ERR_FAULT, the address in the mapping whose read raised SIGBUS. */
+enum { ST_CHUNKS = 0, ST_DONE = 1, ST_ISSUED = 2, ST_ERROR = 3, ST_FAULT = 4, ST_LEN = 5 };
+/* > 0: the CUDA error code of the first failed call; ERR_FAULT: a chunk's read of the mapping
+ * raised SIGBUS (file truncated under the mapping, or an I/O error on a mapped page) */
+enum { ERR_CANCELLED = -1, ERR_FAULT = -2 };
 enum { SUBMIT_CLOSED = -1, SUBMIT_INVALID = -2 }; /* mo_pool_submit: nothing was queued */
 
 typedef struct { uint64_t src, dst, n; } mo_piece;              /* input triple */
@@ -190,19 +195,87 @@ static void release_slot(mo_pool *p, int s, int recorded, worker_arg *w) {
     pthread_mutex_unlock(&p->mu);
 }
 
+/* --- SIGBUS guard of the reads from the mapping ----------------------------------------------
+ * A page of a mapped file that cannot be read (the file was truncated under the mapping, or the
+ * disk returned an I/O error) raises SIGBUS in the thread that touches it, which kills the process
+ * by default. The pool's workers copy inside a guard: the handler (installed once, by the first
+ * mo_pool_create) jumps out of the copy of a guarded thread, and that chunk fails with ERR_FAULT
+ * and the faulting address. A SIGBUS anywhere else goes to the handler that was there before (the
+ * default: the process dies as it would have). Thread-local state; the handler only reads it. */
+static __thread sigjmp_buf *guard_jmp;
+static __thread void *volatile guard_addr;
+static struct sigaction prev_bus;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+    sigjmp_buf *jb = guard_jmp;
+    if (jb) {
+        guard_jmp = NULL;
+        guard_addr = si ? si->si_addr : NULL;
+        siglongjmp(*jb, 1);
+    }
+    if (prev_bus.sa_flags & SA_SIGINFO) {
+        if (prev_bus.sa_sigaction) { prev_bus.sa_sigaction(sig, si, uc); return; }
+    } else if (prev_bus.sa_handler != SIG_DFL && prev_bus.sa_handler != SIG_IGN) {
+        prev_bus.sa_handler(sig);
+        return;
+    }
+    /* default (or ignored, which for a fault would loop): die of it, as without this handler;
+     * returning re-runs the faulting access, which raises SIGBUS again, now with the default */
+    signal(SIGBUS, SIG_DFL);
+}
+
+static void install_bus_handler(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = on_sigbus;
+    /* NODEFER: SIGBUS is not blocked while the handler runs, so the jump out of it leaves the
+     * thread's mask as it was and sigsetjmp need not save the mask (a syscall per chunk) */
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &prev_bus);
+}
+
+/* 1 once the process's SIGBUS handler is the pool's (tests; another library may replace it). */
+int mo_sigbus_guarded(void) {
+    struct sigaction cur;
+    return sigaction(SIGBUS, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
+           cur.sa_sigaction == on_sigbus;
+}
+
+/* Copy a chunk's pieces from the mapping into the slot; 0, or ERR_FAULT with *fault set. */
+static int guarded_copy(const chunk *c, const batch *b, char *slot, int movsb, uint64_t *fault) {
+    sigjmp_buf jb;
+    volatile uint32_t i = 0;
+    if (sigsetjmp(jb, 0)) {
+        void *a = guard_addr;
+        *fault = a ? (uint64_t)(uintptr_t)a : b->pieces[c->first + i].src;
+        return ERR_FAULT;
+    }
+    guard_jmp = &jb;
+    for (; i < c->count; i++) {
+        const planned_piece *q = &b->pieces[c->first + i];
+        if (movsb) mo_copy_movsb(slot + q->off, (const void *)(uintptr_t)q->src, q->n);
+        else mo_copy_nt4(slot + q->off, (const void *)(uintptr_t)q->src, q->n, PREFETCH);
+    }
+    guard_jmp = NULL;
+    return 0;
+}
+
 /* One chunk: slot <- CPU copy <- mapping; device <- cudaMemcpyAsync <- slot. Returns the CUDA
- * error of the first failed call, 0 on success. */
-static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci) {
+ * error of the first failed call (or ERR_FAULT, then *fault is the address), 0 on success. */
+static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci, uint64_t *fault) {
     const chunk *c = &b->chunks[ci];
     int s = acquire_slot(p, w);
     char *slot = p->ring + (size_t)s * p->slot_bytes;
     uint64_t t0 = now_ns(), bytes = 0;
     for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
-    int movsb = p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN;
-    for (uint32_t i = 0; i < c->count; i++) {
-        const planned_piece *q = &b->pieces[c->first + i];
-        if (movsb) mo_copy_movsb(slot + q->off, (const void *)(uintptr_t)q->src, q->n);
-        else mo_copy_nt4(slot + q->off, (const void *)(uintptr_t)q->src, q->n, PREFETCH);
+    if (guarded_copy(c, b, slot, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN, fault)) {
+        release_slot(p, s, 0, w); /* nothing was issued from it */
+        pthread_mutex_lock(&p->mu);
+        p->st_chunks++;
+        pthread_mutex_unlock(&p->mu);
+        return ERR_FAULT;
     }
     uint64_t t1 = now_ns();
     int err = 0;
@@ -227,8 +300,11 @@ static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci) {
 }
 
 /* Mark one chunk of b finished (under mu); the last one records the batch event. */
-static void chunk_finished(mo_pool *p, batch *b, int err) {
-    if (err && b->status[ST_ERROR] == 0) b->status[ST_ERROR] = err;
+static void chunk_finished(mo_pool *p, batch *b, int err, uint64_t fault) {
+    if (err && b->status[ST_ERROR] == 0) {
+        b->status[ST_ERROR] = err;
+        b->status[ST_FAULT] = (int64_t)fault;
+    }
     b->status[ST_DONE]++;
     if ((uint64_t)b->status[ST_DONE] == b->nchunks) {
         if (b->event) {
@@ -246,6 +322,8 @@ static void chunk_finished(mo_pool *p, batch *b, int err) {
 static void *worker(void *arg) {
     worker_arg *w = (worker_arg *)arg;
     mo_pool *p = w->p;
+    guard_jmp = NULL; /* touch the thread-local state here, not first in the signal handler */
+    guard_addr = NULL;
     if (p->set_device) p->set_device(p->device);
     pthread_mutex_lock(&p->mu);
     for (;;) {
@@ -258,14 +336,15 @@ static void *worker(void *arg) {
             if (!p->head) p->tail = NULL;
         }
         int err;
+        uint64_t fault = 0;
         if (p->closing) {
             err = ERR_CANCELLED;
         } else {
             pthread_mutex_unlock(&p->mu);
-            err = run_chunk(p, w, b, ci);
+            err = run_chunk(p, w, b, ci, &fault);
             pthread_mutex_lock(&p->mu);
         }
-        chunk_finished(p, b, err);
+        chunk_finished(p, b, err, fault);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -279,6 +358,7 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     if (nslots < 1 || nthreads < 1 || !ring || !slot_bytes) return NULL;
     if (copy_kind != COPY_NT4 && copy_kind != COPY_MIXED) return NULL;
     if ((flags & POOL_HOT_SLOTS) && !api[6]) return NULL;
+    pthread_once(&bus_once, install_bus_handler);
     mo_pool *p = calloc(1, sizeof(*p));
     if (!p) return NULL;
     p->memcpy_async = (fn_memcpy_async)api[0];

@@ -659,19 +659,19 @@ def test_native_pool_planning_edges():
             want = np.concatenate([src[s: s + int(n)] for s, n in
                                    zip(np.cumsum([0] + [int(n) + 7 for n in lens[:-1]]), lens)])
             trip = np.array(trip, dtype=np.uint64)
-            status = np.zeros(4, dtype=np.int64)
+            status = np.zeros(5, dtype=np.int64)
             n = lib.mo_pool_submit(pool, trip.ctypes.data, len(lens), chunk_bytes, status.ctypes.data, None)
             assert n == status[0] >= sum(lens) // chunk_bytes
             assert lib.mo_pool_wait(pool, status.ctypes.data) == 0 and status[2] == 1
             ev = ctypes.c_void_p()
             lib.mo_fake_event_create(ctypes.byref(ev), 0)
-            status2 = np.zeros(4, dtype=np.int64)  # nothing to copy: issued at once, event marks now
+            status2 = np.zeros(5, dtype=np.int64)  # nothing to copy: issued at once, event marks now
             assert lib.mo_pool_submit(pool, None, 0, chunk_bytes, status2.ctypes.data, ev) == 0
             assert status2[2] == 1
             lib.mo_fake_event_sync(ev)
             lib.mo_fake_event_destroy(ev)
             assert np.array_equal(dst[:-1], want) and dst[-1] == 0
-        status = np.zeros(4, dtype=np.int64)
+        status = np.zeros(5, dtype=np.int64)
         one = np.array([src.ctypes.data, ring.ctypes.data, 1], dtype=np.uint64)
         assert lib.mo_pool_submit(pool, one.ctypes.data, 1, slot + 1, status.ctypes.data, None) == -2
         assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 0, status.ctypes.data, None) == -2
@@ -702,7 +702,7 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
             "mo_fake_event_sync", "mo_fake_event_destroy")], None, None)
         ring = np.zeros(2 * 4096, dtype=np.uint8)
         pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0)
-        status = np.zeros(4, dtype=np.int64)
+        status = np.zeros(5, dtype=np.int64)
         for n, cb in ((1 << 63, 1), ((1 << 64) - 1, 1), (1 << 40, 64)):  # never read: refused first
             trip = np.array([ring.ctypes.data, ring.ctypes.data, n], dtype=np.uint64)
             print(lib.mo_pool_submit(pool, trip.ctypes.data, 1, cb, status.ctypes.data, None))

@@ -19,13 +19,16 @@ class KvikioEngine(TransferEngine):
     """``kvikio.CuFile(path).pread`` straight into each destination, on kvikio's thread pool.
 
     ``threads`` and ``task_size`` set kvikio.defaults (process-global). Pinned memory: none of
-    ours; in compat mode kvikio keeps its own bounce buffers (reported as an estimate)."""
+    ours; in compat mode kvikio keeps its own bounce buffers (reported as an estimate). A read that
+    fails or comes back short fails the ticket with one line naming the file and offset.
+    ``_kvikio``: the kvikio module to use (tests pass a fake to inject faults)."""
 
     kind = "kvikio"
 
-    def __init__(self, device: torch.device, *, threads: int = 16, task_size: int = 8 << 20):
+    def __init__(self, device: torch.device, *, threads: int = 16, task_size: int = 8 << 20,
+                 _kvikio: Any = None):
         super().__init__(device)
-        self.kvikio = import_kvikio()
+        self.kvikio = _kvikio if _kvikio is not None else import_kvikio()
         self.threads = int(threads)
         self.task_size = int(task_size)
         self.kvikio.defaults.set({"num_threads": self.threads, "task_size": self.task_size})
@@ -60,7 +63,7 @@ class KvikioEngine(TransferEngine):
         ticket = Ticket(sum(p[2] for p in pieces), 0)
         for path, start, n, dst in pieces:
             buf = dst if self.device.type == "cuda" else dst.numpy()
-            ticket.futures.append(self._file(path).pread(buf, n, start))
+            ticket.futures.append(_Read(self._file(path).pread(buf, n, start), path, start, n))
         self._counters["tickets"] += 1
         self._counters["copies"] += len(pieces)
         self._counters["bytes_moved"] += ticket.nbytes
@@ -88,6 +91,28 @@ class KvikioEngine(TransferEngine):
             files, self._files = self._files, {}
         for f in files.values():
             f.close()
+
+
+class _Read:
+    """One kvikio read in flight; ``get()`` waits for it. An error or a short read becomes a
+    CacheError naming the file (kvikio's own errors do not)."""
+
+    __slots__ = ("future", "path", "offset", "nbytes")
+
+    def __init__(self, future: Any, path: str, offset: int, nbytes: int) -> None:
+        self.future, self.path, self.offset, self.nbytes = future, path, offset, nbytes
+
+    def get(self) -> int:
+        try:
+            got = self.future.get()
+        except (OSError, RuntimeError) as e:
+            raise CacheError(f"reading cache file {self.path} at offset {self.offset} failed: "
+                             f"{getattr(e, 'strerror', None) or e}",
+                             "check the disk (dmesg) and the cache: mmap-offload verify DIR") from e
+        if got is not None and got != self.nbytes:
+            raise CacheError(f"cache file {self.path} ended early: read {got} of {self.nbytes} bytes at "
+                             f"offset {self.offset}", "run mmap-offload verify DIR")
+        return got
 
 
 def import_kvikio() -> Any:

@@ -3,6 +3,8 @@ native pool (default) or Python threads (fallback). See the package docstring fo
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import threading
 import time
@@ -12,11 +14,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import CacheError, UnsupportedError
 from ..native import library_status
 from ..pinned import Slot, memcpy
 from . import native_pool
-from .native_pool import _NATIVE_COPY_KINDS, _has_erms, _NativePool
+from .native_pool import _ERR_FAULT, _NATIVE_COPY_KINDS, _has_erms, _NativePool, _pool_error
 from .pagecache import _MappedFile
 from .ring import MIN_CHUNK_BYTES, _RingEngine, _WorkerStats
 from .ticket import Copy, Ticket, _Chunk
@@ -115,7 +117,8 @@ class MmapEngine(_RingEngine):
         ticket = Ticket(total, 1)
         if after is not None:
             self.stream.wait_event(after)
-        nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket)
+        nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket,
+                                    describe_fault=lambda addr: self._fault_error(addr, copies))
         # after the submit (``copies`` holds the destinations meanwhile): a refused batch, never
         # issued, would otherwise stay at the head of _inflight and pin everything behind it
         self._retain(ticket, copies)
@@ -125,10 +128,25 @@ class MmapEngine(_RingEngine):
             self._counters["chunks"] = self._counters.get("chunks", 0) + nchunks
         return ticket
 
+    def _fault_error(self, addr: int, copies: Sequence[Copy]) -> CacheError:
+        """The one-line error of a read of the mapping that raised SIGBUS at ``addr``: the file,
+        the offset, and the label of the Copy it belongs to. Later submits re-read the file's size."""
+        for path, m in list(self._maps.items()):
+            if m.addr <= addr < m.addr + m.length:
+                m.faulted = True
+                off = addr - m.addr
+                label = next((c.label for c in copies if c.label and os.fspath(c.src.path) == path
+                              and c.src.offset <= off < c.src.offset + c.src.nbytes), None)
+                return CacheError(f"reading cache file {path} at offset {off}{f' ({label})' if label else ''} "
+                                  "failed: the file was truncated, or the disk returned an I/O error, while "
+                                  "it was mapped (SIGBUS)", "run mmap-offload verify DIR; the pread engine "
+                                  "reads without a mapping (engine 'pread')")
+        return _pool_error(_ERR_FAULT, addr, None)
+
     def _populate(self, m: _MappedFile, start: int, end: int) -> None:
         """Pre-fault [start, end) of ``m`` once; stop trying where the kernel refuses."""
-        if self._populate_ok and not m.populate(start, end):
-            self._populate_ok = False  # kernel < 5.14: plain faults
+        if self._populate_ok and not m.populate(start, end) and ctypes.get_errno() != errno.EFAULT:
+            self._populate_ok = False  # kernel < 5.14: plain faults (EFAULT: past the file's end)
 
     def _wait_native(self, ticket: Ticket) -> None:
         self._pool.wait(ticket)
@@ -144,8 +162,8 @@ class MmapEngine(_RingEngine):
         return m
 
     def _file_size(self, path: Path) -> int:
-        m = self._maps.get(path)
-        return m.size if m is not None else self._map(path).size
+        m = self._maps.get(path) or self._map(path)
+        return m.current_size() if m.faulted else m.size
 
     def _fill(self, chunk: _Chunk, slot: Slot, stats: _WorkerStats) -> None:
         for p in chunk.parts:
@@ -154,6 +172,7 @@ class MmapEngine(_RingEngine):
                 t0 = time.perf_counter()
                 self._populate(m, p.start, p.end)
                 stats.populate_s += time.perf_counter() - t0
+            m.check(p.end)  # the Python copy is not guarded against SIGBUS: see _MappedFile
             self._copy(slot.ptr + p.slot_off + (p.start - p.window), m.addr + p.start,
                        p.end - p.start)
 

@@ -8,19 +8,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import CacheError, MmapOffloadError, UnsupportedError
 from ..native import cpu_flag, load_library
 from ..pinned import PinnedRing, loaded_cudart
 from .ticket import Ticket
 
-_ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_LEN = 0, 1, 2, 3, 4  # csrc/copy_pool.c
+_ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_FAULT, _ST_LEN = 0, 1, 2, 3, 4, 5  # csrc/copy_pool.c
+_ERR_CANCELLED, _ERR_FAULT = -1, -2  # status[_ST_ERROR] below 0; above 0 it is a CUDA error code
 
-NATIVE_POOL_ABI = 5  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 6  # csrc/copy_pool.c MO_POOL_ABI
 _native_lock = threading.Lock()
 
 
@@ -58,6 +59,7 @@ def _typed(lib: Any) -> bool:
         lib.mo_pool_wait.argtypes = [vp, vp]
         lib.mo_pool_stats.argtypes = [vp, vp]
         lib.mo_status_issued.argtypes = [vp, vp]
+        lib.mo_sigbus_guarded.restype = ctypes.c_int
         lib.mo_pool_shutdown.argtypes = [vp]
         lib.mo_pool_destroy.argtypes = [vp]
         lib.mo_fake_stream_create.restype = vp
@@ -109,6 +111,19 @@ class _FakeEvent:
         h, self.handle = getattr(self, "handle", None), None
         if h:
             self._lib.mo_fake_event_destroy(h)
+
+
+def _pool_error(err: int, fault: int, describe_fault: Callable[[int], BaseException] | None) -> BaseException:
+    """The exception of a batch the pool finished with error code ``err`` (``fault``: the address
+    whose read raised SIGBUS, with ``_ERR_FAULT``)."""
+    if err == _ERR_CANCELLED:
+        return MmapOffloadError("transfer cancelled: the engine was closed")
+    if err == _ERR_FAULT:
+        if describe_fault is not None:
+            return describe_fault(fault)
+        return CacheError(f"reading a mapped cache file failed at address {fault:#x} (SIGBUS: truncated "
+                          "or an I/O error)", "run mmap-offload verify DIR")
+    return RuntimeError(f"the copy pool's cudaMemcpyAsync / cudaEventRecord failed with CUDA error {err}")
 
 
 class _NativePool:
@@ -174,12 +189,15 @@ class _NativePool:
             if not self._users:
                 self._cv.notify_all()
 
-    def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket) -> int:
-        """``triples``: flat uint64 (src address, dst address, nbytes) per piece."""
+    def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket,
+               describe_fault: Callable[[int], BaseException] | None = None) -> int:
+        """``triples``: flat uint64 (src address, dst address, nbytes) per piece. A chunk whose read
+        of the mapping raised SIGBUS fails the ticket with ``describe_fault(address)``."""
         status = np.zeros(_ST_LEN, dtype=np.int64)
         ev, handle = self.new_event()
         ticket._status, ticket._native_event = status, ev  # alive (with the ticket) until issued
         ticket._native_lib = self.lib
+        ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
         h = self._enter(closing_ok=False)
         try:
             n = self.lib.mo_pool_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import CacheError
+
 from ..pinned import (
     MADV_HUGEPAGE, MADV_POPULATE_READ, MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE,
     MAP_SHARED, PAGE, PROT_READ, madvise, mincore_count, os_mmap, os_munmap, page_align_up,
@@ -55,19 +57,27 @@ class _MappedFile:
     """A read-only shared mapping of a whole file, kept for the engine's lifetime.
 
     The mapping starts on a 2 MiB boundary so the kernel can map large page-cache folios with
-    one PMD entry each (``FilePmdMapped`` in /proc/self/smaps) instead of 512 PTEs."""
+    one PMD entry each (``FilePmdMapped`` in /proc/self/smaps) instead of 512 PTEs.
+
+    A page of the mapping that cannot be read (the file truncated after it was mapped, or a disk
+    I/O error) raises SIGBUS in the reader. The native pool's copies are guarded against it
+    (csrc/copy_pool.c); Python code reading the mapping calls ``check(end)`` first, which catches a
+    truncation that happened before the call but not one racing with the copy (nothing can, from
+    Python: that SIGBUS still kills the process), nor an I/O error. ``fd`` stays open for it."""
 
     GRANULE = 2 << 20
 
     def __init__(self, path: Path, hugepage: bool):
         self.path = path
-        fd = os.open(path, os.O_RDONLY)
+        self.fd = os.open(path, os.O_RDONLY)
         try:
-            self.size = os.fstat(fd).st_size
+            self.size = os.fstat(self.fd).st_size
             self.length = max(PAGE, page_align_up(self.size))
-            self.addr = _map_aligned(fd, self.length, self.GRANULE)
-        finally:
-            os.close(fd)
+            self.addr = _map_aligned(self.fd, self.length, self.GRANULE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.faulted = False  # a read of the mapping raised SIGBUS: sizes are re-read from now on
         if hugepage:
             madvise(self.addr, self.length, MADV_HUGEPAGE)
         self.populated = np.zeros((self.length + self.GRANULE - 1) // self.GRANULE, dtype=bool)
@@ -100,10 +110,24 @@ class _MappedFile:
                 done += n
         return done
 
+    def current_size(self) -> int:
+        """The file's size now (it may have changed since it was mapped)."""
+        return os.fstat(self.fd).st_size
+
+    def check(self, end: int) -> None:
+        """Raise CacheError if the file now ends before ``end`` (reading past it would SIGBUS)."""
+        size = self.current_size()
+        if size < end:
+            raise CacheError(f"cache file {self.path} ends at {size} bytes, a read needs {end} (truncated "
+                             "while mapped?)", "run mmap-offload verify DIR")
+
     def close(self) -> None:
         if self.addr:
             os_munmap(self.addr, self.length)
             self.addr = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _map_aligned(fd: int, length: int, align: int) -> int:

@@ -17,9 +17,13 @@ from .ring import _RingEngine, _WorkerStats
 from .ticket import _align_up, _Chunk
 
 class PreadEngine(_RingEngine):
-    """Cold path: parallel O_DIRECT ``preadv`` of aligned ranges into ring slots -> device."""
+    """Cold path: parallel O_DIRECT ``preadv`` of aligned ranges into ring slots -> device.
+
+    Read errors (EIO, a file that ends early) fail the ticket with one line naming the file and
+    offset. ``_preadv`` is the reader (``os.preadv``); tests replace it to inject faults."""
 
     kind = "pread"
+    _preadv = staticmethod(os.preadv)
 
     def __init__(self, device: torch.device, *, pinned_bytes: int = 256 << 20,
                  slot_bytes: int = 16 << 20, threads: int = 8, direct_io: bool = True,
@@ -72,7 +76,11 @@ class PreadEngine(_RingEngine):
             need = p.end - w0
             fd, direct = self._fd(p.path)
             buf = memoryview(slot.tensor.numpy())[p.slot_off:p.slot_off + length]
-            got, direct = self._read_full(fd, buf, w0, need, direct, p.path)
+            try:
+                got, direct = self._read_full(fd, buf, w0, need, direct, p.path)
+            except OSError as e:
+                raise CacheError(f"reading cache file {p.path} at offset {w0} failed: {e.strerror or e}",
+                                 "check the disk (dmesg) and the cache: mmap-offload verify DIR") from e
             if direct:
                 stats.odirect_bytes += p.end - p.start
             else:
@@ -87,7 +95,7 @@ class PreadEngine(_RingEngine):
         got = 0
         while got < need:
             try:
-                n = os.preadv(fd, [buf[got:]], offset + got)
+                n = self._preadv(fd, [buf[got:]], offset + got)
             except OSError as e:
                 if direct and e.errno == errno.EINVAL:
                     fd, direct = self._buffered_fallback(path)

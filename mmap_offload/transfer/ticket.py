@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,10 +31,12 @@ def _align_up(n: int) -> int:
 @dataclass(frozen=True)
 class Copy:
     """Copy ranges of one extent: each ``(offset_in_extent, nbytes, dst_tensor)`` fills the first
-    ``nbytes`` bytes of ``dst_tensor`` with bytes ``[offset, offset + nbytes)`` of ``src``."""
+    ``nbytes`` bytes of ``dst_tensor`` with bytes ``[offset, offset + nbytes)`` of ``src``.
+    ``label`` (optional, e.g. "layer 3 expert 5") names the bytes in a read error's message."""
 
     src: Extent
     dst: Sequence[tuple[int, int, torch.Tensor]]
+    label: str | None = None
 
 
 # --- tickets ---------------------------------------------------------------------------------
@@ -54,10 +56,12 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
-        # native pool (csrc/copy_pool.c): status words it writes, and the event it records last
+        # native pool (csrc/copy_pool.c): status words it writes, the event it records last, and
+        # what turns its error code into the exception (native_pool._NativePool.submit sets them)
         self._status: np.ndarray | None = None
         self._native_event: Any = None
         self._native_lib: Any = None
+        self._native_error: Callable[[int], BaseException] | None = None
         if nchunks == 0:
             self._issued.set()
 
@@ -71,9 +75,7 @@ class Ticket:
 
     def _native_issued(self, err: int) -> None:
         if err and self.error is None:
-            self.error = (MmapOffloadError("transfer cancelled: the engine was closed") if err < 0
-                          else RuntimeError(f"the copy pool's cudaMemcpyAsync / cudaEventRecord "
-                                            f"failed with CUDA error {err}"))
+            self.error = self._native_error(err)
         self.event = self._native_event
         self._issued.set()
 
