@@ -131,6 +131,7 @@ class Cache:
         return self._array(layer)[ext.offset : ext.offset + ext.nbytes]
 
     def tensor(self, layer: int, expert: int, name: str) -> torch.Tensor:
+        """Zero-copy view of the mapping; unguarded: reading it after a truncation or disk I/O error raises SIGBUS."""
         s = self.spec(name)
         start = expert * self.record_nbytes + s.offset
         raw = self._array(layer)[start : start + s.nbytes]

@@ -357,7 +357,7 @@ class ExpertCache:
             ext = self._extents.get((li, e))
             if ext is None:
                 ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)
-            copies.append(Copy(src=ext, dst=dst))
+            copies.append(Copy(src=ext, dst=dst, label=f"layer {layer} expert {e}"))
         if after is not None:
             ticket = self.engine.submit(copies, after=after)
         else:

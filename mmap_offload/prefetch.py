@@ -256,7 +256,7 @@ class LayerPrefetcher:
                 for s in self.specs:
                     dst.append((base + s.offset, s.nbytes, buf.tensors[s.name].data[e]))
             buf.dst_list = dst
-        copies = [Copy(src=self.cache.layer_extent(layer), dst=dst)]
+        copies = [Copy(src=self.cache.layer_extent(layer), dst=dst, label=f"layer {layer}")]
         buf.ticket = self.engine.submit(copies, after=after) if after is not None else self.engine.submit(copies)
         buf.layer = layer
         self.metrics["loads"] += 1
