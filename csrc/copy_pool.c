@@ -201,9 +201,12 @@ static void release_slot(mo_pool *p, int s, int recorded, worker_arg *w) {
  * by default. The pool's workers copy inside a guard: the handler (installed once, by the first
  * mo_pool_create) jumps out of the copy of a guarded thread, and that chunk fails with ERR_FAULT
  * and the faulting address. A SIGBUS anywhere else goes to the handler that was there before (the
- * default: the process dies as it would have). Thread-local state; the handler only reads it. */
-static __thread sigjmp_buf *guard_jmp;
-static __thread void *volatile guard_addr;
+ * default: the process dies as it would have). Thread-local state, set only by the workers. */
+/* initial-exec: the handler may run in any thread (a fault elsewhere), where a lazily allocated
+ * general-dynamic TLS block would be allocated inside the handler (not async-signal-safe) */
+#define MO_TLS __thread __attribute__((tls_model("initial-exec")))
+static MO_TLS sigjmp_buf *guard_jmp;
+static MO_TLS void *volatile guard_addr;
 static struct sigaction prev_bus;
 static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
 
@@ -211,7 +214,9 @@ static void on_sigbus(int sig, siginfo_t *si, void *uc) {
     sigjmp_buf *jb = guard_jmp;
     if (jb) {
         guard_jmp = NULL;
-        guard_addr = si ? si->si_addr : NULL;
+        /* si_addr is the faulting address only for a kernel-sent SIGBUS (si_code > 0), not for
+         * one re-raised by a handler installed after this one (faulthandler) */
+        guard_addr = si && si->si_code > 0 ? si->si_addr : NULL;
         siglongjmp(*jb, 1);
     }
     if (prev_bus.sa_flags & SA_SIGINFO) {
@@ -236,7 +241,9 @@ static void install_bus_handler(void) {
     sigaction(SIGBUS, &sa, &prev_bus);
 }
 
-/* 1 once the process's SIGBUS handler is the pool's (tests; another library may replace it). */
+/* 1 while the process's SIGBUS handler is the pool's. A handler installed later by someone else
+ * (e.g. Python's faulthandler.enable()) sees guarded faults first: faulthandler prints its dump and
+ * re-raises, which this handler then still catches; one that does not re-raise disarms the guard. */
 int mo_sigbus_guarded(void) {
     struct sigaction cur;
     return sigaction(SIGBUS, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&

@@ -187,6 +187,7 @@ class MmapEngine(_RingEngine):
         m["slot_reuse"] = self.slot_reuse
         if self._pool is not None:
             m.update(self._pool.stats())
+            m["sigbus_guarded"] = bool(self._pool.lib.mo_sigbus_guarded())  # csrc/copy_pool.c
         return m
 
     def close(self) -> None:
