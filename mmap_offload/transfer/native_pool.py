@@ -1,7 +1,9 @@
 """The native copy pool (csrc/copy_pool.c + the copy kernels of csrc/fastcopy.c, library
 ``mo_native`` found or built by ``mmap_offload.native``): its ctypes entry points (``native_copy_lib``),
 the CUDA runtime functions it calls, and ``_NativePool``, one C call per batch that fills ring slots
-and issues the H2D copies. Without a GPU it runs over the library's own CPU stand-in stream."""
+and issues the H2D copies. Without a GPU it runs over the library's own CPU stand-in stream. Its
+reads of the mapping are guarded: a SIGBUS there (file truncated, disk I/O error) fails that batch
+with ``_ERR_FAULT`` and the address instead of killing the process (csrc/copy_pool.c)."""
 
 from __future__ import annotations
 
