@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["uniform_trace", "skewed_trace", "trace_stats", "zipf_weights"]
+__all__ = ["uniform_trace", "skewed_trace", "trace_stats", "zipf_weights", "reuse_fraction", "read_csv",
+           "write_csv"]
 
 
 def zipf_weights(num_experts: int, s: float) -> np.ndarray:
@@ -133,3 +134,83 @@ def trace_stats(trace: np.ndarray, num_experts: int) -> dict:
         "first_choice_repeat_uniform": 1.0 / num_experts,
         "distinct_per_call": float(np.mean(distinct)),
     }
+
+
+def reuse_fraction(trace: np.ndarray) -> float:
+    """Mean share of a sequence's top-k experts (per layer) that it also had at the previous step."""
+    steps, layers, batch, top_k = trace.shape
+    if steps < 2:
+        return 0.0
+    prev, cur = trace[:-1], trace[1:]
+    hit = (cur[..., :, None] == prev[..., None, :]).any(-1)  # [steps-1, layers, batch, top_k]
+    return float(hit.mean())
+
+
+# CSV form of a trace (the vLLM backend's ``routing_trace`` option, benchmarks/traces/): one row per
+# (step, MoE layer position, sequence), ``step,layer,e0,...,e{k-1}``; the rows of one (step, layer)
+# are the batch's sequences in order. Lines starting with "#" and a header starting with "step" are
+# skipped. Every (step, layer) of 0..S-1 x 0..L-1 must have the same number of rows.
+
+
+def write_csv(trace: np.ndarray, path, comment: str = ""):
+    """Write ``trace`` ``[steps, layers, batch, top_k]`` as CSV (format above); returns the path."""
+    from pathlib import Path
+
+    steps, layers, batch, top_k = trace.shape
+    lines = [f"# {c}" for c in comment.splitlines() if c] if comment else []
+    lines.append("step,layer," + ",".join(f"e{j}" for j in range(top_k)))
+    for t in range(steps):
+        for li in range(layers):
+            for row in trace[t, li]:
+                lines.append(f"{t},{li}," + ",".join(str(int(e)) for e in row))
+    p = Path(path)
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def read_csv(path) -> np.ndarray:
+    """Read a CSV trace (format above) into ``int64 [steps, layers, batch, top_k]``.
+
+    Raises UnsupportedError naming the file and the first problem (missing file, ragged rows,
+    a (step, layer) missing or with another batch size, a negative id)."""
+    from pathlib import Path
+
+    from .errors import UnsupportedError
+
+    p = Path(path)
+    fix = "write it with mmap_offload.traces.write_csv (rows: step,layer,expert ids...)"
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UnsupportedError(f"routing trace {p} cannot be read: {e.strerror or e}", "pass an existing CSV file") from None
+    rows: dict[tuple[int, int], list[list[int]]] = {}
+    width = None
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#") or line.lower().startswith("step"):
+            continue
+        try:
+            vals = [int(v) for v in line.split(",")]
+        except ValueError:
+            raise UnsupportedError(f"routing trace {p} line {n} is not integers: {line[:60]!r}", fix) from None
+        if len(vals) < 3 or (width is not None and len(vals) != width):
+            raise UnsupportedError(f"routing trace {p} line {n} has {len(vals)} fields, expected "
+                                   f"{width or 'step,layer and >= 1 expert id'}", fix)
+        width = len(vals)
+        if min(vals) < 0:
+            raise UnsupportedError(f"routing trace {p} line {n} has a negative value", fix)
+        rows.setdefault((vals[0], vals[1]), []).append(vals[2:])
+    if not rows:
+        raise UnsupportedError(f"routing trace {p} has no rows", fix)
+    steps = 1 + max(s for s, _ in rows)
+    layers = 1 + max(li for _, li in rows)
+    batch = len(next(iter(rows.values())))
+    out = np.empty((steps, layers, batch, width - 2), dtype=np.int64)
+    for t in range(steps):
+        for li in range(layers):
+            r = rows.get((t, li))
+            if r is None or len(r) != batch:
+                raise UnsupportedError(
+                    f"routing trace {p}: step {t} layer {li} has {0 if r is None else len(r)} rows, expected {batch}", fix)
+            out[t, li] = r
+    return out

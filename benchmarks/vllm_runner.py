@@ -1,0 +1,778 @@
+"""One real vLLM engine per child process, measured from outside: the runner behind
+``benchmarks/bench_vllm.py`` and ``benchmarks/oom_repro.py --vllm``.
+
+    parent (this module, imported)                 child (``python vllm_runner.py --spec S``)
+    Cgroup(name, mem_max)    cgroup v2 (or v1) --> joins it before exec (preexec_fn)
+    run_child(spec, ...)     spec JSON ----------> sets env, imports vLLM, LLM(**spec["llm"]) in process
+      polls memory.stat      <-- events JSONL ---  one line per stage and per task, flushed at once,
+      reads memory.peak,                           so a child killed by the OOM killer still says how
+      memory.events oom_kill                       far it got
+      after the child exits                        os._exit(0) after the last line (vLLM does not free
+                                                   a model cleanly: one engine per process)
+
+vLLM does not free a model cleanly and its first W4A16 model JIT-compiles Marlin, so every
+configuration runs in its own process, under a deadline (``spec["deadline_at"]``: tasks that would
+start after it are skipped and reported as such; the parent kills the child at the deadline + grace).
+
+Child tasks (``spec["tasks"]``, run in order, each reported as one ``task`` event):
+    greedy    {"prompts": [[ids]], "max_tokens": n}              -> greedy token ids
+    decode    {"batch": b, "tokens": T, "prompt_len": p}         -> decode tokens/s at batch b: time of a
+              (T+1)-token generation minus a 1-token one (both after a warm-up of this batch size), so
+              the prompts' prefill is not counted
+    prefill   {"tokens": n, "repeats": r}                        -> prefill tokens/s of one n-token prompt
+              (median of r fresh prompts after a warm-up prompt; 1 output token)
+    trace     {"path": csv | None}                               -> from now on the routers' top-k ids
+              are the trace's (``TraceRouting``, mirrors the backend's ``routing_trace``); None = off
+    record    {"tokens": n}                                      -> per-layer expert counts of one
+              n-token prefill (the Marlin read model of bench_vllm.py), untimed
+Every task result carries the offloader's ``summary()`` (when it has one) before and after its timed
+part, the process's VmHWM / RssAnon / RssShmem, and on CUDA the torch host (pinned) allocator's stats.
+
+Prompts are token ids (synthetic checkpoints have no tokenizer). Prefix caching is off in the specs
+the benchmarks build, so a repeated prompt is computed again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GIB = 1 << 30
+
+# set in the child before vLLM is imported (smoke.py of ../shared/vllm-gpu: tested on the H200)
+CHILD_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: apply_model / get_offloader reach the model
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not in the GPU bundle; the sampler probes it
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # vLLM's CPU build only: 1 GiB of KV cache (its default is 4 GiB)
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# memory cgroups
+# ----------------------------------------------------------------------------------------------
+
+
+class Cgroup:
+    """A child memory cgroup (v2, else v1) with ``mem_max`` bytes (None = no cap, still measured).
+
+    ``kind`` is "v2", "v1" or "none" (no writable memory cgroup: nothing is capped or measured;
+    ``reason`` says why). Created under this process's own cgroup (v2: its parent when the own group
+    holds processes and so cannot delegate); root needed."""
+
+    STAT_KEYS = ("anon", "file", "shmem", "file_dirty", "file_mapped", "unevictable", "kernel",  # v2
+                 "rss", "cache", "mapped_file", "dirty")  # v1 names
+
+    def __init__(self, name: str, mem_max: int | None = None, create: bool = True):
+        self.name, self.mem_max = name, mem_max
+        self.kind, self.path, self.reason = "none", None, "" if create else "not asked for"
+        if not create:
+            return
+        try:
+            self.path, self.kind = _make_cgroup(name)
+        except OSError as exc:
+            self.reason = f"{type(exc).__name__}: {exc}"
+            return
+        if self.kind == "v2":
+            if mem_max is not None:
+                _write(self.path / "memory.max", str(int(mem_max)))
+            _write(self.path / "memory.swap.max", "0", missing_ok=True)
+            _write(self.path / "memory.oom.group", "1", missing_ok=True)  # kill every process of the child
+        elif mem_max is not None:
+            _write(self.path / "memory.limit_in_bytes", str(int(mem_max)))
+            try:
+                _write(self.path / "memory.memsw.limit_in_bytes", str(int(mem_max)), missing_ok=True)
+            except OSError:
+                pass
+
+    @property
+    def enforced(self) -> bool:
+        return self.kind in ("v1", "v2")
+
+    def preexec(self):
+        """For ``Popen(preexec_fn=...)``: the forked child joins the group before it execs."""
+        path, kind = self.path, self.kind
+
+        def enter():
+            if kind in ("v1", "v2"):
+                with open(path / "cgroup.procs", "w") as f:
+                    f.write(str(os.getpid()))
+
+        return enter
+
+    def peak(self) -> int | None:
+        try:
+            if self.kind == "v2":
+                return int((self.path / "memory.peak").read_text())
+            if self.kind == "v1":
+                return int((self.path / "memory.max_usage_in_bytes").read_text())
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def oom_kills(self) -> int | None:
+        f = {"v2": "memory.events", "v1": "memory.oom_control"}.get(self.kind)
+        if f is None:
+            return None
+        try:
+            for line in (self.path / f).read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill":
+                    return int(v)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def stat(self) -> dict[str, int]:
+        """The memory.stat counters of STAT_KEYS (bytes)."""
+        if not self.enforced:
+            return {}
+        try:
+            text = (self.path / "memory.stat").read_text()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k in self.STAT_KEYS:
+                out[k] = int(v)
+        return out
+
+    def remove(self) -> None:
+        if self.path is None:
+            return
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "mem_max": self.mem_max, "path": str(self.path) if self.path else None,
+                "reason": self.reason}
+
+
+def _write(path: Path, text: str, missing_ok: bool = False) -> None:
+    if missing_ok and not path.exists():
+        return
+    path.write_text(text)
+
+
+def _own_cgroup() -> tuple[str | None, str | None]:
+    v1 = v2 = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, ctrls, path = line.split(":", 2)
+        if hid == "0" and ctrls == "":
+            v2 = path
+        elif "memory" in ctrls.split(","):
+            v1 = path
+    return v1, v2
+
+
+def _make_cgroup(name: str) -> tuple[Path, str]:
+    v1, v2 = _own_cgroup()
+    root = Path("/sys/fs/cgroup")
+    if v1 is not None and (root / "memory").is_dir():
+        path = root / "memory" / v1.lstrip("/") / name
+        path.mkdir(exist_ok=True)
+        return path, "v1"
+    if v2 is not None and (root / "cgroup.controllers").exists():
+        own = root / v2.lstrip("/")
+        # a v2 group with processes cannot delegate controllers to children, except the root
+        for base in ((own, own.parent) if own != root else (root,)):
+            try:
+                if "memory" not in (base / "cgroup.subtree_control").read_text().split():
+                    (base / "cgroup.subtree_control").write_text("+memory")
+                path = base / name
+                path.mkdir(exist_ok=True)
+                if (path / "memory.max").exists():
+                    return path, "v2"
+            except OSError:
+                continue
+        raise OSError("no writable cgroup v2 parent with the memory controller")
+    raise OSError("no cgroup memory controller mounted")
+
+
+# ----------------------------------------------------------------------------------------------
+# parent: run one child
+# ----------------------------------------------------------------------------------------------
+
+
+def run_child(spec: dict, *, workdir: Path, mem_max: int | None = None, timeout: float = 600.0,
+              cgroup: bool = True, python: str | None = None, echo=print) -> dict:
+    """Run one vLLM configuration (``spec``) in its own process and cgroup; return what happened.
+
+    Returns ``label, outcome, returncode, wall_s, events, tasks, ready, cgroup`` where ``outcome``
+    is "ok" (the child reported ``done``), "killed (OOM)" (the cgroup's oom_kill counter rose, or
+    SIGKILL under an enforced cap), "killed (timeout)", or "failed (rc N): <last error>".
+    ``cgroup`` has the cap, ``peak`` (memory.peak / max_usage_in_bytes), ``oom_kill`` and the
+    maxima of memory.stat sampled every 50 ms (``stat_max``)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    label = spec["label"]
+    spec_path, events_path, log_path = (workdir / f"{label}.{s}" for s in ("spec.json", "events.jsonl", "log"))
+    events_path.unlink(missing_ok=True)
+    spec = dict(spec, events=str(events_path))
+    spec_path.write_text(json.dumps(spec, indent=1))
+    cg = Cgroup(f"mmo-{label}-{os.getpid()}", mem_max, create=cgroup)
+    stat_max: dict[str, int] = {}
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            s = cg.stat()
+            for k, v in s.items():
+                stat_max[k] = max(stat_max.get(k, 0), v)
+            if s:
+                anon_shm = s.get("anon", s.get("rss", 0)) + s.get("shmem", 0)
+                stat_max["anon+shmem"] = max(stat_max.get("anon+shmem", 0), anon_shm)
+
+    cmd = [python or sys.executable, str(Path(__file__).resolve()), "--spec", str(spec_path)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                                preexec_fn=cg.preexec(), start_new_session=True)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        seen = 0
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                seen = _echo_events(events_path, seen, label, echo)
+                if time.perf_counter() - t0 > timeout:
+                    timed_out = True
+                    _kill_group(proc)
+                    proc.wait()
+                    break
+        except BaseException:
+            _kill_group(proc)
+            proc.wait()
+            raise
+        finally:
+            stop.set()
+            sampler.join()
+        _echo_events(events_path, seen, label, echo)
+    wall = time.perf_counter() - t0
+    events = read_events(events_path)
+    rc = proc.returncode
+    oom = cg.oom_kills()
+    last = events[-1] if events else {}
+    if timed_out:
+        outcome = "killed (timeout)"
+    elif (oom or 0) > 0 or (rc == -signal.SIGKILL and cg.enforced and mem_max is not None):
+        outcome = "killed (OOM)"
+    elif rc == 0 and last.get("event") == "done":
+        outcome = "ok"
+    else:
+        err = next((e.get("error") for e in reversed(events) if e.get("error")), None)
+        outcome = f"failed (rc {rc})" + (f": {err[:300]}" if err else "")
+    res = {
+        "label": label, "outcome": outcome, "returncode": rc, "wall_s": round(wall, 2), "events": events,
+        "tasks": [e for e in events if e.get("event") == "task"],
+        "ready": next((e for e in events if e.get("event") == "ready"), None),
+        "last_event": last.get("event"),
+        "cgroup": {**cg.describe(), "peak": cg.peak(), "oom_kill": oom, "stat_max": stat_max},
+        "log": str(log_path),
+    }
+    if outcome != "ok":
+        res["log_tail"] = _tail(log_path, 40)
+    cg.remove()
+    return res
+
+
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def read_events(path: Path) -> list[dict]:
+    out = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut by a kill
+    return out
+
+
+def _echo_events(path: Path, seen: int, label: str, echo) -> int:
+    ev = read_events(path)
+    for e in ev[seen:]:
+        if echo is not None:
+            echo(f"  [{label}] {_brief(e)}")
+    return max(seen, len(ev))
+
+
+def _brief(e: dict) -> str:
+    kind = e.get("event")
+    if kind == "task":
+        r = e.get("result", {})
+        keys = ("tok_s", "tokens", "seconds", "error", "skipped", "installed")
+        return f"task {e.get('name')}: " + ", ".join(f"{k}={str(r[k])[:120]}" for k in keys if k in r)
+    if kind == "ready":
+        return f"ready in {e.get('ready_s')} s (process {e.get('t')} s)"
+    return json.dumps({k: v for k, v in e.items() if k not in ("model_info", "summary", "env")})[:300]
+
+
+# ----------------------------------------------------------------------------------------------
+# routing traces (the CSV format of mmap_offload.traces; the replay mirrors the backend's)
+# ----------------------------------------------------------------------------------------------
+
+
+def trace_rows(trace, step: int, pos: int, n: int, k: int):
+    """The ids a trace gives ``n`` tokens of MoE layer position ``pos`` at forward ``step``: the
+    step's batch rows tiled over the tokens (exactly ``Residency._trace_ids`` of the backend)."""
+    import numpy as np
+
+    row = trace[step % trace.shape[0], pos % trace.shape[1]]  # [batch, top_k]
+    if row.shape[-1] < k:
+        raise ValueError(f"the trace has top-{row.shape[-1]}, the model routes top-{k}")
+    return np.tile(row[:, :k], (math.ceil(n / row.shape[0]), 1))[:n]
+
+
+class TraceRouting:
+    """Wraps each MoE layer's ``router.select_experts`` (this process's model): optionally replace
+    the top-k ids by a trace's (``trace``), optionally count the routed experts (``record``).
+
+    The step counter advances after the last MoE layer of every forward, trace on or off, as the
+    backend's does. Used where the mmap backend's own ``routing_trace`` does not act: no offload,
+    vLLM's uva, and mmap layer streaming (which routes nothing)."""
+
+    def __init__(self, num_experts: int = 1):
+        self.num_experts = num_experts
+        self.trace = None
+        self.step = 0
+        self.record = None  # list of per-layer numpy counts while recording
+        self.routers: list = []
+
+    def install(self, model) -> int:
+        routers = []
+        for mod in model.modules():
+            r = getattr(mod, "router", None)
+            if r is not None and hasattr(r, "select_experts") and hasattr(mod, "routed_experts"):
+                if all(r is not x for x in routers):
+                    routers.append(r)
+        for pos, r in enumerate(routers):
+            self._wrap(pos, r, len(routers))
+        self.routers = routers
+        return len(routers)
+
+    def _wrap(self, pos: int, router, n_layers: int) -> None:
+        import numpy as np
+        import torch
+
+        orig = router.select_experts
+
+        def select_experts(*args, **kwargs):
+            w, ids = orig(*args, **kwargs)
+            if self.trace is not None:
+                n, k = int(ids.shape[0]), int(ids.shape[-1])
+                full = trace_rows(self.trace, self.step, pos, n, k)
+                ids = torch.from_numpy(np.ascontiguousarray(full)).to(device=ids.device, dtype=ids.dtype)
+            if self.record is not None:
+                c = torch.bincount(ids.reshape(-1).long(), minlength=self.num_experts).cpu().numpy()
+                self.record.append((pos, c))
+            if pos == n_layers - 1:
+                self.step += 1
+            return w, ids
+
+        select_experts._trace_routing = True  # type: ignore[attr-defined]
+        router.select_experts = select_experts
+
+
+# ----------------------------------------------------------------------------------------------
+# child
+# ----------------------------------------------------------------------------------------------
+
+
+class _Child:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.t0 = time.perf_counter()
+        self.events = open(spec["events"], "a", buffering=1)
+        self.deadline_at = spec.get("deadline_at")
+        self.llm = None
+        self.routing = TraceRouting(int(spec.get("num_experts", 1)))
+        self.routing_installed = None
+        self.torch = None
+
+    def emit(self, event: str, **kw) -> None:
+        kw = {"event": event, "t": round(time.perf_counter() - self.t0, 2), **kw}
+        self.events.write(json.dumps(kw, default=_json_default) + "\n")
+        self.events.flush()
+        os.fsync(self.events.fileno())  # a kill right after must not lose the line
+
+    # -- measurements --------------------------------------------------------------------------
+    def mem(self) -> dict:
+        out = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                        out[k] = int(v.split()[0]) * 1024
+        except OSError:
+            pass
+        torch = self.torch
+        if torch is not None and torch.cuda.is_available():
+            out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated())
+            out["cuda_allocated"] = int(torch.cuda.memory_allocated())
+            free, total = torch.cuda.mem_get_info()
+            out["cuda_used"] = int(total - free)
+            try:
+                hs = torch.cuda.host_memory_stats()
+                out["torch_pinned_peak"] = int(hs.get("allocated_bytes.peak", 0) or 0)
+                out["torch_pinned_current"] = int(hs.get("allocated_bytes.current", 0) or 0)
+                out["torch_pinned_active_peak"] = int(hs.get("active_bytes.peak", 0) or 0)
+            except Exception:  # noqa: BLE001 - older torch
+                pass
+        return out
+
+    def offloader(self):
+        try:
+            from vllm.model_executor.offloader import get_offloader
+
+            return get_offloader()
+        except Exception:  # noqa: BLE001
+            return None
+
+    def summary(self) -> dict | None:
+        off = self.offloader()
+        if off is not None and hasattr(off, "summary"):
+            try:
+                return _plain(off.summary())
+            except Exception as e:  # noqa: BLE001
+                return {"error": f"{type(e).__name__}: {e}"}
+        return None
+
+    def sync(self) -> None:
+        if self.torch is not None and self.torch.cuda.is_available():
+            self.torch.cuda.synchronize()
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        spec = self.spec
+        for k, v in {**CHILD_ENV, **spec.get("env", {})}.items():
+            os.environ.setdefault(k, str(v))
+        self.emit("start", pid=os.getpid(), label=spec["label"], mem=self.mem())
+        try:
+            import torch
+
+            self.torch = torch
+            import vllm
+            from vllm import LLM
+
+            if spec.get("register_backend"):
+                register_backend()
+            self.emit("imported", vllm=getattr(vllm, "__version__", "?"), torch=torch.__version__,
+                      gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, mem=self.mem())
+            kw = dict(spec["llm"])
+            if "cpu_offload_params" in kw:
+                kw["cpu_offload_params"] = set(kw["cpu_offload_params"])
+            t = time.perf_counter()
+            self.llm = LLM(**kw)
+            ready_s = time.perf_counter() - t
+            info = self.model_info()
+            self.emit("ready", ready_s=round(ready_s, 2), model_info=info, summary=self.summary(), mem=self.mem())
+        except BaseException as e:  # noqa: BLE001 - report, then exit non-zero
+            import traceback
+
+            self.emit("error", stage="build", error=f"{type(e).__name__}: {e}"[:3000],
+                      traceback=traceback.format_exc()[-6000:], mem=self.mem())
+            return 1
+        rc = 0
+        for task in spec.get("tasks", []):
+            name = task.get("name") or task["kind"]
+            if self.deadline_at is not None and time.time() > self.deadline_at:
+                self.emit("task", name=name, kind=task["kind"], result={"skipped": "deadline"})
+                continue
+            t = time.perf_counter()
+            try:
+                result = getattr(self, "task_" + task["kind"])(task)
+            except BaseException as e:  # noqa: BLE001
+                import traceback
+
+                result = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+                rc = 1
+            result["wall_s"] = round(time.perf_counter() - t, 3)
+            self.emit("task", name=name, kind=task["kind"], result=result, mem=self.mem())
+        self.emit("done", summary=self.summary(), mem=self.mem())
+        return rc
+
+    def model_info(self) -> dict:
+        """MoE kernel class, expert parameter bytes where they live (GPU / uva host / CPU)."""
+        off = self.offloader()
+
+        def info(model):
+            torch = self.torch
+            out = {"moe_layers": 0, "expert_bytes_device": 0, "expert_bytes_uva": 0, "expert_bytes_cpu": 0,
+                   "param_bytes_device": 0, "uva_layers": [], "offloader": None}
+            seen = set()
+            for n, p in model.named_parameters():
+                nb = p.numel() * p.element_size()
+                ptr = (p.device.type, p.data_ptr())
+                if ptr in seen:
+                    continue
+                seen.add(ptr)
+                uva = bool(getattr(p, "_vllm_is_uva_offloaded", False))
+                if p.device.type != "cpu" and not uva:
+                    out["param_bytes_device"] += nb
+                if ".experts." in f".{n}." or ".routed_experts." in f".{n}.":
+                    key = "expert_bytes_uva" if uva else ("expert_bytes_cpu" if p.device.type == "cpu"
+                                                         else "expert_bytes_device")
+                    out[key] += nb
+            for mod in model.modules():
+                if getattr(mod, "quant_method", None) is None:
+                    continue
+                own = dict(mod.named_parameters(recurse=False))
+                if not any(k.startswith("w13_") for k in own):
+                    continue
+                out["moe_layers"] += 1
+                tot = sum(p.numel() * p.element_size() for p in own.values())
+                uva = sum(p.numel() * p.element_size() for p in own.values()
+                          if getattr(p, "_vllm_is_uva_offloaded", False))
+                out["uva_layers"].append(round(uva / tot, 4) if tot else 0.0)
+                if out["moe_layers"] == 1:
+                    qm = mod.quant_method
+                    out["moe_method"] = type(qm).__name__
+                    mk = getattr(qm, "moe_kernel", None)
+                    fe = getattr(mk, "fused_experts", None) if mk is not None else None
+                    out["moe_experts_kernel"] = type(fe).__name__ if fe is not None else None
+                    out["expert_params"] = {k: [list(p.shape), str(p.dtype)] for k, p in own.items()}
+            if off is not None:
+                out["offloader"] = type(off).__name__
+                extra = _backend_vram(off, seen)
+                out.update(extra)
+            if torch.cuda.is_available():
+                out["cuda_allocated_after_build"] = int(torch.cuda.memory_allocated())
+            return out
+
+        try:
+            return self.llm.apply_model(info)[0]
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"apply_model failed: {type(e).__name__}: {e}"}
+
+    # -- tasks -------------------------------------------------------------------------------------
+    def _sp(self, max_tokens: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    def _gen(self, prompts, max_tokens: int):
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self._sp(max_tokens),
+                                 use_tqdm=False)
+
+    def _prompts(self, n: int, length: int, seed: int) -> list[list[int]]:
+        import random
+
+        rng = random.Random(seed)
+        vocab = int(self.spec.get("vocab_size", 1000))
+        return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+    def _timed(self, prompts, max_tokens: int) -> tuple[float, list, dict | None, dict | None]:
+        s0 = self.summary()
+        self.sync()
+        t = time.perf_counter()
+        outs = self._gen(prompts, max_tokens)
+        self.sync()
+        dt = time.perf_counter() - t
+        return dt, outs, s0, self.summary()
+
+    def task_greedy(self, task: dict) -> dict:
+        dt, outs, s0, s1 = self._timed(task["prompts"], int(task.get("max_tokens", 16)))
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(dt, 4),
+                "summary_before": s0, "summary_after": s1}
+
+    def task_decode(self, task: dict) -> dict:
+        b, T = int(task["batch"]), int(task["tokens"])
+        plen = int(task.get("prompt_len", 16))
+        seed = int(task.get("seed", 1000 + b))
+        self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
+        prompts = self._prompts(b, plen, seed)
+        t1, _, a0, a1 = self._timed(prompts, 1)
+        tT, outs, b0, b1 = self._timed(prompts, T + 1)
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        dec = max(tT - t1, 1e-9)
+        return {"batch": b, "tokens": T, "generated": n, "seconds": round(dec, 4), "t_1": round(t1, 4),
+                "t_T1": round(tT, 4), "tok_s": round(b * T / dec, 2), "step_ms": round(1000 * dec / T, 3),
+                "summary_1": [a0, a1], "summary_T1": [b0, b1]}
+
+    def task_prefill(self, task: dict) -> dict:
+        n, reps = int(task["tokens"]), int(task.get("repeats", 3))
+        seed = int(task.get("seed", 5000))
+        self._gen(self._prompts(1, n, seed + 99), 1)  # warm-up: kernels and attention for this length
+        times, sums = [], []
+        for r in range(reps):
+            dt, _, s0, s1 = self._timed(self._prompts(1, n, seed + r), 1)
+            times.append(dt)
+            sums.append([s0, s1])
+        med = statistics.median(times)
+        return {"tokens": n, "seconds": round(med, 4), "all_seconds": [round(t, 4) for t in times],
+                "tok_s": round(n / med, 2), "summary": sums[len(sums) // 2]}
+
+    def _ensure_routing(self) -> int:
+        if self.routing_installed is None:
+            self.routing_installed = self.llm.apply_model(self.routing.install)[0]
+        return self.routing_installed
+
+    def task_trace(self, task: dict) -> dict:
+        path = task.get("path")
+        n = self._ensure_routing()
+        if n == 0:
+            raise RuntimeError("no MoE router found (module with router.select_experts and routed_experts)")
+        if path:
+            from mmap_offload.traces import read_csv
+
+            self.routing.trace = read_csv(path)
+        else:
+            self.routing.trace = None
+        return {"installed": n, "trace": path, "shape": list(self.routing.trace.shape) if path else None}
+
+    def task_record(self, task: dict) -> dict:
+        """Per-layer routed-expert counts of one prefill (not timed)."""
+        self._ensure_routing()
+        self.routing.record = []
+        try:
+            self._gen(self._prompts(1, int(task["tokens"]), int(task.get("seed", 7777))), 1)
+        finally:
+            rec, self.routing.record = self.routing.record, None
+        layers: dict[int, list[int]] = {}
+        for pos, c in rec:
+            if pos not in layers:  # the prompt's prefill is the first call per layer
+                layers[pos] = [int(x) for x in c]
+        return {"tokens": int(task["tokens"]), "counts": [layers[p] for p in sorted(layers)]}
+
+
+def _backend_vram(off, seen: set) -> dict:
+    """Device bytes of the mmap backend's expert pools and layer buffers not already counted as
+    parameters (``seen`` holds (device, data_ptr) of every parameter)."""
+    out = {}
+    try:
+        tensors = []
+        pf = getattr(off, "prefetcher", None)
+        res = getattr(off, "residency", None)
+        targets = getattr(off, "targets", []) or []
+        layers = [t.layer for t in targets]
+        if pf is not None:
+            for layer in layers:
+                tensors += list(pf.buffer_tensors(layer).values())
+            out["mmap_layer_buffers"] = int(getattr(pf, "num_buffers", 0))
+            out["mmap_layer_buffer_bytes"] = int(getattr(pf, "num_buffers", 0) * getattr(pf, "layer_nbytes", 0))
+        if res is not None:
+            for layer in layers:
+                tensors += list(res.ec.slots(layer).values())
+            out["mmap_pool_bytes"] = int(res.ec.capacity_bytes)
+        extra = 0
+        mine = set()
+        for t in tensors:
+            t = getattr(t, "data", t)
+            key = (t.device.type, t.data_ptr())
+            if t.device.type == "cpu" or key in mine:
+                continue
+            mine.add(key)
+            extra += t.numel() * t.element_size()
+        out["mmap_device_bytes"] = extra  # pools + buffers (some are bound as parameters at any time)
+    except Exception as e:  # noqa: BLE001 - a backend without these attributes
+        out["mmap_device_bytes_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def register_backend() -> None:
+    """The mmap backend's ``vllm.general_plugins`` entry point (a checkout on PYTHONPATH is not
+    pip-installed, so vLLM does not call it)."""
+    try:
+        from mmap_offload.vllm_backend import register
+    except ImportError:
+        from mmap_offload.vllm_plugin import register  # the module before the package split
+    register()
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _json_default(o):
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:
+        pass
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    return str(o)
+
+
+def child_main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="one vLLM configuration (spawned by run_child)")
+    p.add_argument("--spec", required=True)
+    a = p.parse_args(argv)
+    spec = json.loads(Path(a.spec).read_text())
+    sys.path.insert(0, str(ROOT))
+    child = _Child(spec)
+    try:
+        rc = child.run()
+    except BaseException as e:  # noqa: BLE001
+        child.emit("error", stage="run", error=f"{type(e).__name__}: {e}"[:2000])
+        rc = 1
+    child.events.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # vLLM's teardown can hang or fail after the work is done: skip it
+
+
+if __name__ == "__main__":
+    child_main()
