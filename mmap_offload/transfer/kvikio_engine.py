@@ -35,18 +35,13 @@ class KvikioEngine(TransferEngine):
         self._files: dict[Path, Any] = {}
         self._files_lock = threading.Lock()
 
-    def _file(self, path: Path) -> Any:
-        f = self._files.get(path)
-        if f is None:
-            with self._files_lock:
-                f = self._files.get(path)
-                if f is None:
-                    if not os.path.exists(path):
-                        raise CacheError(f"cache file {path} is missing",
-                                         "rebuild the cache (mmap-offload warmup)")
-                    f = self.kvikio.CuFile(path, "r")
-                    self._files[path] = f
-        return f
+    def _file(self, path: str) -> Any:
+        return self._per_file("_files", self._files_lock, path, lambda: self._open(path))
+
+    def _open(self, path: str) -> Any:
+        if not os.path.exists(path):
+            raise CacheError(f"cache file {path} is missing", "rebuild the cache (mmap-offload warmup)")
+        return self.kvikio.CuFile(path, "r")
 
     def _submit(self, copies: list[Copy], after: Any) -> Ticket:
         pieces = self._pieces(copies)

@@ -151,15 +151,8 @@ class MmapEngine(_RingEngine):
     def _wait_native(self, ticket: Ticket) -> None:
         self._pool.wait(ticket)
 
-    def _map(self, path: Path) -> _MappedFile:
-        m = self._maps.get(path)
-        if m is None:
-            with self._maps_lock:
-                m = self._maps.get(path)
-                if m is None:
-                    m = _MappedFile(Path(path), self.hugepage)
-                    self._maps[path] = m
-        return m
+    def _map(self, path: str) -> _MappedFile:
+        return self._per_file("_maps", self._maps_lock, path, lambda: _MappedFile(Path(path), self.hugepage))
 
     def _file_size(self, path: Path) -> int:
         m = self._maps.get(path) or self._map(path)

@@ -36,15 +36,8 @@ class PreadEngine(_RingEngine):
         super().__init__(device, pinned_bytes=pinned_bytes, slot_bytes=slot_bytes,
                          threads=threads, blocking_events=blocking_events)
 
-    def _fd(self, path: Path) -> tuple[int, bool]:
-        ent = self._fds.get(path)
-        if ent is None:
-            with self._fds_lock:
-                ent = self._fds.get(path)
-                if ent is None:
-                    ent = self._open(path, self.direct_io)
-                    self._fds[path] = ent
-        return ent
+    def _fd(self, path: str) -> tuple[int, bool]:
+        return self._per_file("_fds", self._fds_lock, path, lambda: self._open(path, self.direct_io))
 
     def _open(self, path: Path, direct: bool) -> tuple[int, bool]:
         if direct and hasattr(os, "O_DIRECT"):

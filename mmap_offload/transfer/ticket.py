@@ -142,6 +142,18 @@ class TransferEngine:
                 q.popleft()
             q.append((ticket, copies))
 
+    def _per_file(self, attr: str, lock: threading.Lock, key: str, make: Callable[[], Any]) -> Any:
+        """``getattr(self, attr)[key]`` (a file's mapping, descriptor, handle), made by ``make()``
+        once: worker threads race for it."""
+        v = getattr(self, attr).get(key)
+        if v is None:
+            with lock:
+                table = getattr(self, attr)
+                v = table.get(key)
+                if v is None:
+                    v = table[key] = make()
+        return v
+
     # planning shared by every engine
     def _checked_pieces(self, copies: Sequence[Copy]) -> list[tuple[Path, int, int, torch.Tensor]]:
         """(path, file_offset, nbytes, dst) of every non-empty range, each checked."""
