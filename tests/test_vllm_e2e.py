@@ -110,6 +110,12 @@ CHILD = textwrap.dedent(
         # layer buffer are filled (hits from the pool, misses from the cache)
         result["sparse"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 1.0}})
+        # a routing trace that always routes experts 1 and 3: decode fetches those two per layer, once
+        import numpy as np
+        from mmap_offload.traces import write_csv
+        trace = write_csv(np.array([[[[1, 3]]] * 2]), Path(cache).parent / "trace.csv", comment="experts 1, 3")
+        result["trace"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "routing_trace": str(trace)}})
     out.write_text(json.dumps(result))
     '''
 )
@@ -202,6 +208,13 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
     s = sp["summary"]
     assert s["residency_pool_slots_per_layer"] == 2 and s["residency_layer_calls"] == 0
     assert s["residency_sparse_calls"] > 0 and s["residency_sparse_miss_bytes"] > 0
+
+
+def test_routing_trace_replaces_the_routers_choice(runs):
+    s = runs["trace"]["summary"]
+    assert s["residency_trace"] is True
+    assert s["residency_pool_misses"] == 2 * 2  # experts 1 and 3, in each of the 2 layers, fetched once
+    assert s["residency_pool_hits"] > 0 and s["residency_pool_evictions"] == 0
 
 
 def test_w4a16_with_a_non_marlin_moe_backend_is_refused(runs):
