@@ -110,6 +110,10 @@ CHILD = textwrap.dedent(
         # layer buffer are filled (hits from the pool, misses from the cache)
         result["sparse"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 1.0}})
+        # hybrid: decode misses split between host compute (torch on the mapped bf16 rows) and copies
+        result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
+            "host_threads": 1}})
         # a routing trace that always routes experts 1 and 3: decode fetches those two per layer, once
         import numpy as np
         from mmap_offload.traces import write_csv
@@ -208,6 +212,17 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
     s = sp["summary"]
     assert s["residency_pool_slots_per_layer"] == 2 and s["residency_layer_calls"] == 0
     assert s["residency_sparse_calls"] > 0 and s["residency_sparse_miss_bytes"] > 0
+
+
+def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):
+    """Patches 4 + 4b: some decode misses run on the host (fp32 accumulation on the cache's bf16
+    rows, rounded once), their pairs masked out of the kernel, rows added to its output. Tokens
+    equal no offload here (a difference would need two logits within bf16 rounding)."""
+    hy = runs["hybrid"]
+    assert hy["tokens"] == runs["ref_seq"]["tokens"]
+    s = hy["summary"]
+    assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0
+    assert s["residency_host_copied_experts"] + s["residency_pool_misses"] > 0
 
 
 def test_routing_trace_replaces_the_routers_choice(runs):

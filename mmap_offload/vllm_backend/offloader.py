@@ -36,7 +36,9 @@ import torch
 
 from ..errors import CacheError, UnsupportedError
 from .options import CONFIG_KEY, MmapOptions
-from .patches import SERVED_FLAG, log, moe_router_of, route_through, set_skipped_checkpoint_names
+from .patches import (
+    SERVED_FLAG, add_after_experts, log, moe_router_of, route_through, set_skipped_checkpoint_names,
+)
 from .probe import expected_layout, platform_transform, probe_tensor
 
 try:  # inside vLLM: subclass its BaseOffloader so isinstance checks and get_offloader() work
@@ -440,7 +442,9 @@ class MmapOffloader(_OffloaderBase):
             return
         self.residency = Residency(self, capacity)
         for t in self.targets:
-            route_through(t.router, lambda w, ids, t=t: self.residency.route(t, w, ids))
+            route_through(t.router, lambda w, ids, x, t=t: self.residency.route(t, w, ids, x))
+            if self.residency.host is not None:
+                add_after_experts(t.experts, lambda out, t=t: self.residency.host.add_to(t, out))
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""
@@ -526,7 +530,7 @@ class MmapOffloader(_OffloaderBase):
         if self.prefetcher is not None:
             self.prefetcher.sync()
         if self.residency is not None:
-            self.residency.ec.sync()
+            self.residency.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -39,6 +39,10 @@ class MmapOptions:
     # a step whose layer routes more than this fraction of the layer's experts streams the whole
     # layer (prefill, large batches) instead of fetching experts one by one
     layer_stream_fraction: float = 0.5
+    # hybrid: at decode, misses are split between host compute (straight from the cache's bytes,
+    # host/kernel.py) and the copy path, so that both finish together (host_experts.py)
+    hybrid: bool = False
+    host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
     routing_trace: str | None = None
 

