@@ -9,6 +9,8 @@ QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy
     mmap_warm    the same, warm cache (layer streaming)
     mmap_experts warm cache, expert cache of 6 slots per layer for 8 experts (decode: routed
                  experts only; prefill: whole layers)
+    mmap_hybrid  the same, decode misses split between host compute and copies
+    mmap_auto    warm cache, the default expert cache size (from what vLLM leaves free)
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready.
 """
@@ -139,6 +141,13 @@ def main() -> int:
     except BaseException as e:  # noqa: BLE001
         results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
     print("mmap_experts", json.dumps(results["cases"]["mmap_experts"])[:800], flush=True)
+    for case, extra in (("mmap_hybrid", {"expert_cache_gib": gib, "hybrid": True}),  # misses on the host too
+                        ("mmap_auto", {"expert_cache_gib": None})):  # the default pool size
+        try:
+            results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}})
+        except BaseException as e:  # noqa: BLE001
+            results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
+        print(case, json.dumps(results["cases"][case])[:800], flush=True)
     out.write_text(json.dumps(results, indent=1, default=str))
     return 0
 

@@ -221,7 +221,8 @@ class Residency:
         if len(misses):
             cache, specs = self.cache, self.ec.specs
             copies = [Copy(src=cache.expert_extent(t.layer, int(e)),
-                           dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs])
+                           dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs],
+                           label=f"layer {t.layer} expert {int(e)}")
                       for e in misses]
             ticket = off.engine.submit(copies, after=after) if after is not None else off.engine.submit(copies)
             self.metrics["sparse_miss_bytes"] += len(misses) * ec.expert_nbytes
