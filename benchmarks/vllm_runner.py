@@ -492,6 +492,8 @@ class _Child:
         for k, v in {**CHILD_ENV, **spec.get("env", {})}.items():
             os.environ.setdefault(k, str(v))
         self.emit("start", pid=os.getpid(), label=spec["label"], mem=self.mem())
+        if "selftest" in spec:
+            return self.selftest(spec["selftest"])
         try:
             import torch
 
@@ -536,6 +538,20 @@ class _Child:
         self.emit("done", summary=self.summary(), mem=self.mem())
         return rc
 
+    def selftest(self, st: dict) -> int:
+        """No vLLM: allocate and touch ``alloc_mib``, hold ``hold_s``, exit with ``rc`` (tests of the
+        runner: cgroup peak, OOM kill, timeout, failure)."""
+        buf = bytearray(int(st.get("alloc_mib", 0)) << 20)
+        for i in range(0, len(buf), 4096):
+            buf[i] = 1
+        self.emit("task", name="alloc", kind="selftest", result={"bytes": len(buf)}, mem=self.mem())
+        time.sleep(float(st.get("hold_s", 0)))
+        if st.get("rc"):
+            self.emit("error", stage="selftest", error=f"asked to fail with {st['rc']}")
+            return int(st["rc"])
+        self.emit("done", mem=self.mem())
+        return 0
+
     def model_info(self) -> dict:
         """MoE kernel class, expert parameter bytes where they live (GPU / uva host / CPU)."""
         off = self.offloader()
@@ -578,7 +594,7 @@ class _Child:
                     out["expert_params"] = {k: [list(p.shape), str(p.dtype)] for k, p in own.items()}
             if off is not None:
                 out["offloader"] = type(off).__name__
-                extra = _backend_vram(off, seen)
+                extra = _backend_vram(off)
                 out.update(extra)
             if torch.cuda.is_available():
                 out["cuda_allocated_after_build"] = int(torch.cuda.memory_allocated())
@@ -682,9 +698,9 @@ class _Child:
         return {"tokens": int(task["tokens"]), "counts": [layers[p] for p in sorted(layers)]}
 
 
-def _backend_vram(off, seen: set) -> dict:
-    """Device bytes of the mmap backend's expert pools and layer buffers not already counted as
-    parameters (``seen`` holds (device, data_ptr) of every parameter)."""
+def _backend_vram(off) -> dict:
+    """Device bytes of the mmap backend's expert pools and layer buffers (each once; the expert
+    parameters point into them)."""
     out = {}
     try:
         tensors = []

@@ -65,3 +65,179 @@ def test_trace_rows_mirror_the_backend_replay():
     assert vllm_runner.trace_rows(tr, 0, 0, 1, 1).tolist() == [[0]]
     with pytest.raises(ValueError, match="top-2"):
         vllm_runner.trace_rows(tr, 0, 0, 1, 3)
+
+
+def test_make_trace_hits_the_reuse_target(tmp_path):
+    import bench_vllm
+
+    st = bench_vllm.make_trace(tmp_path / "t.csv", steps=24, layers=2, num_experts=160, top_k=8, batch=4, reuse=0.4)
+    tr = traces.read_csv(tmp_path / "t.csv")
+    assert tr.shape == (24, 2, 4, 8) and st["shape"] == [24, 2, 4, 8]
+    assert abs(st["reuse"] - 0.4) < 0.08 and st["reuse"] == pytest.approx(traces.reuse_fraction(tr))
+    assert st["top_expert_share"] > 3 / 160  # skewed: the hottest expert well above a fair share
+    assert (tmp_path / "t.csv").read_text().startswith("# synthetic skewed routing trace")
+    for row in tr.reshape(-1, 8):
+        assert len(set(row.tolist())) == 8  # top-k distinct per sequence
+
+
+def test_shipped_traces_read_back_and_match_their_generator(tmp_path):
+    import bench_vllm
+
+    shipped = sorted((ROOT / "benchmarks" / "traces").glob("*.csv"))
+    assert {p.name for p in shipped} >= {"user-e160-top8-zipf1.0-reuse0.4.csv", "tiny-e8-top2-zipf1.0-reuse0.4.csv"}
+    made = {p.name: p for p in bench_vllm.write_sample_traces(tmp_path)}
+    for p in shipped:
+        tr = traces.read_csv(p)
+        assert (tr == traces.read_csv(made[p.name])).all(), p.name  # regenerable: same seed, same rows
+        assert 0.3 < traces.reuse_fraction(tr) < 0.5
+
+
+# -- the Marlin read model ---------------------------------------------------------------------------
+
+
+def test_marlin_block_size_follows_vllm():
+    import bench_vllm
+
+    bs = bench_vllm.marlin_block_size_m
+    assert bs(1, 8, 160) == 8 and bs(8, 8, 160) == 8 and bs(64, 8, 160) == 8
+    assert bs(2048, 8, 160) == 64  # 102.4 tokens per expert: no size gets below 0.9 blocks
+    assert bs(256, 8, 160) == 16  # 12.8 tokens per expert: 12.8 / 16 = 0.8 < 0.9
+    assert bs(100000, 2, 8) == 64
+
+
+def test_marlin_model_counts_m_blocks_per_expert():
+    import bench_vllm
+
+    # 2 layers, 4 experts, top-2, 256 tokens (bm: 256*2/4 = 128 per expert -> 64)
+    counts = [[128, 128, 200, 56], [0, 256, 256, 0]]
+    m = bench_vllm.marlin_model(counts, top_k=2, uva_fraction=[1.0, 0.5], expert_nbytes=10)
+    assert m["block_size_m"] == 64 and m["tokens"] == 256
+    reads_l0 = 2 + 2 + 4 + 1
+    reads_l1 = 4 + 4
+    assert m["reads_per_routed_expert"] == pytest.approx((reads_l0 + reads_l1) / 6, abs=1e-3)
+    assert m["uva_pcie_bytes"] == reads_l0 * 10 + 0.5 * reads_l1 * 10
+    assert m["layer_stream_bytes"] == 4 * 10 + 0.5 * 4 * 10
+    # uniform 2048 tokens over 160 experts, top-8: ~102 tokens each -> two 64-row blocks
+    assert bench_vllm.expected_marlin_reads(2048, 8, 160) == pytest.approx(2.0, abs=0.02)
+    assert bench_vllm.expected_marlin_reads(1, 8, 160) == pytest.approx(1.0)
+
+
+# -- rows, ratios, bars, tables -----------------------------------------------------------------------
+
+
+def _decode(name, tok_s, moved=(0, 0), hits=(0, 0)):
+    s = lambda m, h: {"engine_bytes_moved": m, "residency_pool_hits": h[0], "residency_pool_misses": h[1]}  # noqa: E731
+    return {"event": "task", "kind": "decode", "name": name,
+            "result": {"tok_s": tok_s, "seconds": 1.0, "tokens": 4, "step_ms": 10.0,
+                       "summary_1": [s(0, (0, 0)), s(moved[0], (0, 0))],
+                       "summary_T1": [s(100, (0, 0)), s(100 + moved[1], hits)]}}
+
+
+def test_rows_ratios_bars_and_markdown():
+    import bench_vllm
+
+    def child(config, label, tasks, summary=False):
+        return {"config": config, "label": label, "has_summary": summary, "tasks": tasks, "outcome": "ok",
+                "wall_s": 1, "events": tasks, "cgroup": {"peak": 3 << 30}, "ready": {"ready_s": 2.0, "model_info": {}}}
+
+    mib = 1 << 20
+    uva = child("uva", "uva", [_decode("skewed/decode-1", 100.0), _decode("skewed/decode-8", 200.0),
+                               {"event": "task", "kind": "prefill", "name": "uniform/prefill-2k",
+                                "result": {"tok_s": 1000.0, "seconds": 2.0, "summary": [None, None]}}])
+    cache = child("mmap-cache", "mmap-cache-skewed",
+                  [_decode("skewed/decode-1", 90.0, moved=(mib, 9 * mib), hits=(30, 10)),
+                   _decode("skewed/decode-8", 150.0)], summary=True)
+    layer = child("mmap-layer", "mmap-layer", [_decode("skewed/decode-1", 10.0), _decode("skewed/decode-8", 160.0),
+                                               {"event": "task", "kind": "prefill", "name": "uniform/prefill-2k",
+                                                "result": {"skipped": "deadline"}}], summary=True)
+    rows = []
+    for c in (uva, cache, layer):
+        rows += bench_vllm.rows_from_child(c, 1)
+    bench_vllm.ratios(rows)
+    r = bench_vllm._find(rows, "mmap-cache", "skewed", "decode-1")
+    assert r["x_uva"] == 0.9 and r["mmap_mib_per_step"] == 2.0  # (9 MiB - 1 MiB) / 4 decode steps
+    assert r["pool_hit_rate"] == 0.75
+    assert next(x for x in rows if x["config"] == "mmap-layer" and x["workload"] == "prefill-2k")["status"] == "deadline"
+    b = {x["bar"]: x for x in bench_vllm.bars(rows, "prefill-2k")}
+    assert b["decode-1 skewed: mmap-cache / uva"]["met"] is True
+    assert b["decode-8 skewed: mmap-cache / uva"]["value"] == 0.75 and b["decode-8 skewed: mmap-cache / uva"]["met"] is False
+    assert b["prefill-2k uniform: mmap-cache / uva"]["met"] is None  # not measured
+    lay = b["decode: mmap-cache / mmap-layer (every routing and batch)"]
+    assert lay["detail"] == {"skewed decode-1": 9.0, "skewed decode-8": 0.94} and lay["met"] is False
+    res = {"rows": rows, "bars": list(b.values()), "configs": [bench_vllm.config_summary(c, {"config": c["config"], "llm": {}})
+                                                               for c in (uva, cache, layer)],
+           "workloads": ["decode-1", "decode-8", "prefill-2k"], "shapes_text": "W4A16 toy", "expert_bytes": 4 << 30,
+           "budget_bytes": 1 << 30, "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
+           "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
+    md = bench_vllm.markdown(res)
+    assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 2.0 | 75% |" in md
+    assert "| decode-8 skewed: mmap-cache / uva | 0.75 | >= 0.8 | **no** |" in md
+    assert "| mmap-layer | uniform | prefill-2k | deadline |" in md
+    assert "expected under uniform routing (binomial): 2.0 reads per routed expert" in md
+
+
+def test_child_specs_give_uva_the_pool_bytes(tmp_path):
+    import bench_vllm
+
+    args = bench_vllm.parse_args(["--out", str(tmp_path), "--budget-frac", "0.25"])
+    gib = 1 << 30
+    specs = bench_vllm.child_specs(args, tmp_path / "ck", tmp_path / "cache", tmp_path / "t.csv", 8 * gib, gib, 0.0)
+    by = {s["label"]: s for s in specs}
+    assert [s["label"] for s in specs] == ["uva", "mmap-layer", "mmap-cache-skewed", "mmap-cache", "noff"]
+    assert by["uva"]["llm"]["cpu_offload_gb"] == 6.0 and by["uva"]["llm"]["offload_backend"] == "uva"
+    assert by["uva"]["llm"]["cpu_offload_params"] == ["experts"]
+    mm = by["mmap-cache"]["llm"]["additional_config"]["mmap_offload"]
+    assert mm["expert_cache_gib"] == 2.0 and "routing_trace" not in mm
+    assert by["mmap-cache-skewed"]["llm"]["additional_config"]["mmap_offload"]["routing_trace"] == str(tmp_path / "t.csv")
+    assert by["mmap-layer"]["llm"]["additional_config"]["mmap_offload"]["expert_cache_gib"] == 0
+    assert by["uva"]["llm"]["attention_config"] == {"backend": "TRITON_ATTN"} and by["uva"]["llm"]["enforce_eager"]
+    kinds = [t["kind"] for t in by["uva"]["tasks"]]
+    assert kinds == ["decode"] * 3 + ["prefill", "record", "trace"] + ["decode"] * 3  # uniform, then the trace
+    assert [t["kind"] for t in by["mmap-cache-skewed"]["tasks"]] == ["decode"] * 3  # the backend applies the trace
+    eq = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "uva-eqtotal"]),
+                                tmp_path, tmp_path, None, 8 * gib, gib, 0.0)[0]
+    assert eq["llm"]["cpu_offload_gb"] == 4.0  # B + the 2 layer buffers stay on the GPU
+
+
+# -- the child runner ---------------------------------------------------------------------------------
+
+
+def _cgroup_or_skip():
+    cg = vllm_runner.Cgroup("mmo-test-probe")
+    kind, reason = cg.kind, cg.reason
+    cg.remove()
+    if kind == "none":
+        pytest.skip(f"no writable memory cgroup here ({reason})")
+    return kind
+
+
+def test_runner_measures_a_child_and_reports_its_events(tmp_path):
+    kind = _cgroup_or_skip()
+    res = vllm_runner.run_child({"label": "alloc", "selftest": {"alloc_mib": 200}}, workdir=tmp_path, timeout=60,
+                                echo=None)
+    assert res["outcome"] == "ok" and res["returncode"] == 0
+    assert [e["event"] for e in res["events"]] == ["start", "task", "done"]
+    assert res["tasks"][0]["result"]["bytes"] == 200 << 20
+    assert res["cgroup"]["kind"] == kind and res["cgroup"]["peak"] >= 200 << 20
+    assert res["cgroup"]["stat_max"].get("anon+shmem", 0) >= 150 << 20 or res["wall_s"] < 0.2  # sampled every 50 ms
+    assert res["cgroup"]["oom_kill"] in (0, None)
+
+
+def test_runner_reports_an_oom_kill_under_its_cap(tmp_path):
+    _cgroup_or_skip()
+    res = vllm_runner.run_child({"label": "big", "selftest": {"alloc_mib": 400}}, workdir=tmp_path,
+                                mem_max=150 << 20, timeout=60, echo=None)
+    assert res["outcome"] == "killed (OOM)", res
+    assert res["cgroup"]["mem_max"] == 150 << 20 and res["cgroup"]["peak"] <= 150 << 20
+    assert [e["event"] for e in res["events"]] == ["start"]  # killed while allocating
+    assert res["cgroup"]["oom_kill"] >= 1 and res["returncode"] == -9
+
+
+def test_runner_reports_timeouts_and_failures_without_a_cgroup(tmp_path):
+    res = vllm_runner.run_child({"label": "slow", "selftest": {"hold_s": 30}}, workdir=tmp_path, timeout=1.5,
+                                cgroup=False, echo=None)
+    assert res["outcome"] == "killed (timeout)" and res["wall_s"] < 10
+    assert res["cgroup"]["kind"] == "none" and res["cgroup"]["peak"] is None
+    res = vllm_runner.run_child({"label": "bad", "selftest": {"rc": 3}}, workdir=tmp_path, timeout=30, cgroup=False,
+                                echo=None)
+    assert res["outcome"] == "failed (rc 3): asked to fail with 3" and res["log_tail"] is not None

@@ -1,0 +1,708 @@
+"""Real vLLM: ``--offload-backend mmap`` against vLLM's own ``uva`` at equal VRAM for expert weights.
+
+    . .vdev/env.sh; python3 benchmarks/bench_vllm.py --out OUT            # GPU machine, ~5-6 min
+    python benchmarks/bench_vllm.py --out /tmp/b --device cpu --tiny       # vLLM's CPU build, bf16 toy
+
+A synthetic compressed-tensors W4A16 Mixtral-style checkpoint (``synth.make_checkpoint``) at the
+user's per-rank expert shapes (H 5120, I 768 = 1536 / TP 2, 160 experts, top-8; ``--layers`` of
+them, 8 by default) is served by real vLLM (engine in-process, ``enforce_eager``, token-id prompts,
+TRITON_ATTN), one configuration per child process (``vllm_runner.run_child``: vLLM does not free
+a model cleanly):
+
+    config      what holds the experts                                    VRAM for expert weights
+    uva         vLLM ``cpu_offload_params={"experts"}``, ``offload_backend="uva"``,  B (the layers it
+                ``cpu_offload_gb`` = (expert bytes - B) / GiB: the first layers'      did not offload)
+                expert parameters pinned and read in place over PCIe by Marlin
+    mmap-layer  ``offload_backend="mmap"``, ``expert_cache_gib=0``: whole layers     2 layer buffers
+                streamed from the cache into 2 slot buffers (lookahead 1)
+    mmap-cache  ``offload_backend="mmap"``, ``expert_cache_gib`` = B: routed experts  B + 2 layer buffers
+                made resident in per-layer VRAM pools, whole layers above the
+                backend's threshold (prefill, large batches)
+    noff        no offload: every expert in VRAM (the roofline)                 all
+    uva-eqtotal (``--configs``) uva given B + the mmap layer buffers             B + 2 layer buffers
+
+B = ``--budget-frac`` x expert bytes (0.25), the same for uva and the expert pool ("give uva the
+bytes of our pool", issue 12); the layer buffers are mmap's fixed extra and are reported.
+
+Routing: ``uniform`` is the random model's own router (near uniform over experts; not a real
+model's routing). ``skewed`` replaces every router's top-k ids by a synthetic trace's (CSV:
+``step,layer,expert ids``; ``make_trace``: per-layer Zipf(``--zipf-s``) popularity over experts and
+per-sequence reuse of the previous step's experts tuned to ``--reuse`` (0.4)): in the mmap-cache
+configuration through the backend's own ``routing_trace`` option, elsewhere through
+``vllm_runner.TraceRouting`` (the same rows: step and layer position modulo the trace, its batch
+rows tiled over the step's tokens). Rows with a trace are labelled ``skewed``; their tokens are not
+the model's. Prefill is measured with the model's own routing only (``--prefill-skewed`` adds it).
+
+Workloads: decode at batch 1, 8, 64 (16-token prompts; tokens/s = batch x T / (time of T+1 tokens -
+time of 1 token)) and prefill of one 2048-token prompt (1 output token, median of 3).
+
+Also reported: how many times vLLM's Marlin MoE kernel reads each routed expert's weights under uva
+at prefill (``marlin_model``: a model from the kernel's tiling, stated in its docstring, applied to
+the routed-expert counts recorded in the uva child); peak pinned host memory, peak RSS, cgroup
+memory.peak, VRAM for expert weights, time to ready; the bars of issue 12.
+
+Writes ``bench_vllm.json``, ``bench_vllm.md`` and ``bench_vllm.png`` into ``--out``. ``--deadline``
+(s, from the start) bounds the whole run: a child is not started without ``--min-child-s`` left,
+a running child skips tasks after it and is killed 30 s past it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import vllm_runner  # noqa: E402
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
+TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
+DECODE_BATCHES = (1, 8, 64)
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "noff", "uva-eqtotal")
+DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,noff"
+BARS = {"decode_skewed": 0.8, "prefill": 1.0}
+
+
+# ----------------------------------------------------------------------------------------------
+# traces
+# ----------------------------------------------------------------------------------------------
+
+
+def make_trace(path, *, steps: int, layers: int, num_experts: int, top_k: int, batch: int, zipf_s: float = 1.0,
+               reuse: float = 0.4, seed: int = 0) -> dict:
+    """Write a skewed routing trace (CSV, ``mmap_offload.traces.write_csv``) and return its stats.
+
+    Per-layer Zipf(``zipf_s``) popularity over experts (``traces.skewed_trace``); its per-sequence
+    stickiness is chosen from 0, 0.05, ..., 0.9 so that the share of a sequence's top-k that it
+    also had at the previous step (``traces.reuse_fraction``, measured on a 32-step sample) is
+    closest to ``reuse`` (real models: 0.34-0.45, DESIGN.md section 5; uniform over 160 experts,
+    top-8: 0.05)."""
+    from mmap_offload import traces
+
+    best = None
+    for i in range(19):
+        p = round(0.05 * i, 2)
+        sample = traces.skewed_trace(32, min(layers, 4), num_experts, top_k, batch=min(batch, 8), zipf_s=zipf_s,
+                                     sticky_p=p, seed=seed + 1)
+        err = abs(traces.reuse_fraction(sample) - reuse)
+        if best is None or err < best[0]:
+            best = (err, p)
+    sticky = best[1]
+    tr = traces.skewed_trace(steps, layers, num_experts, top_k, batch=batch, zipf_s=zipf_s, sticky_p=sticky,
+                             seed=seed)
+    stats = {**traces.trace_stats(tr, num_experts), "reuse": traces.reuse_fraction(tr),
+             "reuse_uniform": top_k / num_experts, "zipf_s": zipf_s, "sticky_p": sticky,
+             "target_reuse": reuse, "shape": list(tr.shape), "seed": seed, "path": str(path)}
+    comment = (f"synthetic skewed routing trace (benchmarks/bench_vllm.py make_trace): steps {steps}, layers {layers}, "
+               f"batch {batch}, {num_experts} experts, top-{top_k}, Zipf s={zipf_s}, sticky_p={sticky}\n"
+               f"measured: reuse of the previous step's experts {stats['reuse']:.3f} (uniform {top_k / num_experts:.3f}), "
+               f"top expert share {stats['top_expert_share']:.3f} (fair {1 / num_experts:.4f})\n"
+               "rows: step,layer,expert ids (one row per sequence of the step's batch)")
+    traces.write_csv(tr, path, comment=comment)
+    return stats
+
+
+def write_sample_traces(folder) -> list[Path]:
+    """The small traces shipped in benchmarks/traces/ (regenerate with ``--write-traces``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, kw in (
+        ("user-e160-top8-zipf1.0-reuse0.4.csv", dict(steps=32, layers=4, num_experts=160, top_k=8, batch=8)),
+        ("tiny-e8-top2-zipf1.0-reuse0.4.csv", dict(steps=64, layers=2, num_experts=8, top_k=2, batch=8)),
+    ):
+        make_trace(folder / name, zipf_s=1.0, reuse=0.4, seed=0, **kw)
+        out.append(folder / name)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the Marlin read model
+# ----------------------------------------------------------------------------------------------
+
+
+def marlin_block_size_m(m: int, top_k: int, num_experts: int) -> int:
+    """vLLM's ``fused_marlin_moe`` (experts/marlin_moe.py, 0.26.0 and 0.32.0): the first of 8, 16,
+    32, 48, 64 with ``M * topk / E / block_size_m < 0.9``, else 64 (16-bit activations)."""
+    for bm in (8, 16, 32, 48, 64):
+        if m * top_k / num_experts / bm < 0.9:
+            return bm
+    return 64
+
+
+def marlin_model(counts, top_k: int, uva_fraction=None, expert_nbytes: int = 0) -> dict:
+    """How many times vLLM's Marlin MoE kernel reads each routed expert's weights in one forward.
+
+    The model (an inference from the source, not a measurement): ``moe_align_block_size`` sorts the
+    step's (token, expert) pairs by expert and pads each expert's run to a multiple of
+    ``block_size_m``; ``moe_wna16_marlin_gemm`` runs one M-block per ``block_size_m`` rows, and an
+    M-block multiplies its rows by the expert's whole weight matrix, so each M-block reads all of
+    that expert's w13 (and, in the second GEMM over the same blocks, w2). Reads of expert e =
+    ceil(n_e / block_size_m), n_e = tokens routed to e. Under uva the weights are host memory read
+    in place, so every read crosses PCIe unless L2 (50 MB on an H200; one expert here is ~6 MB)
+    still holds it from an M-block of the same expert running at the same time: an upper bound.
+
+    ``counts``: per MoE layer, tokens per expert of one forward; ``uva_fraction``: per layer, the
+    share of its expert bytes that uva offloaded (1 = all). Returns the block size, reads per routed
+    expert (mean), and PCIe bytes under uva against whole-layer streaming of the offloaded layers."""
+    counts = [list(map(int, c)) for c in counts]
+    if not counts:
+        return {}
+    E = len(counts[0])
+    m = sum(counts[0]) // top_k
+    bm = marlin_block_size_m(m, top_k, E)
+    reads = routed = 0
+    pcie = stream = 0.0
+    for li, c in enumerate(counts):
+        frac = 1.0 if uva_fraction is None else float(uva_fraction[li % len(uva_fraction)])
+        r = sum(math.ceil(n / bm) for n in c if n > 0)
+        reads += r
+        routed += sum(1 for n in c if n > 0)
+        pcie += frac * r * expert_nbytes
+        stream += frac * E * expert_nbytes
+    return {"tokens": m, "top_k": top_k, "experts": E, "block_size_m": bm,
+            "reads_per_routed_expert": round(reads / max(routed, 1), 3),
+            "routed_experts_per_layer": round(routed / len(counts), 1),
+            "uva_pcie_bytes": int(pcie), "layer_stream_bytes": int(stream),
+            "uva_over_stream": round(pcie / stream, 3) if stream else None}
+
+
+def expected_marlin_reads(m: int, top_k: int, num_experts: int) -> float:
+    """ceil(n / block_size_m) expected over uniform routing, n ~ Binomial(m, top_k / E), given n > 0."""
+    bm = marlin_block_size_m(m, top_k, num_experts)
+    p = top_k / num_experts
+    tot = pz = 0.0
+    for n in range(0, m + 1):
+        lp = math.lgamma(m + 1) - math.lgamma(n + 1) - math.lgamma(m - n + 1)
+        lp += (n * math.log(p) if n else 0.0) + ((m - n) * math.log1p(-p) if m - n else 0.0)
+        pr = math.exp(lp)
+        if n == 0:
+            pz = pr
+        else:
+            tot += pr * math.ceil(n / bm)
+    return round(tot / max(1.0 - pz, 1e-12), 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+# ----------------------------------------------------------------------------------------------
+
+
+def workloads(args) -> list[str]:
+    return [w for w in args.workloads.split(",") if w]
+
+
+def decode_tasks(args, routing: str) -> list[dict]:
+    out = []
+    for w in workloads(args):
+        if w.startswith("decode-"):
+            b = int(w.split("-")[1])
+            out.append({"kind": "decode", "name": f"{routing}/{w}", "batch": b, "tokens": args.decode_tokens,
+                        "prompt_len": 16})
+    return out
+
+
+def prefill_tasks(args, routing: str) -> list[dict]:
+    if not any(w.startswith("prefill") for w in workloads(args)):
+        return []
+    return [{"kind": "prefill", "name": f"{routing}/prefill-{args.prefill_tokens // 1024}k" if args.prefill_tokens % 1024 == 0
+             else f"{routing}/prefill-{args.prefill_tokens}", "tokens": args.prefill_tokens, "repeats": args.prefill_repeats}]
+
+
+def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes: int, layer_bytes: int,
+                deadline_at: float) -> list[dict]:
+    """One spec per child, in run order (the cold cache is built by the first mmap child)."""
+    cuda = args.device == "cuda"
+    common = dict(model=str(ckpt), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+                  max_model_len=args.prefill_tokens + 256, enable_prefix_caching=False,
+                  max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=max(4096, args.prefill_tokens + 256))
+    if cuda:
+        common.update(attention_config={"backend": "TRITON_ATTN"}, gpu_memory_utilization=args.gpu_util,
+                      kv_cache_memory_bytes=int(args.kv_cache_gib * GIB))
+    budget = budget_bytes(args, expert_bytes)
+    routings = [r for r in args.routings.split(",") if r]
+    skewed = "skewed" in routings and trace is not None
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    base = {"num_experts": args.experts_n, "vocab_size": args.vocab, "deadline_at": deadline_at, "env": env}
+
+    def own_routing_tasks(record: bool) -> list[dict]:
+        t = []
+        if "uniform" in routings:
+            t += decode_tasks(args, "uniform") + prefill_tasks(args, "uniform")
+            if record and prefill_tasks(args, "uniform"):
+                t.append({"kind": "record", "name": "record/prefill", "tokens": args.prefill_tokens})
+        if skewed:
+            t.append({"kind": "trace", "name": "trace/on", "path": str(trace)})
+            t += decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else [])
+        return t
+
+    mm = {"cache_dir": str(cache), "lookahead": 1}
+    specs = []
+    for cfg in [c for c in args.configs.split(",") if c]:
+        if cfg not in CONFIGS:
+            raise SystemExit(f"unknown config {cfg!r}: use some of {', '.join(CONFIGS)}")
+        if cfg in ("uva", "uva-eqtotal"):
+            resident = budget + (2 * layer_bytes if cfg == "uva-eqtotal" else 0)
+            gb = max(0.0, (expert_bytes - resident) / GIB)
+            specs.append({**base, "label": cfg, "config": cfg, "register_backend": False, "tasks": own_routing_tasks(cfg == "uva"),
+                          "llm": {**common, "cpu_offload_params": ["experts"], "offload_backend": "uva",
+                                  "cpu_offload_gb": round(gb, 6)}})
+        elif cfg == "noff":
+            specs.append({**base, "label": cfg, "config": cfg, "register_backend": False, "tasks": own_routing_tasks(False),
+                          "llm": dict(common)})
+        elif cfg == "mmap-layer":
+            specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "tasks": own_routing_tasks(False),
+                          "llm": {**common, "offload_backend": "mmap",
+                                  "additional_config": {"mmap_offload": {**mm, "expert_cache_gib": 0}}}})
+        elif cfg == "mmap-cache":
+            pool = {**mm, "expert_cache_gib": round(budget / GIB, 6)}
+            if skewed:  # the trace goes through the backend's own option: one engine per routing
+                specs.append({**base, "label": "mmap-cache-skewed", "config": cfg, "register_backend": True,
+                              "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
+                              "llm": {**common, "offload_backend": "mmap",
+                                      "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
+            if "uniform" in routings:
+                specs.append({**base, "label": "mmap-cache", "config": cfg, "register_backend": True,
+                              "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
+                              "llm": {**common, "offload_backend": "mmap",
+                                      "additional_config": {"mmap_offload": pool}}})
+    return specs
+
+
+def budget_bytes(args, expert_bytes: int) -> int:
+    if args.budget_gib is not None:
+        return int(args.budget_gib * GIB)
+    return int(args.budget_frac * expert_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+# ----------------------------------------------------------------------------------------------
+
+
+def _delta(a: dict | None, b: dict | None, key: str) -> float:
+    if not a or not b:
+        return 0.0
+    try:
+        return float(b.get(key, 0) or 0) - float(a.get(key, 0) or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+MOVED_KEYS = ("engine_bytes_moved",)
+
+
+def rows_from_child(child: dict, expert_nbytes: int) -> list[dict]:
+    """One row per timed task of one child (decode / prefill), with the backend's counters as
+    deltas over the timed part (decode: the (T+1)-token run minus the 1-token run)."""
+    rows = []
+    for ev in child["tasks"]:
+        kind, r = ev.get("kind"), ev.get("result", {})
+        if kind not in ("decode", "prefill"):
+            continue
+        routing, _, workload = ev["name"].partition("/")
+        row = {"config": child["config"], "routing": routing, "workload": workload}
+        if "skipped" in r or "error" in r:
+            row["status"] = r.get("skipped") or r.get("error", "")[:200]
+            rows.append(row)
+            continue
+        row.update(tok_s=r["tok_s"], seconds=r["seconds"])
+        if kind == "decode":
+            steps = r["tokens"]
+            row["step_ms"] = r["step_ms"]
+            s1, sT = r.get("summary_1") or [None, None], r.get("summary_T1") or [None, None]
+
+            def d(key):
+                return _delta(*sT, key) - _delta(*s1, key)
+        else:
+            steps = 1
+            row["step_ms"] = round(1000 * r["seconds"], 3)
+            s = r.get("summary") or [None, None]
+
+            def d(key):
+                return _delta(*s, key)
+        if child.get("has_summary"):
+            moved = sum(d(k) for k in MOVED_KEYS)
+            row["mmap_mib_per_step"] = round(moved / steps / MIB, 1)
+            hits, misses = d("residency_pool_hits"), d("residency_pool_misses")
+            if hits + misses > 0:
+                row["pool_hit_rate"] = round(hits / (hits + misses), 3)
+            calls = {k: d(f"residency_{k}_calls") for k in ("expert", "sparse", "layer")}
+            if any(calls.values()):
+                row["residency_calls"] = {k: int(v) for k, v in calls.items()}
+        rows.append(row)
+    return rows
+
+
+def config_summary(child: dict, spec: dict) -> dict:
+    ready = child.get("ready") or {}
+    info = ready.get("model_info") or {}
+    done = next((e for e in reversed(child["events"]) if e.get("event") == "done"), None) or {}
+    last_mem = {}
+    for e in child["events"]:
+        if e.get("mem"):
+            for k, v in e["mem"].items():
+                if k in ("VmHWM", "cuda_max_allocated", "torch_pinned_peak", "torch_pinned_active_peak"):
+                    last_mem[k] = max(last_mem.get(k, 0), v)
+                else:
+                    last_mem[k] = v
+    summary = done.get("summary") or ready.get("summary") or {}
+    cfg = spec["config"]
+    if cfg.startswith("mmap"):
+        vram_experts = info.get("mmap_device_bytes")
+    else:
+        vram_experts = info.get("expert_bytes_device")
+    pinned = int(last_mem.get("torch_pinned_peak", 0)) + int((summary or {}).get("engine_pinned_bytes", 0) or 0)
+    out = {
+        "label": child["label"], "config": cfg, "outcome": child["outcome"], "wall_s": child["wall_s"],
+        "ready_s": ready.get("ready_s"), "process_ready_s": ready.get("t"),
+        "moe_kernel": info.get("moe_experts_kernel") or info.get("moe_method"),
+        "vram_expert_bytes": vram_experts, "uva_expert_bytes": info.get("expert_bytes_uva"),
+        "uva_layers": info.get("uva_layers"),
+        "pinned_bytes": pinned, "torch_pinned_peak": last_mem.get("torch_pinned_peak"),
+        "engine_pinned_bytes": (summary or {}).get("engine_pinned_bytes"),
+        "peak_rss_bytes": last_mem.get("VmHWM"), "cuda_max_allocated": last_mem.get("cuda_max_allocated"),
+        "cgroup_peak_bytes": child["cgroup"].get("peak"), "cgroup_stat_max": child["cgroup"].get("stat_max"),
+        "llm_kwargs": {k: v for k, v in spec["llm"].items() if k != "model"},
+        "model_info": info, "summary": summary,
+    }
+    if child["outcome"] != "ok":
+        out["log_tail"] = child.get("log_tail")
+    return out
+
+
+def ratios(rows: list[dict]) -> None:
+    """``x_uva`` on every row: tokens/s over uva's for the same routing and workload."""
+    ref = {(r["routing"], r["workload"]): r.get("tok_s") for r in rows if r["config"] == "uva"}
+    for r in rows:
+        u = ref.get((r["routing"], r["workload"]))
+        if u and r.get("tok_s"):
+            r["x_uva"] = round(r["tok_s"] / u, 3)
+
+
+def _find(rows, config, routing, workload):
+    return next((r for r in rows if r["config"] == config and r["routing"] == routing and r["workload"] == workload
+                 and r.get("tok_s")), None)
+
+
+def bars(rows: list[dict], prefill_name: str) -> list[dict]:
+    """The bars of issue 12, from this run's rows (None where a row is missing)."""
+    out = []
+    for b in (1, 8):
+        r = _find(rows, "mmap-cache", "skewed", f"decode-{b}")
+        v = r.get("x_uva") if r else None
+        out.append({"bar": f"decode-{b} skewed: mmap-cache / uva", "value": v, "need": f">= {BARS['decode_skewed']}",
+                    "met": None if v is None else v >= BARS["decode_skewed"]})
+    for cfg in ("mmap-cache", "mmap-layer"):
+        r = _find(rows, cfg, "uniform", prefill_name)
+        v = r.get("x_uva") if r else None
+        out.append({"bar": f"{prefill_name} uniform: {cfg} / uva", "value": v, "need": f">= {BARS['prefill']}",
+                    "met": None if v is None else v >= BARS["prefill"]})
+    pairs = []
+    for routing in ("uniform", "skewed"):
+        for b in DECODE_BATCHES:
+            c = _find(rows, "mmap-cache", routing, f"decode-{b}")
+            lay = _find(rows, "mmap-layer", routing, f"decode-{b}")
+            if c and lay:
+                pairs.append((f"{routing} decode-{b}", round(c["tok_s"] / lay["tok_s"], 2)))
+    if pairs:
+        out.append({"bar": "decode: mmap-cache / mmap-layer (every routing and batch)",
+                    "value": min(v for _, v in pairs), "detail": dict(pairs), "need": "> 1.0",
+                    "met": all(v > 1.0 for _, v in pairs)})
+    return out
+
+
+def _g(n, unit=GIB, nd=2):
+    return "" if n is None else f"{n / unit:.{nd}f}"
+
+
+def markdown(res: dict) -> str:
+    rows, cfgs = res["rows"], {c["config"] + ("/" + c["label"] if c["label"] != c["config"] else ""): c
+                                for c in res["configs"]}
+    by_cfg = {}
+    for c in res["configs"]:
+        by_cfg.setdefault(c["config"], c)
+    L = [f"Shapes: {res['shapes_text']}; expert bytes {_g(res['expert_bytes'])} GiB; VRAM budget for expert weights "
+         f"B = {_g(res['budget_bytes'])} GiB ({res['budget_frac_text']}); mmap layer buffers "
+         f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}.",
+         "",
+         "| config | routing | workload | tokens/s | x uva | step ms | mmap MiB/step | pool hit | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
+         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    wl = {w: i for i, w in enumerate(res["workloads"])}
+    for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99))):
+        c = by_cfg.get(r["config"], {})
+        if r["routing"] == "skewed" and r["config"] == "mmap-cache":
+            c = cfgs.get("mmap-cache/mmap-cache-skewed", c)
+        if "tok_s" not in r:
+            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | |")
+            continue
+        hit = f"{100 * r['pool_hit_rate']:.0f}%" if "pool_hit_rate" in r else ""
+        L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
+                 f"{r['step_ms']:.2f} | {r.get('mmap_mib_per_step', '')} | {hit} | {_g(c.get('pinned_bytes'))} | "
+                 f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "
+                 f"{c.get('ready_s', '')} |")
+    L += ["", "| bar (issue 12) | this run | need | met |", "| --- | ---: | ---: | --- |"]
+    for b in res["bars"]:
+        met = {True: "yes", False: "**no**", None: "not measured"}[b["met"]]
+        detail = ", ".join(f"{k} {v}" for k, v in b.get("detail", {}).items())
+        L.append(f"| {b['bar']} | {b['value'] if b['value'] is not None else '-'}{' (' + detail + ')' if detail else ''} | "
+                 f"{b['need']} | {met} |")
+    mm = res.get("marlin_model") or {}
+    if mm:
+        L += ["", "Marlin reads under uva at prefill (a model from the kernel's tiling, not a measurement: "
+              "reads of an expert = ceil(tokens routed to it / block_size_m); an upper bound, L2 may absorb "
+              "concurrent re-reads):", ""]
+        for k, v in mm.items():
+            if isinstance(v, dict) and v:
+                L.append(f"- {k}: {v.get('tokens')} tokens, top-{v.get('top_k')} of {v.get('experts')}, block_size_m "
+                         f"{v.get('block_size_m')}: **{v.get('reads_per_routed_expert')} reads per routed expert**; "
+                         f"uva moves {_g(v.get('uva_pcie_bytes'))} GiB over PCIe per prefill vs "
+                         f"{_g(v.get('layer_stream_bytes'))} GiB to stream the same offloaded layers once "
+                         f"({v.get('uva_over_stream')}x)")
+            elif k == "uniform_expectation":
+                L.append(f"- expected under uniform routing (binomial): {v} reads per routed expert")
+    L += ["", "| config | outcome | ready s | kernel | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | CUDA peak alloc GiB |",
+          "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for c in res["configs"]:
+        L.append(f"| {c['label']} | {c['outcome'][:80]} | {c.get('ready_s', '')} | {c.get('moe_kernel', '')} | "
+                 f"{_g(c.get('pinned_bytes'))} | {_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | "
+                 f"{_g(c.get('vram_expert_bytes'))} | {_g(c.get('cuda_max_allocated'))} |")
+    return "\n".join(L) + "\n"
+
+
+def plot(res: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: {e}"
+    routings = [r for r in ("uniform", "skewed") if any(x["routing"] == r for x in res["rows"])]
+    if not routings:
+        return "no plot: no rows"
+    cfgs = [c for c in CONFIGS if any(x["config"] == c and "x_uva" in x for x in res["rows"])]
+    fig, axes = plt.subplots(1, len(routings), figsize=(6 * len(routings), 4.2), squeeze=False)
+    for ax, routing in zip(axes[0], routings):
+        wls = [w for w in res["workloads"] if any(x["routing"] == routing and x["workload"] == w for x in res["rows"])]
+        width = 0.8 / max(len(cfgs), 1)
+        for i, c in enumerate(cfgs):
+            ys = [(_find(res["rows"], c, routing, w) or {}).get("x_uva", 0) or 0 for w in wls]
+            ax.bar([j + i * width for j in range(len(wls))], ys, width, label=c)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(BARS["decode_skewed"], color="r", lw=0.8, ls="--")
+        ax.set_xticks([j + width * (len(cfgs) - 1) / 2 for j in range(len(wls))], wls)
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens/s / uva's")
+        ax.set_title(f"{routing} routing" + (" (trace)" if routing == "skewed" else " (model's router)"))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"real vLLM {res['env'].get('vllm', '')}: {res['shapes_text']}, B = {_g(res['budget_bytes'])} GiB", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+
+
+def expert_sizes(ckpt: Path) -> tuple[int, int, int]:
+    """(all routed expert bytes, one expert's bytes, number of MoE layers) of a checkpoint."""
+    from mmap_offload.checkpoint import open_checkpoint
+
+    with open_checkpoint(ckpt) as c:
+        one = sum(r.nbytes for parts in c.expert_refs(c.moe.layers[0], 0).values() for r in parts.values())
+        return one * c.moe.num_experts * len(c.moe.layers), one, len(c.moe.layers)
+
+
+def synth(args, work: Path) -> Path:
+    from mmap_offload.synth import make_checkpoint
+
+    kw = dict(arch="mixtral", quant=args.quant, num_layers=args.layers, num_experts=args.experts_n, hidden=args.hidden,
+              intermediate=args.intermediate, top_k=args.top_k, vocab_size=args.vocab, num_heads=args.num_heads,
+              num_kv_heads=args.num_kv_heads, group_size=args.group_size, max_position_embeddings=max(4096, args.prefill_tokens + 512))
+    ckpt = work / "ckpt"
+    stamp = ckpt / ".bench_vllm.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == kw:
+        return ckpt  # same shapes as a previous run in this workdir: reuse (and its cache)
+    shutil.rmtree(work / "cache", ignore_errors=True)
+    make_checkpoint(ckpt, **kw)
+    stamp.write_text(json.dumps(kw))
+    return ckpt
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="bench_vllm.json / .md / .png go here (required to run)")
+    p.add_argument("--workdir", default=None, help="checkpoint, cache, traces, child logs (default: a temp dir)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="toy shapes, bf16, 2 layers (vLLM's CPU build)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", dest="experts_n", type=int, default=None, help="routed experts per layer (160)")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=None, help="per-rank I (768 = 1536 / TP 2)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--quant", default=None, choices=("w4a16", "bf16"))
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--budget-frac", type=float, default=0.25, help="VRAM for expert weights B = this x expert bytes")
+    p.add_argument("--budget-gib", type=float, default=None, help="B in GiB (overrides --budget-frac)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"some of {','.join(CONFIGS)}")
+    p.add_argument("--routings", default="uniform,skewed")
+    p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
+    p.add_argument("--decode-tokens", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--prefill-repeats", type=int, default=3)
+    p.add_argument("--prefill-skewed", action="store_true", help="also prefill with the trace's routing")
+    p.add_argument("--trace", default="auto", help="'auto' (make_trace sized for this run) or a CSV path")
+    p.add_argument("--zipf-s", type=float, default=1.0)
+    p.add_argument("--reuse", type=float, default=0.4)
+    p.add_argument("--gpu-util", type=float, default=0.5)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="fixed KV cache (CUDA), the same for every config")
+    p.add_argument("--deadline", type=float, default=420.0, help="seconds for the whole run, from the start")
+    p.add_argument("--min-child-s", type=float, default=45.0, help="do not start a child with less time left")
+    p.add_argument("--no-cgroup", action="store_true", help="do not put children in a memory cgroup")
+    p.add_argument("--python", default=None, help="interpreter of the children (default: this one)")
+    p.add_argument("--write-traces", default=None, metavar="DIR", help="write the sample traces into DIR and exit")
+    a = p.parse_args(argv)
+    shp = TINY_SHAPES if a.tiny else USER_SHAPES
+    a.experts_n = a.experts_n or shp["experts"]
+    a.hidden = a.hidden or shp["hidden"]
+    a.intermediate = a.intermediate or shp["intermediate"]
+    a.top_k = a.top_k or shp["top_k"]
+    a.num_heads, a.num_kv_heads = shp["num_heads"], shp["num_kv_heads"]
+    a.quant = a.quant or ("bf16" if a.tiny else "w4a16")
+    if a.tiny:
+        a.layers = min(a.layers, 2)
+        a.group_size = min(a.group_size, 64)
+        a.vocab = min(a.vocab, 1000)
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.write_traces:
+        for p in write_sample_traces(args.write_traces):
+            print(p)
+        return 0
+    if not args.out:
+        raise SystemExit("bench_vllm.py: --out DIR is required (where bench_vllm.json / .md / .png go)")
+    t_start = time.time()
+    deadline_at = t_start + args.deadline
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.workdir:
+        work = Path(args.workdir)
+    else:
+        import tempfile
+
+        work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = print
+    t = time.perf_counter()
+    ckpt = synth(args, work)
+    expert_bytes, expert_nbytes, n_layers = expert_sizes(ckpt)
+    layer_bytes = expert_nbytes * args.experts_n
+    synth_s = time.perf_counter() - t
+    log(f"checkpoint {ckpt}: {n_layers} layers x {args.experts_n} experts x {expert_nbytes / MIB:.2f} MiB = "
+        f"{expert_bytes / GIB:.2f} GiB of experts ({synth_s:.1f} s)")
+    trace, trace_stats = None, None
+    if "skewed" in args.routings:
+        if args.trace == "auto":
+            n_dec = sum(1 for w in workloads(args) if w.startswith("decode-"))
+            steps = max(64, n_dec * (args.decode_tokens + 8) + 32)
+            trace = work / "trace.csv"
+            trace_stats = make_trace(trace, steps=steps, layers=n_layers, num_experts=args.experts_n, top_k=args.top_k,
+                                     batch=max(DECODE_BATCHES), zipf_s=args.zipf_s, reuse=args.reuse, seed=0)
+        else:
+            from mmap_offload import traces
+
+            trace = Path(args.trace)
+            tr = traces.read_csv(trace)
+            trace_stats = {**traces.trace_stats(tr, args.experts_n), "reuse": traces.reuse_fraction(tr),
+                           "shape": list(tr.shape), "path": str(trace)}
+        log(f"trace {trace}: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in trace_stats.items()})}")
+    cache = work / "cache"
+    specs = child_specs(args, ckpt, cache, trace, expert_bytes, layer_bytes, deadline_at - 15)
+    children, rows, cfgs = [], [], []
+    for spec in specs:
+        left = deadline_at - time.time()
+        if left < args.min_child_s:
+            log(f"== {spec['label']}: skipped ({left:.0f} s left < --min-child-s {args.min_child_s:.0f})")
+            cfgs.append({"label": spec["label"], "config": spec["config"], "outcome": "skipped (deadline)"})
+            continue
+        log(f"== {spec['label']} ({left:.0f} s left)")
+        child = vllm_runner.run_child(spec, workdir=work / "children", timeout=left + 30, cgroup=not args.no_cgroup,
+                                      python=args.python, echo=log)
+        child["config"] = spec["config"]
+        child["has_summary"] = spec.get("register_backend", False)
+        log(f"   {spec['label']}: {child['outcome']} in {child['wall_s']} s")
+        if child["outcome"] != "ok":
+            for line in child.get("log_tail", [])[-15:]:
+                log("   | " + line)
+        children.append((spec, child))
+        rows += rows_from_child(child, expert_nbytes)
+        cfgs.append(config_summary(child, spec))
+    ratios(rows)
+    prefill_name = next((w for w in workloads(args) if w.startswith("prefill")), "prefill-2k")
+    # the Marlin read model: routed-expert counts recorded in the uva child at prefill
+    mm = {}
+    uva = next((c for s, c in children if s["config"] == "uva"), None)
+    if uva is not None:
+        rec = next((e["result"] for e in uva["tasks"] if e.get("kind") == "record" and "counts" in e.get("result", {})), None)
+        frac = ((uva.get("ready") or {}).get("model_info") or {}).get("uva_layers")
+        if rec:
+            mm["uva_prefill_model_routing"] = marlin_model(rec["counts"], args.top_k, frac, expert_nbytes)
+    mm["uniform_expectation"] = expected_marlin_reads(args.prefill_tokens, args.top_k, args.experts_n)
+    env = {}
+    for s, c in children:
+        imp = next((e for e in c["events"] if e.get("event") == "imported"), None)
+        if imp:
+            env = {k: imp.get(k) for k in ("vllm", "torch", "gpu")}
+            break
+    res = {
+        "command": "python3 benchmarks/bench_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "env": env, "device": args.device,
+        "shapes": {"layers": n_layers, "experts": args.experts_n, "hidden": args.hidden, "intermediate": args.intermediate,
+                   "top_k": args.top_k, "quant": args.quant, "group_size": args.group_size},
+        "shapes_text": f"{args.quant.upper()} {n_layers} layers x {args.experts_n} experts, H {args.hidden}, I {args.intermediate}, top-{args.top_k}",
+        "expert_bytes": expert_bytes, "expert_nbytes": expert_nbytes, "layer_bytes": layer_bytes,
+        "budget_bytes": budget_bytes(args, expert_bytes),
+        "budget_frac_text": f"{budget_bytes(args, expert_bytes) / expert_bytes:.2f} x expert bytes",
+        "layer_buffer_bytes": 2 * layer_bytes,
+        "trace": trace_stats,
+        "trace_text": (f"Zipf s={trace_stats.get('zipf_s', '?')}, reuse {trace_stats['reuse']:.2f} of the previous step's experts"
+                       if trace_stats else None),
+        "workloads": workloads(args), "decode_tokens": args.decode_tokens,
+        "rows": rows, "bars": bars(rows, prefill_name), "marlin_model": mm, "configs": cfgs,
+        "synth_s": round(synth_s, 1), "wall_s": round(time.time() - t_start, 1), "deadline_s": args.deadline,
+    }
+    (out / "bench_vllm.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (out / "bench_vllm.md").write_text(md)
+    why = plot(res, out / "bench_vllm.png")
+    if why:
+        log(why)
+    print(md)
+    log(f"wrote {out}/bench_vllm.json, .md{'' if why else ', .png'} in {res['wall_s']} s")
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(c["outcome"] == "ok" for _, c in children) and children else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
