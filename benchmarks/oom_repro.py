@@ -2,8 +2,12 @@
 
     python benchmarks/oom_repro.py                       # CPU, ~200 MB of experts, < 60 s
     python benchmarks/oom_repro.py --expert-mib 4096     # larger (GPU machine), --real-pin on CUDA
+    python3 benchmarks/oom_repro.py --vllm --out OUT     # real vLLM (GPU machine, . .vdev/env.sh), ~3 min
 
-Two child processes run the same synthetic W4A16 checkpoint (``synth.make_checkpoint``) under the same
+Two modes. The harness mode (default) emulates vLLM's load path; ``--vllm`` runs real vLLM (section
+"Real vLLM" below and ``main_vllm``).
+
+Harness mode: two child processes run the same synthetic W4A16 checkpoint (``synth.make_checkpoint``) under the same
 memory cap:
 
 ``uva``   what vLLM's ``--offload-backend uva`` does at load (DESIGN.md section 1): every expert
@@ -24,6 +28,32 @@ cgroup peak of a child that only imports what both modes import. Where it runs: 
 cgroup (v2 ``memory.max``, or v1 ``memory.limit_in_bytes``) created under this process's own cgroup
 (root needed). Without cgroups: ``RLIMIT_DATA`` (private writable memory) in the child, which the
 report says. Prints one JSON document with both children's outcome and peak memory.
+
+Real vLLM (``--vllm``): the user's failure and its fix in vLLM itself
+-------------------------------------------------------------------
+
+A synthetic W4A16 Mixtral-style checkpoint whose expert tensors do not round to powers of two
+(default 24 layers x 24 experts, H 2048, I 1536: 2.80 GB of experts; ``--layers/--experts/--hidden/
+--intermediate`` scale it) is served by real vLLM (engine in-process, one ``LLM`` per child process,
+``vllm_runner.run_child``), each case in its own memory cgroup (v2: ``memory.max``, ``memory.peak``,
+``memory.events`` oom_kill; v1 on the CI machine):
+
+    noff       no offload (experts in VRAM), no cap: its memory.peak P0 is the baseline
+    uva        ``cpu_offload_params={"experts"}, offload_backend="uva"`` (every expert offloaded)
+               under P0 + 1.25 x expert bytes (``--uva-cap-factor``): the bar says it is killed
+    uva-nocap  the same without a cap: how much uva really needs (peak as a multiple of the experts)
+    mmap-cold  ``offload_backend="mmap"``, empty cache dir (the cache is built while loading)
+               under P0 + 0.25 x expert bytes (``--mmap-cap-factor``): the bar says it serves
+    mmap-warm  the same again on the cache the cold run left
+
+Every case generates 16 greedy tokens from 2 token-id prompts; they must equal no offload's.
+The checkpoint is read once by this process before the children start, so its page cache is
+charged to this process's cgroup and no child pays for it (as in the measurement of issue 14);
+page cache a child creates (the cold cache's files) is charged to it but reclaimable, pinned pages
+are not. Reported per case: outcome (ok / killed (OOM) / failed), memory.peak, the maxima of
+memory.stat (anon + shmem), pinned host bytes (uva: torch's pinned allocator peak; mmap: the
+engine's exact ring), time to ready (``LLM(...)``), tokens. Writes ``oom_vllm.json`` and
+``oom_vllm.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -42,6 +72,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from vllm_runner import _make_cgroup  # noqa: E402  (one cgroup discovery for both modes)
 
 MIB = 1 << 20
 
@@ -125,43 +158,6 @@ class MemCap:
                 return
             except OSError:
                 time.sleep(0.1)
-
-
-def _own_cgroup() -> tuple[str, str]:
-    v1 = v2 = None
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        hid, ctrls, path = line.split(":", 2)
-        if hid == "0" and ctrls == "":
-            v2 = path
-        elif "memory" in ctrls.split(","):
-            v1 = path
-    return v1, v2
-
-
-def _make_cgroup(name: str) -> tuple[Path, str]:
-    v1, v2 = _own_cgroup()
-    root = Path("/sys/fs/cgroup")
-    if v1 is not None and (root / "memory").is_dir():
-        base = root / "memory" / v1.lstrip("/")
-        path = base / name
-        path.mkdir(exist_ok=True)
-        return path, "v1"
-    if v2 is not None and (root / "cgroup.controllers").exists():
-        own = root / v2.lstrip("/")
-        # a v2 group with processes cannot delegate controllers to children, except the root
-        for base in (own, own.parent) if own != root else (root,):
-            try:
-                ctl = (base / "cgroup.subtree_control").read_text().split()
-                if "memory" not in ctl:
-                    (base / "cgroup.subtree_control").write_text("+memory")
-                path = base / name
-                path.mkdir(exist_ok=True)
-                if (path / "memory.max").exists():
-                    return path, "v2"
-            except OSError:
-                continue
-        raise OSError("no writable cgroup v2 parent with the memory controller")
-    raise OSError("no cgroup memory controller mounted")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,6 +379,9 @@ def choose_shapes(expert_mib: float) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--vllm" in argv:
+        return main_vllm([a for a in argv if a != "--vllm"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--expert-mib", type=float, default=192.0, help="total routed expert bytes of the checkpoint")
     p.add_argument("--cap-factor", type=float, default=1.25, help="cap = baseline + factor x expert bytes")
@@ -457,6 +456,240 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(doc)
     return 0 if result["reproduced"] and result["mmap_ok"] else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Real vLLM (--vllm)
+# ----------------------------------------------------------------------------------------------
+
+VLLM_CASES = ("noff", "uva", "uva-nocap", "mmap-cold", "mmap-warm")
+VLLM_PROMPTS = [[1, 5, 9, 200, 33], [7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+def _vllm_args(argv):
+    p = argparse.ArgumentParser(description="real-vLLM OOM reproduction (oom_repro.py --vllm)")
+    p.add_argument("--out", required=True, help="oom_vllm.json and oom_vllm.md go here")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="2 layers x 4 experts, bf16 (vLLM's CPU build)")
+    p.add_argument("--quant", default=None, choices=("w4a16", "bf16"))
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--experts", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--cases", default=",".join(VLLM_CASES), help=f"some of {','.join(VLLM_CASES)} (noff first)")
+    p.add_argument("--uva-cap-factor", type=float, default=1.25)
+    p.add_argument("--mmap-cap-factor", type=float, default=0.25)
+    p.add_argument("--cap-slack-mib", type=float, default=0.0, help="added to both caps (noise on a small model)")
+    p.add_argument("--mmap-options", default="{}", help="JSON merged into additional_config['mmap_offload']")
+    p.add_argument("--gpu-util", type=float, default=0.3)
+    p.add_argument("--timeout", type=float, default=300.0, help="per child, seconds")
+    p.add_argument("--deadline", type=float, default=540.0, help="whole run, seconds: later cases are skipped")
+    p.add_argument("--python", default=None, help="interpreter of the children (default: this one)")
+    p.add_argument("--no-cgroup", action="store_true")
+    a = p.parse_args(argv)
+    if a.tiny:
+        a.layers, a.experts, a.hidden, a.intermediate, a.top_k = 2, 4, 128, 256, 2
+    a.quant = a.quant or ("bf16" if a.tiny else "w4a16")
+    return a
+
+
+def _read_all(folder: Path) -> int:
+    """Read every file of ``folder`` once (page cache charged to this process's cgroup)."""
+    n = 0
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while True:
+                    b = fh.read(8 << 20)
+                    if not b:
+                        break
+                    n += len(b)
+    return n
+
+
+def _vllm_spec(a, case: str, ckpt: Path, cache: Path, expert_bytes: int) -> dict:
+    llm = dict(model=str(ckpt), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+               max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+    if a.device == "cuda":
+        llm.update(attention_config={"backend": "TRITON_ATTN"}, gpu_memory_utilization=a.gpu_util)
+    if case.startswith("uva"):
+        llm.update(cpu_offload_params=["experts"], offload_backend="uva",
+                   cpu_offload_gb=round(expert_bytes / 2**30 + 1.0, 3))  # more than every expert: all offloaded
+    elif case.startswith("mmap"):
+        llm.update(offload_backend="mmap",
+                   additional_config={"mmap_offload": {"cache_dir": str(cache), **json.loads(a.mmap_options)}})
+    return {"label": case, "register_backend": case.startswith("mmap"), "num_experts": a.experts,
+            "env": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}, "llm": llm,
+            "tasks": [{"kind": "greedy", "name": "greedy", "prompts": VLLM_PROMPTS, "max_tokens": 16}]}
+
+
+def vllm_case_report(child: dict, expert_bytes: int, baseline: int | None) -> dict:
+    """One row of the report from a run_child result."""
+    ready = child.get("ready") or {}
+    greedy = next((e["result"] for e in child["tasks"] if e.get("name") == "greedy"), {})
+    done = next((e for e in reversed(child["events"]) if e.get("event") == "done"), {})
+    summary = done.get("summary") or ready.get("summary") or {}
+    torch_pinned = max((e.get("mem", {}).get("torch_pinned_peak", 0) for e in child["events"]), default=0)
+    cg = child["cgroup"]
+    peak = cg.get("peak")
+    st = cg.get("stat_max") or {}
+    last = child["events"][-1] if child["events"] else {}
+    return {
+        "case": child["label"], "outcome": child["outcome"], "killed": child["outcome"].startswith("killed (OOM)"),
+        "cap_bytes": cg.get("mem_max"), "cgroup": cg.get("kind"), "peak_bytes": peak, "oom_kill": cg.get("oom_kill"),
+        "peak_over_experts": round(peak / expert_bytes, 3) if peak else None,
+        "excess_over_noff_experts": round((peak - baseline) / expert_bytes, 3) if peak and baseline else None,
+        "anon_shmem_peak_bytes": st.get("anon+shmem"), "file_peak_bytes": st.get("file", st.get("cache")),
+        "pinned_bytes": int(torch_pinned or 0) + int(summary.get("engine_pinned_bytes", 0) or 0),
+        "torch_pinned_peak": torch_pinned, "engine_pinned_bytes": summary.get("engine_pinned_bytes"),
+        "ready_s": ready.get("ready_s"), "process_ready_s": ready.get("t"), "wall_s": child["wall_s"],
+        "last_stage": last.get("event") if last.get("event") != "task" else f"task {last.get('name')}",
+        "tokens": greedy.get("tokens"), "moe_kernel": (ready.get("model_info") or {}).get("moe_experts_kernel"),
+        "uva_expert_bytes": (ready.get("model_info") or {}).get("expert_bytes_uva"),
+        "offloader_summary": summary or None,
+        "log_tail": child.get("log_tail"),
+    }
+
+
+def vllm_markdown(res: dict) -> str:
+    gb = lambda n: "" if n is None else f"{n / 1e9:.2f} GB"  # noqa: E731
+    L = [f"Real vLLM {res['env'].get('vllm', '?')} on {res['env'].get('gpu') or 'CPU'}; {res['shapes_text']}: "
+         f"{gb(res['expert_bytes'])} of experts; no-offload peak P0 = {gb(res['baseline_bytes'])}; cgroup {res['cgroup_kind']}.",
+         "",
+         "| case | cap | outcome | memory.peak | peak / expert bytes | (peak - P0) / expert bytes | anon+shmem peak | pinned | ready s | tokens = no offload |",
+         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in res["cases"]:
+        cap = "none" if r.get("cap_bytes") is None else gb(r["cap_bytes"]) + (
+            f" (P0 + {r['cap_factor']} x experts{' + slack' if res['cap_slack_bytes'] else ''})"
+            if r.get("cap_factor") is not None else "")
+        out = r["outcome"] if not r["killed"] else f"**{r['outcome']}** at {r.get('last_stage')}"
+        eq = {True: "yes", False: "**no**", None: "-"}[r.get("tokens_equal")]
+        L.append(f"| {r['case']} | {cap} | {out[:90]} | {gb(r.get('peak_bytes'))} | {r.get('peak_over_experts') or ''} | "
+                 f"{r.get('excess_over_noff_experts') if r.get('excess_over_noff_experts') is not None else ''} | "
+                 f"{gb(r.get('anon_shmem_peak_bytes'))} | {gb(r.get('pinned_bytes'))} | {r.get('ready_s') or ''} | {eq} |")
+    L += ["", "| bar (issue 14) | result | met |", "| --- | --- | --- |"]
+    for b in res["bars"]:
+        L.append(f"| {b['bar']} | {b['result']} | {({True: 'yes', False: '**no**', None: 'not measured'})[b['met']]} |")
+    return "\n".join(L) + "\n"
+
+
+def main_vllm(argv) -> int:
+    """``--vllm``: the cases of the module docstring's section "Real vLLM", one child each."""
+    a = _vllm_args(argv)
+    t_start = time.time()
+    from mmap_offload.synth import make_checkpoint
+
+    import vllm_runner
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="oom-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt, cache = work / "ckpt", work / "cache"
+    shapes = dict(arch="mixtral", quant=a.quant, num_layers=a.layers, num_experts=a.experts, hidden=a.hidden,
+                  intermediate=a.intermediate, top_k=a.top_k, vocab_size=2048 if not a.tiny else 1000,
+                  num_heads=max(1, a.hidden // 128), num_kv_heads=max(1, min(8, a.hidden // 512)),
+                  group_size=128 if a.hidden % 128 == 0 and a.intermediate % 128 == 0 else 64)
+    t = time.perf_counter()
+    make_checkpoint(ckpt, **shapes)
+    synth_s = time.perf_counter() - t
+    from mmap_offload.checkpoint import open_checkpoint
+
+    with open_checkpoint(ckpt) as c:
+        expert_bytes = sum(r.nbytes for li in c.moe.layers for e in range(c.moe.num_experts)
+                           for parts in c.expert_refs(li, e).values() for r in parts.values())
+    read = _read_all(ckpt)
+    shapes_text = (f"{a.quant.upper()} {a.layers} layers x {a.experts} experts, H {a.hidden}, I {a.intermediate}, "
+                   f"top-{a.top_k}")
+    print(f"checkpoint {ckpt}: {shapes_text}, {expert_bytes / 1e9:.2f} GB of experts, {read / 1e9:.2f} GB read into "
+          f"the page cache by this process ({synth_s:.1f} s)", flush=True)
+    cases = [c for c in a.cases.split(",") if c]
+    bad = [c for c in cases if c not in VLLM_CASES]
+    if bad:
+        raise SystemExit(f"unknown case(s) {bad}: use some of {','.join(VLLM_CASES)}")
+    if cases and cases[0] != "noff" and any(c in ("uva", "mmap-cold", "mmap-warm") for c in cases):
+        cases = ["noff"] + [c for c in cases if c != "noff"]  # the caps need P0
+    slack = int(a.cap_slack_mib * MIB)
+    baseline = None
+    rows, env, cg_kind = [], {}, None
+    for case in cases:
+        left = t_start + a.deadline - time.time()
+        if left < 30:
+            rows.append({"case": case, "outcome": "skipped (deadline)", "killed": False})
+            continue
+        cap, factor = None, None
+        if case in ("uva", "mmap-cold", "mmap-warm") and baseline is not None:
+            factor = a.uva_cap_factor if case == "uva" else a.mmap_cap_factor
+            cap = int(baseline + factor * expert_bytes) + slack
+        if case == "mmap-cold":
+            shutil.rmtree(cache, ignore_errors=True)
+        spec = _vllm_spec(a, case, ckpt, cache, expert_bytes)
+        print(f"== {case}: cap {'none' if cap is None else f'{cap / 1e9:.2f} GB'}", flush=True)
+        child = vllm_runner.run_child(spec, workdir=work / "children", mem_max=cap, timeout=min(a.timeout, left),
+                                      cgroup=not a.no_cgroup, python=a.python)
+        r = vllm_case_report(child, expert_bytes, baseline)
+        r["cap_factor"] = factor
+        cg_kind = cg_kind or r["cgroup"]
+        if case == "noff":
+            baseline = r["peak_bytes"]
+            if baseline is None:  # no cgroup: the child's own peak RSS
+                baseline = max((e.get("mem", {}).get("VmHWM", 0) for e in child["events"]), default=None)
+                r["baseline_from"] = "VmHWM (no cgroup)"
+        if not env:
+            imp = next((e for e in child["events"] if e.get("event") == "imported"), None)
+            if imp:
+                env = {k: imp.get(k) for k in ("vllm", "torch", "gpu")}
+        print(f"   {case}: {r['outcome']}; memory.peak {(r['peak_bytes'] or 0) / 1e9:.2f} GB, pinned "
+              f"{(r['pinned_bytes'] or 0) / 1e9:.2f} GB, ready {r['ready_s']} s", flush=True)
+        if child["outcome"] != "ok" and not r["killed"]:
+            for line in (child.get("log_tail") or [])[-15:]:
+                print("   | " + line, flush=True)
+        rows.append(r)
+    ref = next((r.get("tokens") for r in rows if r["case"] == "noff"), None)
+    for r in rows:
+        toks = r.get("tokens")
+        r["tokens_equal"] = None if (toks is None or ref is None or r["case"] == "noff") else toks == ref
+    by = {r["case"]: r for r in rows}
+
+    def served(c):
+        r = by.get(c)
+        if r is None or r["outcome"].startswith("skipped"):
+            return None
+        return r["outcome"] == "ok" and r.get("tokens_equal") is True
+
+    bars_ = []
+    if "uva" in by and not by["uva"]["outcome"].startswith("skipped"):
+        u = by["uva"]
+        bars_.append({"bar": f"uva killed under P0 + {a.uva_cap_factor} x expert bytes", "result": u["outcome"],
+                      "met": u["killed"]})
+    for c in ("mmap-cold", "mmap-warm"):
+        if c in by and not by[c]["outcome"].startswith("skipped"):
+            r = by[c]
+            bars_.append({"bar": f"{c} serves under P0 + {a.mmap_cap_factor} x expert bytes, tokens = no offload",
+                          "result": f"{r['outcome']}, peak {r.get('peak_over_experts')} x expert bytes, "
+                                    f"tokens equal {r.get('tokens_equal')}", "met": served(c)})
+    if "uva-nocap" in by and by["uva-nocap"].get("excess_over_noff_experts") is not None:
+        r = by["uva-nocap"]
+        bars_.append({"bar": "uva without a cap needs (peak - P0) / expert bytes", "result":
+                      f"{r['excess_over_noff_experts']}x ({r['peak_bytes'] / 1e9:.2f} GB peak)", "met": None})
+    res = {
+        "command": "python3 benchmarks/oom_repro.py --vllm " + " ".join(argv),
+        "env": env, "device": a.device, "shapes": shapes, "shapes_text": shapes_text, "expert_bytes": expert_bytes,
+        "baseline_bytes": baseline, "cgroup_kind": cg_kind, "cap_slack_bytes": slack,
+        "mmap_options": json.loads(a.mmap_options), "cases": rows, "bars": bars_,
+        "page_cache": "checkpoint read by the parent before the children (charged outside their cgroups)",
+        "synth_s": round(synth_s, 1), "wall_s": round(time.time() - t_start, 1),
+    }
+    (out / "oom_vllm.json").write_text(json.dumps(res, indent=1, default=str))
+    md = vllm_markdown(res)
+    (out / "oom_vllm.md").write_text(md)
+    print(md, flush=True)
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(b["met"] is not False for b in bars_)
+    return 0 if ok and all(not r["outcome"].startswith("failed") for r in rows) else 1
 
 
 if __name__ == "__main__":
