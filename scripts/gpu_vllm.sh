@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The real-vLLM GPU session (vLLM 0.26 from ../shared/vllm-gpu/ on the lent H200), from the checkout's root:
+#
+#   bash .vdev/device.sh unpack && . .vdev/env.sh && OUT=gpu-vllm-out bash scripts/gpu_vllm.sh
+#
+# Steps (STEPS, comma-separated, run in this order; default "tests,oom,bench"):
+#   tests  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py     limit TESTS_TIMEOUT (480 s)
+#   oom    python3 benchmarks/oom_repro.py --vllm --out $OUT $OOM_ARGS                limit OOM_DEADLINE (300 s)
+#   bench  python3 benchmarks/bench_vllm.py --out $OUT --deadline $BENCH_DEADLINE     limit BENCH_DEADLINE (420 s)
+# A device call lasts at most 10 minutes: run "tests,oom" in one call and "bench" in the next (the machine
+# keeps /tmp/site, the Marlin JIT cache and $WORK between calls while it stays warm).
+#
+# Everything lands in $OUT, at most 8 files: gpu_vllm.log, vllm_gpu_bf16.json, vllm_gpu_w4a16.json (tests),
+# oom_vllm.json, oom_vllm.md, bench_vllm.json, bench_vllm.md, bench_vllm.png.
+# Knobs: OUT (gpu-vllm-out), WORK (/tmp/mmo-vllm: checkpoints, caches, child logs; the bench checkpoint is
+# kept for a later call), PYTHON (python3), OOM_ARGS / BENCH_ARGS (extra arguments), TESTS_TIMEOUT,
+# OOM_DEADLINE, BENCH_DEADLINE (seconds).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-vllm-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export OUT  # tests/test_vllm_gpu.py copies its children's JSON here
+WORK=${WORK:-/tmp/mmo-vllm}
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-tests,oom,bench}
+LOG="$OUT/gpu_vllm.log"
+mkdir -p "$WORK"
+if ! "$PY" -c "import vllm" 2>/dev/null && [ -f .vdev/env.sh ]; then
+  . .vdev/env.sh  # PYTHONPATH=/tmp/site:$PWD and the variables vLLM 0.26 needs there
+fi
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+say() { echo "$@" | tee -a "$LOG"; }
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'
+  echo "cpus $(getconf _NPROCESSORS_ONLN); $(free -g | awk 'NR==2{print "mem GiB total " $2 ", available " $7}')"
+  df -h "$WORK" | tail -1
+  head -3 /proc/self/cgroup
+} >>"$LOG" 2>&1
+tail -4 "$LOG"
+rc=0
+t0=$SECONDS
+has() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+if has tests; then
+  say "== tests (limit ${TESTS_TIMEOUT:-480} s)"
+  timeout -k 10 "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py \
+    >>"$LOG" 2>&1
+  r=$?
+  [ $r = 0 ] || rc=1
+  grep -E "passed|failed|error|skipped" "$LOG" | tail -3
+  say "tests: rc $r, $((SECONDS - t0)) s"
+fi
+
+if has oom; then
+  t=$SECONDS
+  D=${OOM_DEADLINE:-300}
+  say "== oom_repro --vllm (limit $D s)"
+  timeout -k 10 $((D + 30)) "$PY" benchmarks/oom_repro.py --vllm --out "$OUT" --workdir "$WORK/oom" \
+    --deadline "$D" ${OOM_ARGS:-} >>"$LOG" 2>&1
+  r=$?
+  [ $r = 0 ] || rc=1
+  cat "$OUT/oom_vllm.md" 2>/dev/null
+  rm -rf "$WORK/oom"
+  say "oom: rc $r, $((SECONDS - t)) s"
+fi
+
+if has bench; then
+  t=$SECONDS
+  D=${BENCH_DEADLINE:-420}
+  say "== bench_vllm (deadline $D s)"
+  timeout -k 10 $((D + 45)) "$PY" benchmarks/bench_vllm.py --out "$OUT" --workdir "$WORK/bench" --deadline "$D" \
+    ${BENCH_ARGS:-} >>"$LOG" 2>&1
+  r=$?
+  [ $r = 0 ] || rc=1
+  awk '/^\| bar \(issue 12\)/{on=1} on&&/^$/{exit} on' "$OUT/bench_vllm.md" 2>/dev/null
+  grep -E "^- (uva_prefill|expected)" "$OUT/bench_vllm.md" 2>/dev/null
+  say "bench: rc $r, $((SECONDS - t)) s"
+fi
+
+n=$(find "$OUT" -type f | wc -l)
+say "total $((SECONDS - t0)) s, rc $rc; $n files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+[ "$n" -le 8 ] || say "WARNING: more than 8 files in $OUT: the device tool brings back at most 8"
+exit $rc
