@@ -314,7 +314,7 @@ def _delta(a: dict | None, b: dict | None, key: str) -> float:
 MOVED_KEYS = ("engine_bytes_moved",)
 
 
-def rows_from_child(child: dict, expert_nbytes: int) -> list[dict]:
+def rows_from_child(child: dict) -> list[dict]:
     """One row per timed task of one child (decode / prefill), with the backend's counters as
     deltas over the timed part (decode: the (T+1)-token run minus the 1-token run)."""
     rows = []
@@ -441,7 +441,7 @@ def _g(n, unit=GIB, nd=2):
 def markdown(res: dict) -> str:
     rows, cfgs = res["rows"], {c["config"] + ("/" + c["label"] if c["label"] != c["config"] else ""): c
                                 for c in res["configs"]}
-    by_cfg = {}
+    by_cfg = {c["config"]: c for c in res["configs"] if c["label"] == c["config"]}
     for c in res["configs"]:
         by_cfg.setdefault(c["config"], c)
     L = [f"Shapes: {res['shapes_text']}; expert bytes {_g(res['expert_bytes'])} GiB; VRAM budget for expert weights "
@@ -666,7 +666,7 @@ def main(argv=None) -> int:
             for line in child.get("log_tail", [])[-15:]:
                 log("   | " + line)
         children.append((spec, child))
-        rows += rows_from_child(child, expert_nbytes)
+        rows += rows_from_child(child)
         cfgs.append(config_summary(child, spec))
     ratios(rows)
     prefill_name = next((w for w in workloads(args) if w.startswith("prefill")), "prefill-2k")

@@ -150,9 +150,11 @@ def test_rows_ratios_bars_and_markdown():
     layer = child("mmap-layer", "mmap-layer", [_decode("skewed/decode-1", 10.0), _decode("skewed/decode-8", 160.0),
                                                {"event": "task", "kind": "prefill", "name": "uniform/prefill-2k",
                                                 "result": {"skipped": "deadline"}}], summary=True)
+    cache_u = child("mmap-cache", "mmap-cache", [_decode("uniform/decode-1", 50.0)], summary=True)
+    cache_u["ready"] = {"ready_s": 7.5, "model_info": {}}
     rows = []
-    for c in (uva, cache, layer):
-        rows += bench_vllm.rows_from_child(c, 1)
+    for c in (uva, cache, layer, cache_u):
+        rows += bench_vllm.rows_from_child(c)
     bench_vllm.ratios(rows)
     r = bench_vllm._find(rows, "mmap-cache", "skewed", "decode-1")
     assert r["x_uva"] == 0.9 and r["mmap_mib_per_step"] == 2.0  # (9 MiB - 1 MiB) / 4 decode steps
@@ -165,7 +167,7 @@ def test_rows_ratios_bars_and_markdown():
     lay = b["decode: mmap-cache / mmap-layer (every routing and batch)"]
     assert lay["detail"] == {"skewed decode-1": 9.0, "skewed decode-8": 0.94} and lay["met"] is False
     res = {"rows": rows, "bars": list(b.values()), "configs": [bench_vllm.config_summary(c, {"config": c["config"], "llm": {}})
-                                                               for c in (uva, cache, layer)],
+                                                               for c in (uva, cache, layer, cache_u)],
            "workloads": ["decode-1", "decode-8", "prefill-2k"], "shapes_text": "W4A16 toy", "expert_bytes": 4 << 30,
            "budget_bytes": 1 << 30, "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
            "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
@@ -173,6 +175,9 @@ def test_rows_ratios_bars_and_markdown():
     assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 2.0 | 75% |" in md
     assert "| decode-8 skewed: mmap-cache / uva | 0.75 | >= 0.8 | **no** |" in md
     assert "| mmap-layer | uniform | prefill-2k | deadline |" in md
+    # each row shows its own child's figures (ready s last): the uniform and the trace engine of mmap-cache
+    assert [l for l in md.splitlines() if l.startswith("| mmap-cache | uniform | decode-1")][0].endswith("| 7.5 |")
+    assert [l for l in md.splitlines() if l.startswith("| mmap-cache | skewed | decode-1")][0].endswith("| 2.0 |")
     assert "expected under uniform routing (binomial): 2.0 reads per routed expert" in md
 
 
