@@ -14,7 +14,8 @@
 # oom_vllm.json, oom_vllm.md, bench_vllm.json, bench_vllm.md, bench_vllm.png.
 # Knobs: OUT (gpu-vllm-out), WORK (/tmp/mmo-vllm: checkpoints, caches, child logs; the bench checkpoint is
 # kept for a later call), PYTHON (python3), OOM_ARGS / BENCH_ARGS (extra arguments), TESTS_TIMEOUT,
-# OOM_DEADLINE, BENCH_DEADLINE (seconds).
+# OOM_DEADLINE, BENCH_DEADLINE (seconds), SESSION_LIMIT (560 s: the whole script; each step gets the
+# smaller of its own limit and what is left, so a 10-minute device call returns its files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-vllm-out}
@@ -43,11 +44,19 @@ say() { echo "$@" | tee -a "$LOG"; }
 tail -4 "$LOG"
 rc=0
 t0=$SECONDS
-has() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+LIMIT=${SESSION_LIMIT:-560}
+left() { echo $(( LIMIT - (SECONDS - t0) )); }
+cap() { local a=$1 b; b=$(( $(left) - ${2:-0} )); [ "$b" -lt "$a" ] && a=$b; echo "$a"; }
+has() {  # the step is asked for and at least 60 s of its budget are left
+  case ",$STEPS," in *",$1,"*) ;; *) return 1 ;; esac
+  [ "$(left)" -ge 60 ] && return 0
+  say "== $1: skipped, only $(left) s of SESSION_LIMIT left"; rc=1; return 1
+}
 
 if has tests; then
-  say "== tests (limit ${TESTS_TIMEOUT:-480} s)"
-  timeout -k 10 "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py \
+  T=$(cap "${TESTS_TIMEOUT:-480}" 10)
+  say "== tests (limit $T s)"
+  timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py \
     >>"$LOG" 2>&1
   r=$?
   [ $r = 0 ] || rc=1
@@ -57,7 +66,7 @@ fi
 
 if has oom; then
   t=$SECONDS
-  D=${OOM_DEADLINE:-300}
+  D=$(cap "${OOM_DEADLINE:-300}" 40)
   say "== oom_repro --vllm (limit $D s)"
   timeout -k 10 $((D + 30)) "$PY" benchmarks/oom_repro.py --vllm --out "$OUT" --workdir "$WORK/oom" \
     --deadline "$D" ${OOM_ARGS:-} >>"$LOG" 2>&1
@@ -70,7 +79,7 @@ fi
 
 if has bench; then
   t=$SECONDS
-  D=${BENCH_DEADLINE:-420}
+  D=$(cap "${BENCH_DEADLINE:-420}" 55)
   say "== bench_vllm (deadline $D s)"
   timeout -k 10 $((D + 45)) "$PY" benchmarks/bench_vllm.py --out "$OUT" --workdir "$WORK/bench" --deadline "$D" \
     ${BENCH_ARGS:-} >>"$LOG" 2>&1
