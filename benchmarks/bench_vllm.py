@@ -277,7 +277,7 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                           "llm": {**common, "offload_backend": "mmap",
                                   "additional_config": {"mmap_offload": {**mm, "expert_cache_gib": 0}}}})
         elif cfg == "mmap-cache":
-            pool = {**mm, "expert_cache_gib": round(budget / GIB, 6)}
+            pool = {**mm, "expert_cache_gib": round(budget / GIB, 9)}
             if skewed:  # the trace goes through the backend's own option: one engine per routing
                 specs.append({**base, "label": "mmap-cache-skewed", "config": cfg, "register_backend": True,
                               "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
@@ -333,23 +333,27 @@ def rows_from_child(child: dict) -> list[dict]:
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
             s1, sT = r.get("summary_1") or [None, None], r.get("summary_T1") or [None, None]
+            after = sT[1] or {}
 
             def d(key):
                 return _delta(*sT, key) - _delta(*s1, key)
         else:
             steps = 1
             row["step_ms"] = round(1000 * r["seconds"], 3)
-            s = r.get("summary") or [None, None]
+            sp = r.get("summary") or [None, None]
+            after = sp[1] or {}
 
             def d(key):
-                return _delta(*s, key)
+                return _delta(*sp, key)
         if child.get("has_summary"):
             moved = sum(d(k) for k in MOVED_KEYS)
             row["mmap_mib_per_step"] = round(moved / steps / MIB, 1)
             hits, misses = d("residency_pool_hits"), d("residency_pool_misses")
             if hits + misses > 0:
                 row["pool_hit_rate"] = round(hits / (hits + misses), 3)
-            calls = {k: d(f"residency_{k}_calls") for k in ("expert", "sparse", "layer")}
+            # the residency's per-layer decisions (expert / sparse / layer / ...), whatever modes it has
+            keys = [k for k in after if k.startswith("residency_") and k.endswith("_calls") and k != "residency_pool_calls"]
+            calls = {k[len("residency_"):-len("_calls")]: d(k) for k in keys}
             if any(calls.values()):
                 row["residency_calls"] = {k: int(v) for k, v in calls.items()}
         rows.append(row)
@@ -448,8 +452,8 @@ def markdown(res: dict) -> str:
          f"B = {_g(res['budget_bytes'])} GiB ({res['budget_frac_text']}); mmap layer buffers "
          f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}.",
          "",
-         "| config | routing | workload | tokens/s | x uva | step ms | mmap MiB/step | pool hit | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
-         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+         "| config | routing | workload | tokens/s | x uva | step ms | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
+         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = {c: i for i, c in enumerate(CONFIGS)}
     wl = {w: i for i, w in enumerate(res["workloads"])}
     for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99))):
@@ -457,11 +461,12 @@ def markdown(res: dict) -> str:
         if r["routing"] == "skewed" and r["config"] == "mmap-cache":
             c = cfgs.get("mmap-cache/mmap-cache-skewed", c)
         if "tok_s" not in r:
-            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | |")
+            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | |")
             continue
         hit = f"{100 * r['pool_hit_rate']:.0f}%" if "pool_hit_rate" in r else ""
+        modes = " ".join(f"{k} {v}" for k, v in r.get("residency_calls", {}).items() if v)
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
-                 f"{r['step_ms']:.2f} | {r.get('mmap_mib_per_step', '')} | {hit} | {_g(c.get('pinned_bytes'))} | "
+                 f"{r['step_ms']:.2f} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "
                  f"{c.get('ready_s', '')} |")
     L += ["", "| bar (issue 12) | this run | need | met |", "| --- | ---: | ---: | --- |"]

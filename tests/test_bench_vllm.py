@@ -126,7 +126,8 @@ def test_marlin_model_counts_m_blocks_per_expert():
 
 
 def _decode(name, tok_s, moved=(0, 0), hits=(0, 0)):
-    s = lambda m, h: {"engine_bytes_moved": m, "residency_pool_hits": h[0], "residency_pool_misses": h[1]}  # noqa: E731
+    s = lambda m, h: {"engine_bytes_moved": m, "residency_pool_hits": h[0], "residency_pool_misses": h[1],  # noqa: E731
+                      "residency_expert_calls": h[0] // 10, "residency_pool_calls": 99}
     return {"event": "task", "kind": "decode", "name": name,
             "result": {"tok_s": tok_s, "seconds": 1.0, "tokens": 4, "step_ms": 10.0,
                        "summary_1": [s(0, (0, 0)), s(moved[0], (0, 0))],
@@ -158,7 +159,7 @@ def test_rows_ratios_bars_and_markdown():
     bench_vllm.ratios(rows)
     r = bench_vllm._find(rows, "mmap-cache", "skewed", "decode-1")
     assert r["x_uva"] == 0.9 and r["mmap_mib_per_step"] == 2.0  # (9 MiB - 1 MiB) / 4 decode steps
-    assert r["pool_hit_rate"] == 0.75
+    assert r["pool_hit_rate"] == 0.75 and r["residency_calls"] == {"expert": 3}
     assert next(x for x in rows if x["config"] == "mmap-layer" and x["workload"] == "prefill-2k")["status"] == "deadline"
     b = {x["bar"]: x for x in bench_vllm.bars(rows, "prefill-2k")}
     assert b["decode-1 skewed: mmap-cache / uva"]["met"] is True
@@ -172,9 +173,9 @@ def test_rows_ratios_bars_and_markdown():
            "budget_bytes": 1 << 30, "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
            "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
     md = bench_vllm.markdown(res)
-    assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 2.0 | 75% |" in md
+    assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 2.0 | 75% | expert 3 |" in md
     assert "| decode-8 skewed: mmap-cache / uva | 0.75 | >= 0.8 | **no** |" in md
-    assert "| mmap-layer | uniform | prefill-2k | deadline |" in md
+    assert "| mmap-layer | uniform | prefill-2k | deadline | | | | | | | | | | |" in md
     # each row shows its own child's figures (ready s last): the uniform and the trace engine of mmap-cache
     assert [l for l in md.splitlines() if l.startswith("| mmap-cache | uniform | decode-1")][0].endswith("| 7.5 |")
     assert [l for l in md.splitlines() if l.startswith("| mmap-cache | skewed | decode-1")][0].endswith("| 2.0 |")
