@@ -652,6 +652,10 @@ def main(argv=None) -> int:
             trace_stats = {**traces.trace_stats(tr, args.experts_n), "reuse": traces.reuse_fraction(tr),
                            "shape": list(tr.shape), "path": str(trace)}
         log(f"trace {trace}: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in trace_stats.items()})}")
+        big = max((int(w.split("-")[1]) for w in workloads(args) if w.startswith("decode-")), default=1)
+        if trace_stats["shape"][2] < big:
+            log(f"WARNING: the trace has {trace_stats['shape'][2]} sequences per step, decode-{big} repeats them "
+                "(fewer distinct experts than real sequences would route)")
     cache = work / "cache"
     specs = child_specs(args, ckpt, cache, trace, expert_bytes, layer_bytes, deadline_at - 15)
     children, rows, cfgs = [], [], []
@@ -705,7 +709,7 @@ def main(argv=None) -> int:
         "budget_frac_text": f"{budget_bytes(args, expert_bytes) / expert_bytes:.2f} x expert bytes",
         "layer_buffer_bytes": 2 * layer_bytes,
         "trace": trace_stats,
-        "trace_text": (f"Zipf s={trace_stats.get('zipf_s', '?')}, reuse {trace_stats['reuse']:.2f} of the previous step's experts"
+        "trace_text": (f"{'Zipf s=' + str(trace_stats['zipf_s']) if 'zipf_s' in trace_stats else Path(trace_stats['path']).name}, reuse {trace_stats['reuse']:.2f} of the previous step's experts"
                        if trace_stats else None),
         "workloads": workloads(args), "decode_tokens": args.decode_tokens,
         "rows": rows, "bars": bars(rows, prefill_name), "marlin_model": mm, "configs": cfgs,
