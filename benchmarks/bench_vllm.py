@@ -515,12 +515,20 @@ def plot(res: dict, path: Path) -> str | None:
         wls = [w for w in res["workloads"] if any(x["routing"] == routing and x["workload"] == w for x in res["rows"])]
         width = 0.8 / max(len(cfgs), 1)
         for i, c in enumerate(cfgs):
-            ys = [(_find(res["rows"], c, routing, w) or {}).get("x_uva", 0) or 0 for w in wls]
-            ax.bar([j + i * width for j in range(len(wls))], ys, width, label=c)
+            ys = [(_find(res["rows"], c, routing, w) or {}).get("x_uva") or float("nan") for w in wls]
+            xs = [j + i * width for j in range(len(wls))]
+            ax.bar(xs, ys, width, label=c)
+            for x, y in zip(xs, ys):
+                if y == y:  # not NaN
+                    ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.axhline(BARS["decode_skewed"], color="r", lw=0.8, ls="--")
         ax.set_xticks([j + width * (len(cfgs) - 1) / 2 for j in range(len(wls))], wls)
         ax.set_yscale("log")
+        from matplotlib.ticker import FormatStrFormatter
+
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.set_ylabel("tokens/s / uva's")
         ax.set_title(f"{routing} routing" + (" (trace)" if routing == "skewed" else " (model's router)"))
         ax.legend(fontsize=8)

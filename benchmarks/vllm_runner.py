@@ -440,7 +440,9 @@ class _Child:
         os.fsync(self.events.fileno())  # a kill right after must not lose the line
 
     # -- measurements --------------------------------------------------------------------------
-    def mem(self) -> dict:
+    def mem(self, cuda: bool = True) -> dict:
+        """This process's memory (/proc/self/status) and, once vLLM is up (``cuda``), CUDA's and
+        torch's pinned allocator's counters (not before: no CUDA context ahead of vLLM's own)."""
         out = {}
         try:
             with open("/proc/self/status") as f:
@@ -451,7 +453,7 @@ class _Child:
         except OSError:
             pass
         torch = self.torch
-        if torch is not None and torch.cuda.is_available():
+        if cuda and torch is not None and torch.cuda.is_available():
             out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated())
             out["cuda_allocated"] = int(torch.cuda.memory_allocated())
             free, total = torch.cuda.mem_get_info()
@@ -504,7 +506,7 @@ class _Child:
             if spec.get("register_backend"):
                 register_backend()
             self.emit("imported", vllm=getattr(vllm, "__version__", "?"), torch=torch.__version__,
-                      gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, mem=self.mem())
+                      gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, mem=self.mem(False))
             kw = dict(spec["llm"])
             if "cpu_offload_params" in kw:
                 kw["cpu_offload_params"] = set(kw["cpu_offload_params"])
