@@ -219,13 +219,13 @@ def _cgroup_or_skip():
 
 def test_runner_measures_a_child_and_reports_its_events(tmp_path):
     kind = _cgroup_or_skip()
-    res = vllm_runner.run_child({"label": "alloc", "selftest": {"alloc_mib": 200}}, workdir=tmp_path, timeout=60,
-                                echo=None)
+    res = vllm_runner.run_child({"label": "alloc", "selftest": {"alloc_mib": 200, "hold_s": 0.4}}, workdir=tmp_path,
+                                timeout=60, echo=None)
     assert res["outcome"] == "ok" and res["returncode"] == 0
     assert [e["event"] for e in res["events"]] == ["start", "task", "done"]
     assert res["tasks"][0]["result"]["bytes"] == 200 << 20
     assert res["cgroup"]["kind"] == kind and res["cgroup"]["peak"] >= 200 << 20
-    assert res["cgroup"]["stat_max"].get("anon+shmem", 0) >= 150 << 20 or res["wall_s"] < 0.2  # sampled every 50 ms
+    assert res["cgroup"]["stat_max"]["anon+shmem"] >= 200 << 20  # memory.stat sampled every 50 ms while it held
     assert res["cgroup"]["oom_kill"] in (0, None)
 
 
