@@ -53,7 +53,7 @@ LIBRARIES: dict[str, Library] = {
     "mo_native": Library(("copy_pool.c", "fastcopy.c"), ("fastcopy.h",), ("-O3", "-mavx2"),
                          ("pthread",), ("avx2",)),
     # host compute of missed experts: dispatches on the ISA at run time (function target attributes)
-    "mo_host": Library(("host_kernel.c",), (), ("-O3",), ("pthread",), ()),
+    "mo_host": Library(("host_kernel.c",), (), ("-O3",), ("pthread", "m"), ()),
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent

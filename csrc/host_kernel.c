@@ -1,0 +1,809 @@
+/* Host compute of W4A16 MoE experts straight from Marlin words (mmap_offload/host/kernel.py).
+
+One expert's MLP, out = down(silu(gate(x)) * up(x)), for a few token rows, reading the Marlin-repacked
+words and Marlin-permuted scales exactly as vLLM's MoE kernel (and the cache) holds them: no second
+layout, no per-call repacking. Built without global -m flags: the SIMD paths carry target attributes and
+are chosen at run time (mo_host_isa_available).
+
+Marlin word layout (docs/LAYOUTS.md): matrix W[K, N] (K input, N output) is int32 [K/16, 2N]; tile
+(kt, nt) of 16 x 64 values is 128 consecutive words at (kt*N/64 + nt)*128; word w = 16b + 4a + j of a
+tile (lane i = 4b + a) holds in nibble t = 4l + 2g + h the value u = q + 8 of
+W[kt*16 + 8h + 2a + l, nt*64 + 16j + 8g + b]. So one 64-byte line of a tile (fixed b, 16 words) covers
+the columns n = 16j + 8g + b (8 of them) and all 16 k of the tile; its lanes (a, j) accumulate per
+nibble into two vectors (g = 0, 1), and the four lanes a of one column are summed once per tile column
+at the end. The uint4b8 offset folds into a per-block sum of x: sum_k x_k (u_k - 8) s = s (sum_k x_k
+u_k - 8 sum_k x_k).
+
+Work: w13 is one Marlin matrix with N = 2I (gate tiles 0..I/64-1, up tiles after them). Phase 1 units
+are (job, gate/up tile pair, part of the 8 lines b): both tiles, then silu(gate) * up for those columns
+into the job's fp32 intermediate. A barrier. Phase 2 units are (output tile of H, part of b), each
+running every job's w2 for its columns and summing weight * y into an fp32 accumulator per out row,
+then rounding once into out. Units are taken by an atomic counter (threads of a pool that this library
+owns: vLLM workers run with OMP_NUM_THREADS=1); the calling thread is worker 0.
+*/
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MO_X86 1
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define MO_X86 0
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define MO_HOST_ABI 1
+
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
+
+typedef struct {
+    const int64_t *rows;     /* [m] rows of x and of out */
+    const float *weights;    /* [m] routing weights (NULL: 1) */
+    int64_t m;
+    const uint32_t *w13;     /* Marlin [H/16, 4I] */
+    const void *s13;         /* [G13, 2I], permuted */
+    const uint32_t *w2;      /* Marlin [I/16, 2H] */
+    const void *s2;          /* [G2, H], permuted */
+    int32_t gs13, gs2;       /* k per scale group (K when one group) */
+    int32_t grouped13, grouped2; /* scale permutation: 1 = 64-chunks, 0 = 32-chunks (channelwise) */
+    int32_t sdtype;          /* DT_* of the scales */
+    int32_t pad;
+} mo_job_t;
+
+int mo_host_abi(void) { return MO_HOST_ABI; }
+
+int mo_host_isa_available(int isa) {
+#if MO_X86
+    __builtin_cpu_init();
+    if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                                  __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c");
+#endif
+    return isa == ISA_PLAIN;
+}
+
+/* ------------------------------------------------------------------ scalar conversions */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 0x1f) {
+        u = sign | 0x7f800000 | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline uint16_t f32_to_fp16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000, a = u & 0x7fffffff;
+    if (a > 0x7f800000) return (uint16_t)(sign | 0x7e00);
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds to >= 65520: inf */
+    if (a < 0x38800000) { /* subnormal half (or zero): round a / 2^-24 to an integer, ties to even */
+        float v;
+        memcpy(&v, &a, 4);
+        v = v * 16777216.0f;                 /* exact: a power of two */
+        uint32_t r = (uint32_t)nearbyintf(v); /* default rounding mode: to nearest even */
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = a + 0xfff + ((a >> 13) & 1) - (112u << 23);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float load_scalar(const void *p, int64_t i, int dt) {
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == DT_FP16) return fp16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store_scalar(void *p, int64_t i, int dt, float v) {
+    if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else if (dt == DT_FP16) ((uint16_t *)p)[i] = f32_to_fp16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* Position of tile-local column n (0..63) in the permuted scales of its 64 columns. */
+static inline int scale_pos(int n, int grouped) {
+    if (grouped) return 8 * (n & 7) + (n >> 3);                   /* out[8i + j] = in[i + 8j] */
+    int c = n >> 5, q = n & 31;                                    /* out[8i + m] = in[2i + P[m]] */
+    return 32 * c + 8 * ((q & 7) >> 1) + 2 * (q >> 3) + (q & 1);
+}
+
+/* ------------------------------------------------------------------ one matrix, one tile column */
+
+typedef struct {
+    const uint32_t *w;
+    const void *s;
+    int64_t K, N;
+    int gs, grouped, sdt;
+} mat_t;
+
+typedef struct {
+    const void *const *xrow; /* M row pointers, each K elements of dtype xdt */
+    int xdt;
+    int M;
+} act_t;
+
+static inline int block_k(const mat_t *A) {
+    if (A->gs >= A->K || A->gs % 64 == 0) return 64;
+    return A->gs % 32 == 0 ? 32 : 16;
+}
+
+/* scv[(b*2 + g)*4 + j] = scale of column 16j + 8g + b of tile nt, group grp (b in [b0, b1)). */
+static inline void tile_scales(const mat_t *A, int64_t nt, int64_t grp, int b0, int b1, float *scv) {
+    const int64_t base = grp * A->N + nt * 64;
+    for (int b = b0; b < b1; b++)
+        for (int g = 0; g < 2; g++)
+            for (int j = 0; j < 4; j++)
+                scv[(b * 2 + g) * 4 + j] = load_scalar(A->s, base + scale_pos(16 * j + 8 * g + b, A->grouped), A->sdt);
+}
+
+/* Plain C: ytile[m*64 + n] for the columns n of lines b in [b0, b1). scratch: >= 64*M + 64 floats. */
+static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+    const int M = X->M;
+    const int64_t NT = A->N / 64;
+    float *gacc = scratch;            /* [M][64] per block */
+    float *scv = scratch + 64 * M;    /* 64 */
+    float xk[16];
+    int64_t cur = -1;
+    const int BK = block_k(A);
+    for (int m = 0; m < M; m++) memset(ytile + 64 * m, 0, 64 * sizeof(float));
+    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
+        int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
+        int64_t grp = k0 / A->gs;
+        if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
+        memset(gacc, 0, sizeof(float) * 64 * M);
+        for (int m = 0; m < M; m++) {
+            float xsum = 0.f;
+            for (int64_t kt = k0 / 16; kt < k1 / 16; kt++) {
+                for (int k = 0; k < 16; k++) { xk[k] = load_scalar(X->xrow[m], kt * 16 + k, X->xdt); xsum += xk[k]; }
+                const uint32_t *tw = A->w + (kt * NT + nt) * 128;
+                for (int b = b0; b < b1; b++)
+                    for (int a = 0; a < 4; a++)
+                        for (int j = 0; j < 4; j++) {
+                            uint32_t word = tw[16 * b + 4 * a + j];
+                            for (int t = 0; t < 8; t++) {
+                                int l = t >> 2, g = (t >> 1) & 1, h = t & 1;
+                                gacc[m * 64 + 16 * j + 8 * g + b] += xk[8 * h + 2 * a + l] * (float)((word >> (4 * t)) & 15);
+                            }
+                        }
+            }
+            for (int b = b0; b < b1; b++)
+                for (int g = 0; g < 2; g++)
+                    for (int j = 0; j < 4; j++) {
+                        int n = 16 * j + 8 * g + b;
+                        ytile[m * 64 + n] += scv[(b * 2 + g) * 4 + j] * (gacc[m * 64 + n] - 8.f * xsum);
+                    }
+        }
+    }
+}
+
+#if MO_X86
+/* ------------------------------------------------------------------ AVX-512 */
+#define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
+    if (dt == DT_FP32) return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (dt == DT_FP16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* One line b over the block's nkt tiles, MB rows: acc per (g, m, NA-way split), then T += s (acc - 8 xs). */
+T512 static inline __attribute__((always_inline)) void
+blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs, __m512 *T,
+       __m512 sv0, __m512 sv1, const int MB) {
+    const int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+    __m512 acc[2][8][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < 2; g++)
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; m++)
+#pragma GCC unroll 4
+            for (int q = 0; q < NA; q++) acc[g][m][q] = _mm512_setzero_ps();
+    const __m512i m15 = _mm512_set1_epi32(15);
+    for (int kt = 0; kt < nkt; kt++) {
+        __m512i wv = _mm512_loadu_si512((const void *)(wb + kt * stride));
+        const __m512 *xk = xe + kt * 4 * M;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
+            __m512i u = t == 7 ? _mm512_srli_epi32(wv, 28) : _mm512_and_si512(_mm512_srli_epi32(wv, 4 * t), m15);
+            __m512 f = _mm512_cvtepi32_ps(u);
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; m++)
+                acc[g][m][lh % NA] = _mm512_fmadd_ps(f, xk[lh * M + m], acc[g][m][lh % NA]);
+        }
+    }
+    const __m512 eight = _mm512_set1_ps(8.f);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; m++) {
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++) {
+            __m512 r = acc[g][m][0];
+#pragma GCC unroll 4
+            for (int q = 1; q < NA; q++) r = _mm512_add_ps(r, acc[g][m][q]);
+            r = _mm512_fnmadd_ps(eight, xs[m], r);
+            T[g * M + m] = _mm512_fmadd_ps(g ? sv1 : sv0, r, T[g * M + m]);
+        }
+    }
+}
+
+T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+    const int M = X->M;
+    const int64_t NT = A->N / 64, stride = NT * 128;
+    __m512 *xe = (__m512 *)scratch;       /* [4 kt][4 lh][M] */
+    __m512 *xs = xe + 16 * M;             /* [M] */
+    __m512 *T = xs + M;                   /* [8 b][2 g][M] */
+    float *scv = (float *)(T + 16 * M);   /* [8][2][4] */
+    const int BK = block_k(A);
+    const int nb = (M + 7) / 8, MB = (M + nb - 1) / nb;
+    __m512i idx[4];
+    for (int lh = 0; lh < 4; lh++) {
+        int l = lh & 1, h = lh >> 1, v[16];
+        for (int p = 0; p < 16; p++) v[p] = 2 * (p >> 2) + l + 8 * h;
+        idx[lh] = _mm512_loadu_si512((const void *)v);
+    }
+    for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
+    int64_t cur = -1;
+    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
+        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
+        const int nkt = (int)((k1 - k0) / 16);
+        const int64_t grp = k0 / A->gs;
+        if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
+        if (k1 < A->K) { /* the next block's lines of this tile column */
+            int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
+            for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
+                for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
+        }
+        for (int m = 0; m < M; m++) {
+            __m512 s = _mm512_setzero_ps();
+            for (int kt = 0; kt < nkt; kt++) {
+                __m512 xv = load16_512(X->xrow[m], k0 + 16 * kt, X->xdt);
+                for (int lh = 0; lh < 4; lh++) {
+                    __m512 e = _mm512_permutexvar_ps(idx[lh], xv);
+                    xe[(kt * 4 + lh) * M + m] = e;
+                    s = _mm512_add_ps(s, e);
+                }
+            }
+            xs[m] = s;
+        }
+        const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
+        for (int b = b0; b < b1; b++) {
+            __m512 sv0 = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (b * 2) * 4));
+            __m512 sv1 = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (b * 2 + 1) * 4));
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                int mb = M - m0 < MB ? M - m0 : MB;
+                const uint32_t *wb = w0 + 16 * b;
+                __m512 *Tb = T + b * 2 * M + m0;
+                switch (mb) {
+                case 1: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 1); break;
+                case 2: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 2); break;
+                case 3: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 3); break;
+                case 4: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 4); break;
+                case 5: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 5); break;
+                case 6: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 6); break;
+                case 7: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 7); break;
+                default: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 8); break;
+                }
+            }
+        }
+    }
+    /* lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a */
+    for (int b = b0; b < b1; b++)
+        for (int g = 0; g < 2; g++)
+            for (int m = 0; m < M; m++) {
+                __m512 v = T[(b * 2 + g) * M + m];
+                __m128 r = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v, 0), _mm512_extractf32x4_ps(v, 1)),
+                                      _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
+                float o[4];
+                _mm_storeu_ps(o, r);
+                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
+            }
+}
+
+/* ------------------------------------------------------------------ AVX2 (+FMA, F16C) */
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+/* Half c of line b: words 16b + 8c + p, lanes p = 4(a - 2c) + j; acc per (g, m, NA). */
+T256 static inline __attribute__((always_inline)) void
+blk256(const uint32_t *wb, int64_t stride, int nkt, const __m256 *xe, int M, const __m256 *xs, __m256 *T,
+       __m256 sv0, __m256 sv1, const int MB) {
+    const int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+    __m256 acc[2][4][4];
+#pragma GCC unroll 2
+    for (int g = 0; g < 2; g++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++)
+#pragma GCC unroll 4
+            for (int q = 0; q < NA; q++) acc[g][m][q] = _mm256_setzero_ps();
+    const __m256i m15 = _mm256_set1_epi32(15);
+    for (int kt = 0; kt < nkt; kt++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + kt * stride));
+        const __m256 *xk = xe + kt * 8 * M; /* [c][lh][M]: the caller offsets by c */
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
+            __m256i u = t == 7 ? _mm256_srli_epi32(wv, 28) : _mm256_and_si256(_mm256_srli_epi32(wv, 4 * t), m15);
+            __m256 f = _mm256_cvtepi32_ps(u);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; m++)
+                acc[g][m][lh % NA] = _mm256_fmadd_ps(f, xk[lh * M + m], acc[g][m][lh % NA]);
+        }
+    }
+    const __m256 eight = _mm256_set1_ps(8.f);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++)
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++) {
+            __m256 r = acc[g][m][0];
+#pragma GCC unroll 4
+            for (int q = 1; q < NA; q++) r = _mm256_add_ps(r, acc[g][m][q]);
+            r = _mm256_fnmadd_ps(eight, xs[m], r);
+            T[g * M + m] = _mm256_fmadd_ps(g ? sv1 : sv0, r, T[g * M + m]);
+        }
+}
+
+T256 static inline __m256 load8_256(const void *p, int64_t i, int dt) {
+    if (dt == DT_FP32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dt == DT_FP16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+    const int M = X->M;
+    const int64_t NT = A->N / 64, stride = NT * 128;
+    __m256 *xe = (__m256 *)scratch;      /* [4 kt][2 c][4 lh][M] */
+    __m256 *xs = xe + 32 * M;            /* [2 c][M] */
+    __m256 *T = xs + 2 * M;              /* [8 b][2 c][2 g][M] */
+    float *scv = (float *)(T + 32 * M);
+    const int BK = block_k(A);
+    const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb;
+    __m256i idx[2][2]; /* [c][l]: lane p -> element 4c + 2(p >> 2) + l of the 8 x of half h */
+    for (int c = 0; c < 2; c++)
+        for (int l = 0; l < 2; l++) {
+            int v[8];
+            for (int p = 0; p < 8; p++) v[p] = 4 * c + 2 * (p >> 2) + l;
+            idx[c][l] = _mm256_loadu_si256((const __m256i *)v);
+        }
+    for (int i = b0 * 4 * M; i < b1 * 4 * M; i++) T[i] = _mm256_setzero_ps();
+    int64_t cur = -1;
+    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
+        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
+        const int nkt = (int)((k1 - k0) / 16);
+        const int64_t grp = k0 / A->gs;
+        if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
+        if (k1 < A->K) {
+            int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
+            for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
+                for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
+        }
+        for (int m = 0; m < M; m++) {
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            for (int kt = 0; kt < nkt; kt++) {
+                for (int h = 0; h < 2; h++) {
+                    __m256 xv = load8_256(X->xrow[m], k0 + 16 * kt + 8 * h, X->xdt);
+                    for (int c = 0; c < 2; c++)
+                        for (int l = 0; l < 2; l++) {
+                            __m256 e = _mm256_permutevar8x32_ps(xv, idx[c][l]);
+                            xe[((kt * 2 + c) * 4 + 2 * h + l) * M + m] = e;
+                            if (c) s1 = _mm256_add_ps(s1, e); else s0 = _mm256_add_ps(s0, e);
+                        }
+                }
+            }
+            xs[m] = s0;
+            xs[M + m] = s1;
+        }
+        const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
+        for (int b = b0; b < b1; b++) {
+            __m256 sv0 = _mm256_broadcast_ps((const __m128 *)(scv + (b * 2) * 4));
+            __m256 sv1 = _mm256_broadcast_ps((const __m128 *)(scv + (b * 2 + 1) * 4));
+            for (int c = 0; c < 2; c++) {
+                const uint32_t *wb = w0 + 16 * b + 8 * c;
+                for (int m0 = 0; m0 < M; m0 += MB) {
+                    int mb = M - m0 < MB ? M - m0 : MB;
+                    const __m256 *xec = xe + c * 4 * M + m0;
+                    const __m256 *xsc = xs + c * M + m0;
+                    __m256 *Tb = T + (b * 2 + c) * 2 * M + m0;
+                    switch (mb) {
+                    case 1: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 1); break;
+                    case 2: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 2); break;
+                    case 3: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 3); break;
+                    default: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 4); break;
+                    }
+                }
+            }
+        }
+    }
+    for (int b = b0; b < b1; b++)
+        for (int g = 0; g < 2; g++)
+            for (int m = 0; m < M; m++) {
+                __m256 v = _mm256_add_ps(T[((b * 2 + 0) * 2 + g) * M + m], T[((b * 2 + 1) * 2 + g) * M + m]);
+                __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                float o[4];
+                _mm_storeu_ps(o, r);
+                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
+            }
+}
+#endif /* MO_X86 */
+
+typedef void (*tile_fn)(const mat_t *, int64_t, int, int, const act_t *, float *, float *);
+
+static tile_fn pick_tile(int isa) {
+#if MO_X86
+    if (isa == ISA_AVX512) return tile512;
+    if (isa == ISA_AVX2) return tile256;
+#endif
+    (void)isa;
+    return tile_plain;
+}
+
+/* Scratch floats one thread needs for rows M (any path): the largest of the three layouts, + 2 ytiles. */
+static size_t scratch_floats(int M) {
+    size_t simd = (size_t)16 * (16 * M + M + 16 * M) + 64; /* avx512: xe, xs, T in 16-float vectors; avx2 the same */
+    size_t plain = (size_t)64 * M + 64;
+    return (simd > plain ? simd : plain) + (size_t)2 * 64 * M + 16;
+}
+
+/* ------------------------------------------------------------------ the pool */
+
+typedef struct pool pool_t;
+typedef void (*task_fn)(pool_t *, int tid, void *arg);
+
+struct pool {
+    int nthreads;
+    pthread_t *threads;
+    pthread_mutex_t mu;          /* wakes idle workers */
+    pthread_cond_t cv;
+    pthread_mutex_t call_mu;     /* one call at a time */
+    volatile int stop;
+    int64_t gen;                 /* task generation (atomic) */
+    task_fn fn;
+    void *arg;
+    int done;                    /* workers finished with this generation (atomic) */
+    int bar_count, bar_sense;    /* barrier (atomics) */
+    float **scratch;             /* per thread */
+    size_t scratch_n;
+    float *acc;                  /* [rows][H] fp32 */
+    size_t acc_n;
+    float *inter;                /* the jobs' fp32 intermediates */
+    size_t inter_n;
+    unsigned char *mark;
+    size_t mark_n;
+    int64_t *uniq;
+    size_t uniq_n;
+};
+
+static void spin_wait_ge(int *p, int v) {
+    for (int i = 0; __atomic_load_n(p, __ATOMIC_ACQUIRE) < v; i++) {
+        if (i < 4000) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+static void pool_barrier(pool_t *P, int *local_sense) {
+    int s = !*local_sense;
+    *local_sense = s;
+    if (__atomic_add_fetch(&P->bar_count, 1, __ATOMIC_ACQ_REL) == P->nthreads) {
+        __atomic_store_n(&P->bar_count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&P->bar_sense, s, __ATOMIC_RELEASE);
+    } else {
+        for (int i = 0; __atomic_load_n(&P->bar_sense, __ATOMIC_ACQUIRE) != s; i++) {
+            if (i < 4000) CPU_RELAX();
+            else sched_yield();
+        }
+    }
+}
+
+typedef struct { pool_t *P; int tid; } worker_arg;
+
+static void *worker_main(void *vp) {
+    worker_arg wa = *(worker_arg *)vp;
+    free(vp);
+    pool_t *P = wa.P;
+    int64_t seen = 0;
+    for (;;) {
+        int64_t g;
+        int spins = 0;
+        while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) {
+            if (++spins < 20000) { CPU_RELAX(); continue; }
+            pthread_mutex_lock(&P->mu);
+            while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) pthread_cond_wait(&P->cv, &P->mu);
+            pthread_mutex_unlock(&P->mu);
+            break;
+        }
+        if (P->stop) return NULL;
+        seen = g;
+        P->fn(P, wa.tid, P->arg);
+        __atomic_add_fetch(&P->done, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
+void mo_host_destroy(void *h);
+
+void *mo_host_create(int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    pool_t *P = calloc(1, sizeof *P);
+    if (!P) return NULL;
+    P->nthreads = nthreads;
+    pthread_mutex_init(&P->mu, NULL);
+    pthread_cond_init(&P->cv, NULL);
+    pthread_mutex_init(&P->call_mu, NULL);
+    P->threads = calloc((size_t)nthreads, sizeof(pthread_t));
+    P->scratch = calloc((size_t)nthreads, sizeof(float *));
+    if (!P->threads || !P->scratch) { free(P->threads); free(P->scratch); free(P); return NULL; }
+    for (int t = 1; t < nthreads; t++) {
+        worker_arg *wa = malloc(sizeof *wa);
+        if (!wa) { P->nthreads = t; mo_host_destroy(P); return NULL; }
+        wa->P = P;
+        wa->tid = t;
+        if (pthread_create(&P->threads[t], NULL, worker_main, wa) != 0) {
+            free(wa);
+            P->nthreads = t;
+            mo_host_destroy(P);
+            return NULL;
+        }
+    }
+    return P;
+}
+
+void mo_host_destroy(void *h) {
+    pool_t *P = h;
+    if (!P) return;
+    pthread_mutex_lock(&P->mu);
+    P->stop = 1;
+    pthread_cond_broadcast(&P->cv);
+    pthread_mutex_unlock(&P->mu);
+    for (int t = 1; t < P->nthreads; t++) pthread_join(P->threads[t], NULL);
+    for (int t = 0; t < P->nthreads; t++) free(P->scratch[t]);
+    free(P->scratch);
+    free(P->threads);
+    free(P->acc);
+    free(P->inter);
+    free(P->mark);
+    free(P->uniq);
+    free(P);
+}
+
+int mo_host_threads(void *h) { return ((pool_t *)h)->nthreads; }
+
+static void pool_run(pool_t *P, task_fn fn, void *arg) {
+    P->fn = fn;
+    P->arg = arg;
+    __atomic_store_n(&P->done, 0, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&P->mu);
+    __atomic_add_fetch(&P->gen, 1, __ATOMIC_ACQ_REL);
+    pthread_cond_broadcast(&P->cv);
+    pthread_mutex_unlock(&P->mu);
+    fn(P, 0, arg);
+    spin_wait_ge(&P->done, P->nthreads - 1);
+}
+
+static int grow(void **p, size_t *have, size_t need, size_t elem) {
+    if (*have >= need) return 0;
+    void *q = NULL;
+    if (posix_memalign(&q, 64, need * elem > 0 ? need * elem : 64) != 0) return -1;
+    free(*p);
+    *p = q;
+    *have = need;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the MLP task */
+
+typedef struct {
+    const mo_job_t *jobs;
+    int njobs;
+    const void *x;
+    int xdt;
+    int64_t H, I;
+    void *out;
+    int mode;             /* 0: out[rows] = sum, 1: out[rows] += sum */
+    tile_fn tile;
+    int64_t *inter_off;   /* per job: offset (floats) of its [m][I] intermediate in pool->inter */
+    int64_t *units1_pre;  /* per job: first phase-1 unit */
+    int64_t units1, units2;
+    int split1, split2;   /* lines b per unit: 8 / split */
+    int64_t nuniq;
+    int next1, next2;     /* unit counters (atomics) */
+    int maxm;
+} mlp_task;
+
+static void mlp_run(pool_t *P, int tid, void *vp) {
+    mlp_task *T = vp;
+    float *scr = P->scratch[tid];
+    float *y0 = scr + scratch_floats(T->maxm) - 2 * 64 * (size_t)T->maxm - 16;
+    float *y1 = y0 + 64 * (size_t)T->maxm;
+    int sense = 0;
+    const void *rowp[1024];
+    const void **xrow = T->maxm <= 1024 ? rowp : NULL;
+    if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
+    const int esz = T->xdt == DT_FP32 ? 4 : 2;
+    /* phase 1: w13, silu(gate) * up */
+    for (;;) {
+        int64_t u = __atomic_fetch_add(&T->next1, 1, __ATOMIC_RELAXED);
+        if (u >= T->units1) break;
+        int j = 0;
+        while (j + 1 < T->njobs && T->units1_pre[j + 1] <= u) j++;
+        const mo_job_t *J = &T->jobs[j];
+        int64_t r = u - T->units1_pre[j];
+        int64_t pair = r / T->split1;
+        int part = (int)(r % T->split1), bw = 8 / T->split1, b0 = part * bw, b1 = b0 + bw;
+        mat_t A = {J->w13, J->s13, T->H, 2 * T->I, J->gs13, J->grouped13, J->sdtype};
+        for (int64_t m = 0; m < J->m; m++) xrow[m] = (const char *)T->x + (size_t)J->rows[m] * T->H * esz;
+        act_t X = {xrow, T->xdt, (int)J->m};
+        T->tile(&A, pair, b0, b1, &X, y0, scr);
+        T->tile(&A, pair + T->I / 64, b0, b1, &X, y1, scr);
+        float *inter = P->inter + T->inter_off[j];
+        for (int64_t m = 0; m < J->m; m++)
+            for (int b = b0; b < b1; b++)
+                for (int q = 0; q < 8; q++) {
+                    int n = 8 * q + b;
+                    float gt = y0[m * 64 + n], up = y1[m * 64 + n];
+                    inter[m * T->I + pair * 64 + n] = gt / (1.f + expf(-gt)) * up;
+                }
+    }
+    pool_barrier(P, &sense);
+    /* phase 2: w2 of every job for this unit's columns, summed per out row, rounded once */
+    for (;;) {
+        int64_t u = __atomic_fetch_add(&T->next2, 1, __ATOMIC_RELAXED);
+        if (u >= T->units2) break;
+        int64_t nt = u / T->split2;
+        int part = (int)(u % T->split2), bw = 8 / T->split2, b0 = part * bw, b1 = b0 + bw;
+        for (int64_t i = 0; i < T->nuniq; i++) {
+            float *a = P->acc + (size_t)P->uniq[i] * T->H + nt * 64;
+            for (int b = b0; b < b1; b++)
+                for (int q = 0; q < 8; q++) a[8 * q + b] = 0.f;
+        }
+        for (int j = 0; j < T->njobs; j++) {
+            const mo_job_t *J = &T->jobs[j];
+            if (J->m == 0) continue;
+            mat_t A = {J->w2, J->s2, T->I, T->H, J->gs2, J->grouped2, J->sdtype};
+            const float *inter = P->inter + T->inter_off[j];
+            for (int64_t m = 0; m < J->m; m++) xrow[m] = inter + m * T->I;
+            act_t X = {xrow, DT_FP32, (int)J->m};
+            T->tile(&A, nt, b0, b1, &X, y0, scr);
+            for (int64_t m = 0; m < J->m; m++) {
+                float w = J->weights ? J->weights[m] : 1.f;
+                float *a = P->acc + (size_t)J->rows[m] * T->H + nt * 64;
+                for (int b = b0; b < b1; b++)
+                    for (int q = 0; q < 8; q++) a[8 * q + b] += w * y0[m * 64 + 8 * q + b];
+            }
+        }
+        for (int64_t i = 0; i < T->nuniq; i++) {
+            int64_t row = P->uniq[i];
+            const float *a = P->acc + (size_t)row * T->H + nt * 64;
+            int64_t base = row * T->H + nt * 64;
+            for (int b = b0; b < b1; b++)
+                for (int q = 0; q < 8; q++) {
+                    int n = 8 * q + b;
+                    float v = a[n];
+                    if (T->mode) v += load_scalar(T->out, base + n, T->xdt);
+                    store_scalar(T->out, base + n, T->xdt, v);
+                }
+        }
+    }
+    if (xrow != rowp) free(xrow);
+}
+
+static int pick_split(int64_t units, int nthreads) {
+    int s = 1;
+    while (s < 4 && units * s < 2 * (int64_t)nthreads) s *= 2;
+    return s;
+}
+
+/* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
+   x: [x_rows, H] of xdt (bf16/fp16/fp32), out: the same shape and dtype. Returns 0, or -EINVAL /
+   -ENOMEM / -ENOTSUP (isa not available). */
+int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
+                const mo_job_t *jobs, int njobs, void *out, int mode) {
+    pool_t *P = h;
+    if (!P || H <= 0 || I <= 0 || H % 64 || I % 64 || njobs < 0 || xdt < 0 || xdt > 2) return -EINVAL;
+    if (!mo_host_isa_available(isa)) return -ENOTSUP;
+    if (njobs == 0) return 0;
+    int64_t maxm = 0, tot_m = 0;
+    for (int j = 0; j < njobs; j++) {
+        const mo_job_t *J = &jobs[j];
+        if (J->m < 0 || J->gs13 <= 0 || J->gs2 <= 0 || J->sdtype < 0 || J->sdtype > 2) return -EINVAL;
+        for (int64_t m = 0; m < J->m; m++)
+            if (J->rows[m] < 0 || J->rows[m] >= x_rows) return -EINVAL;
+        if (J->m > maxm) maxm = J->m;
+        tot_m += J->m;
+    }
+    if (maxm == 0) return 0;
+    if (maxm > (1 << 20)) return -EINVAL;
+    pthread_mutex_lock(&P->call_mu);
+    int rc = 0;
+    size_t need = scratch_floats((int)maxm);
+    if (P->scratch_n < need) {
+        for (int t = 0; t < P->nthreads; t++) {
+            free(P->scratch[t]);
+            P->scratch[t] = NULL;
+            if (posix_memalign((void **)&P->scratch[t], 64, need * sizeof(float)) != 0) { P->scratch[t] = NULL; rc = -ENOMEM; }
+        }
+        P->scratch_n = rc ? 0 : need;
+    }
+    int64_t *inter_off = malloc(sizeof(int64_t) * (size_t)njobs * 2);
+    if (!inter_off) rc = -ENOMEM;
+    if (!rc && (grow((void **)&P->acc, &P->acc_n, (size_t)x_rows * H, sizeof(float)) ||
+                grow((void **)&P->inter, &P->inter_n, (size_t)tot_m * I, sizeof(float)) ||
+                grow((void **)&P->mark, &P->mark_n, (size_t)x_rows, 1) ||
+                grow((void **)&P->uniq, &P->uniq_n, (size_t)tot_m, sizeof(int64_t))))
+        rc = -ENOMEM;
+    if (rc) { free(inter_off); pthread_mutex_unlock(&P->call_mu); return rc; }
+    mlp_task T = {0};
+    T.jobs = jobs;
+    T.njobs = njobs;
+    T.x = x;
+    T.xdt = xdt;
+    T.H = H;
+    T.I = I;
+    T.out = out;
+    T.mode = mode;
+    T.tile = pick_tile(isa);
+    T.inter_off = inter_off;
+    T.units1_pre = inter_off + njobs;
+    T.maxm = (int)maxm;
+    int64_t pairs = I / 64, off = 0, nu = 0;
+    int64_t tot_pairs = 0;
+    for (int j = 0; j < njobs; j++) if (jobs[j].m) tot_pairs += pairs;
+    T.split1 = pick_split(tot_pairs, P->nthreads);
+    T.split2 = pick_split(H / 64, P->nthreads);
+    memset(P->mark, 0, (size_t)x_rows);
+    int64_t u1 = 0;
+    for (int j = 0; j < njobs; j++) {
+        inter_off[j] = off;
+        off += jobs[j].m * I;
+        T.units1_pre[j] = u1;
+        if (jobs[j].m) u1 += pairs * T.split1;
+        for (int64_t m = 0; m < jobs[j].m; m++) {
+            int64_t r = jobs[j].rows[m];
+            if (!P->mark[r]) { P->mark[r] = 1; P->uniq[nu++] = r; }
+        }
+    }
+    T.units1 = u1;
+    T.units2 = (H / 64) * T.split2;
+    T.nuniq = nu;
+    /* jobs without rows: no units (the job search in phase 1 skips them by units1_pre) */
+    pool_run(P, mlp_run, &T);
+    free(inter_off);
+    pthread_mutex_unlock(&P->call_mu);
+    return 0;
+}

@@ -1,0 +1,290 @@
+"""W4A16 expert MLPs on the host, straight from the Marlin words of the cache (csrc/host_kernel.c).
+
+    k = HostKernel(threads=0, isa="auto")     # its own pthread pool; isa auto | avx512 | avx2 | plain
+    y = k.expert_mlp(x, w13, s13, w2, s2, group=128)            # [M, H] = down(silu(gate(x)) * up(x))
+    k.expert_mlp(x, w13, s13, w2, s2, group=128, out=y, accumulate_weight=0.3)   # y += 0.3 * ...
+    k.experts_mlp(x, [(rows, w13, s13, w2, s2, group, weights), ...], out)       # one call per layer
+
+Tensors, per expert, as the cache (``cache.tensor``) and vLLM's Marlin MoE layer hold them
+(docs/LAYOUTS.md, "marlin-w4a16"): ``w13`` int32 ``[H/16, 4*I]`` (gate columns then up columns, one
+Marlin matrix with K = H, N = 2I), ``s13`` ``[H/g, 2I]`` (``[1, 2I]`` channelwise), ``w2`` int32
+``[I/16, 2*H]`` (K = I, N = H), ``s2`` ``[I/g, H]`` (``[1, H]``), scales Marlin-permuted, in bf16, fp16
+or fp32. ``group`` is the quantization group size (32, 64, 128) or -1 (channelwise), as in the
+manifest's ``group_size``; the scale permutation follows vLLM's choice for each matrix (w13 always the
+grouped one unless channelwise: vLLM passes size_k = 4I; w2 the grouped one iff group < I). Act-order
+caches are refused (the words would need x gathered by ``w13_g_idx_sort_indices`` and w2's scales are
+whole-I there). x and out: bf16 / fp16 (fp32 also accepted), C-contiguous rows of H. The weights are
+read in place (zero-copy views of a mapping are fine), never copied; the C call releases the GIL.
+
+Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2), one rounding
+to x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding).
+
+Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
+this object's; its workers spin briefly after a call, then sleep. ISA: ``auto`` takes the widest the CPU
+has; ``MMAP_OFFLOAD_HOST_ISA=avx512|avx2|plain`` (or ``isa=``) forces one, and a forced one the CPU
+lacks raises UnsupportedError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import UnsupportedError
+
+__all__ = ["HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
+
+ISAS = ("avx512", "avx2", "plain")  # widest first
+_ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2}
+_DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+ABI = 1
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [("rows", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("m", ctypes.c_int64),
+                ("w13", ctypes.c_void_p), ("s13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
+                ("s2", ctypes.c_void_p), ("gs13", ctypes.c_int32), ("gs2", ctypes.c_int32),
+                ("grouped13", ctypes.c_int32), ("grouped2", ctypes.c_int32), ("sdtype", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded ``mo_host`` library (``mmap_offload.native``), prototypes set; UnsupportedError if
+    it cannot be had (the reason from ``library_status``)."""
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            from ..native import library_status, load_library
+
+            lib = load_library("mo_host")
+            if lib is None:
+                raise UnsupportedError(f"the host expert kernel is not available ({library_status('mo_host')})",
+                                       "install a C compiler (cc) or pip install the package where one is")
+            lib.mo_host_abi.restype = ctypes.c_int
+            if lib.mo_host_abi() != ABI:
+                raise UnsupportedError(f"the mo_host library has ABI {lib.mo_host_abi()}, this package needs {ABI}",
+                                       "rebuild it (pip install -e . or remove the stale build)")
+            lib.mo_host_isa_available.argtypes = [ctypes.c_int]
+            lib.mo_host_isa_available.restype = ctypes.c_int
+            lib.mo_host_create.argtypes = [ctypes.c_int]
+            lib.mo_host_create.restype = ctypes.c_void_p
+            lib.mo_host_destroy.argtypes = [ctypes.c_void_p]
+            lib.mo_host_destroy.restype = None
+            lib.mo_host_threads.argtypes = [ctypes.c_void_p]
+            lib.mo_host_threads.restype = ctypes.c_int
+            lib.mo_host_mlp.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Job), ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_int]
+            lib.mo_host_mlp.restype = ctypes.c_int
+            _lib = lib
+        return _lib
+
+
+def available_isas() -> list[str]:
+    """The paths this CPU can run, widest first (``plain`` always)."""
+    lib = library()
+    return [i for i in ISAS if lib.mo_host_isa_available(_ISA_CODE[i])]
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class HostKernel:
+    """A pthread pool and the ISA path that computes W4A16 expert MLPs from Marlin words (module docstring)."""
+
+    def __init__(self, threads: int = 0, isa: str = "auto"):
+        lib = library()
+        env = os.environ.get("MMAP_OFFLOAD_HOST_ISA", "").strip().lower()
+        want = (isa or "auto").lower()
+        if want == "auto" and env:
+            want = env
+        if want == "auto":
+            want = available_isas()[0]
+        elif want not in _ISA_CODE:
+            raise UnsupportedError(f"unknown host kernel ISA {want!r}",
+                                   "use auto, avx512, avx2 or plain (isa= or MMAP_OFFLOAD_HOST_ISA)")
+        elif not lib.mo_host_isa_available(_ISA_CODE[want]):
+            raise UnsupportedError(f"the host kernel's {want} path needs CPU features this CPU lacks "
+                                   f"(it has: {', '.join(available_isas())})",
+                                   "use isa='auto' or one of those (MMAP_OFFLOAD_HOST_ISA)")
+        self.isa: str = want
+        self.threads: int = int(threads) if threads and threads > 0 else _default_threads()
+        self._lib = lib
+        self._pool = lib.mo_host_create(self.threads)
+        if not self._pool:
+            raise MemoryError(f"mo_host_create({self.threads}) failed (threads or memory)")
+
+    def close(self) -> None:
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool:
+            self._lib.mo_host_destroy(pool)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"HostKernel(threads={self.threads}, isa={self.isa!r})"
+
+    # -- the API ------------------------------------------------------------------------------------
+    def expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
+                   s2: torch.Tensor, *, group: int, out: torch.Tensor | None = None,
+                   accumulate_weight: float | None = None) -> torch.Tensor:
+        """``out [M, H] = down(silu(gate(x)) * up(x))`` for one expert, in x's dtype; with
+        ``accumulate_weight`` w, ``out += w * that`` (``out`` must be given)."""
+        x = _rows(x, "x")
+        if accumulate_weight is not None and out is None:
+            raise ValueError("accumulate_weight needs out (the tensor to add to)")
+        if out is None:
+            out = torch.empty_like(x)
+        m = x.shape[0]
+        rows = torch.arange(m, dtype=torch.int64)
+        w = None if accumulate_weight is None else torch.full((m,), float(accumulate_weight), dtype=torch.float32)
+        self._run(x, [(rows, w13, s13, w2, s2, group, w)], out, mode=0 if accumulate_weight is None else 1)
+        return out
+
+    def experts_mlp(self, x: torch.Tensor, jobs: Sequence[tuple], out: torch.Tensor) -> None:
+        """One GIL-free call for many jobs of one layer: each job ``(rows, w13, s13, w2, s2, group,
+        weights)`` adds ``weights[:, None] * expert(x[rows])`` to ``out[rows]`` (rows: LongTensor or list
+        of row indices of x; weights: ``[len(rows)]``, or None for 1). Rows shared by several jobs are
+        summed in fp32 and rounded once."""
+        self._run(_rows(x, "x"), list(jobs), out, mode=1)
+
+    # -- the call -----------------------------------------------------------------------------------
+    def _run(self, x: torch.Tensor, jobs: list, out: torch.Tensor, mode: int) -> None:
+        if self._pool is None:
+            raise RuntimeError("HostKernel is closed")
+        if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous CPU {x.dtype} tensor of shape {tuple(x.shape)}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        n, hidden = x.shape
+        arr = (_Job * max(1, len(jobs)))()
+        keep: list[Any] = []
+        inter = None
+        for i, job in enumerate(jobs):
+            if len(job) != 7:
+                raise ValueError(f"job {i}: expected (rows, w13, s13, w2, s2, group, weights), got {len(job)} items")
+            rows, w13, s13, w2, s2, group, weights = job
+            rows_t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).contiguous()
+            if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= n):
+                raise ValueError(f"job {i}: rows must index x's {n} rows")
+            if weights is None:
+                w_t = None
+            else:
+                w_t = torch.as_tensor(weights).to(torch.float32).reshape(-1).contiguous()
+                if w_t.numel() != rows_t.numel():
+                    raise ValueError(f"job {i}: {w_t.numel()} weights for {rows_t.numel()} rows")
+            geo = _geometry(w13, s13, w2, s2, int(group), hidden, f"job {i}")
+            if inter is None:
+                inter = geo["I"]
+            elif geo["I"] != inter:
+                raise ValueError(f"job {i}: intermediate size {geo['I']} differs from job 0's {inter}")
+            keep += [rows_t, w_t, w13, s13, w2, s2]
+            j = arr[i]
+            j.rows, j.m = rows_t.data_ptr(), rows_t.numel()
+            j.weights = 0 if w_t is None else w_t.data_ptr()
+            j.w13, j.s13, j.w2, j.s2 = w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr()
+            j.gs13, j.gs2, j.grouped13, j.grouped2 = geo["gs13"], geo["gs2"], geo["grouped13"], geo["grouped2"]
+            j.sdtype = geo["sdtype"]
+        if not jobs:
+            if mode == 0:
+                out.zero_()
+            return
+        rc = self._lib.mo_host_mlp(self._pool, _ISA_CODE[self.isa], x.data_ptr(), _DT_CODE[x.dtype], n, hidden,
+                                   inter, arr, len(jobs), out.data_ptr(), mode)
+        if rc != 0:
+            raise RuntimeError(f"mo_host_mlp failed ({os.strerror(-rc) if rc < 0 else rc})")
+        del keep
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() != 2 or x.dtype not in _DT_CODE or x.device.type != "cpu":
+        raise ValueError(f"{name} must be a 2-D CPU bf16/fp16/fp32 tensor [M, H], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    return x.contiguous()
+
+
+def _geometry(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, group: int,
+              hidden: int, what: str) -> dict[str, int]:
+    """Check one expert's tensors against x's H; return I, the k per scale group of each matrix and
+    vLLM's scale permutation of each (grouped = 64-chunks)."""
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.dtype != torch.int32 or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be a contiguous CPU int32 [K/16, 2N] Marlin tensor, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+    for name, t in (("s13", s13), ("s2", s2)):
+        if t.dtype not in _DT_CODE or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be contiguous CPU bf16/fp16/fp32 scales [G, N], got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if s13.dtype != s2.dtype:
+        raise ValueError(f"{what}: s13 is {s13.dtype}, s2 is {s2.dtype}")
+    if w13.shape[0] * 16 != hidden or w13.shape[1] % 256:
+        raise ValueError(f"{what}: w13 {tuple(w13.shape)} does not fit H={hidden} ([H/16, 4*I], I % 64 == 0)")
+    inter = w13.shape[1] // 4
+    if tuple(w2.shape) != (inter // 16, 2 * hidden):
+        raise ValueError(f"{what}: w2 {tuple(w2.shape)} is not [I/16, 2*H] = {(inter // 16, 2 * hidden)}")
+    if hidden % 64:
+        raise ValueError(f"{what}: H={hidden} is not a multiple of 64 (Marlin tiles)")
+    channelwise = group in (-1, 0)
+    if not channelwise and (group < 16 or group % 16):
+        raise UnsupportedError(f"{what}: group size {group} is not supported by the host kernel",
+                               "use 32, 64, 128 or -1 (channelwise)")
+    g13 = 1 if channelwise or group >= hidden else hidden // group
+    g2 = 1 if channelwise or group >= inter else inter // group
+    if not channelwise and (hidden % min(group, hidden) or inter % min(group, inter)):
+        raise UnsupportedError(f"{what}: H={hidden} or I={inter} is not a whole number of groups of {group}",
+                               "Marlin needs whole groups")
+    if tuple(s13.shape) != (g13, 2 * inter):
+        raise ValueError(f"{what}: s13 {tuple(s13.shape)} is not {(g13, 2 * inter)} for group {group}")
+    if tuple(s2.shape) != (g2, hidden):
+        if s2.shape[1] == hidden and s2.shape[0] > g2:
+            raise UnsupportedError(f"{what}: s2 holds {s2.shape[0]} groups for I={inter} (act-order keeps w2's "
+                                   "scales whole): act-order is not supported by the host kernel",
+                                   "use the copy path for act-order caches (hybrid=false)")
+        raise ValueError(f"{what}: s2 {tuple(s2.shape)} is not {(g2, hidden)} for group {group}")
+    return {"I": inter, "gs13": hidden // g13, "gs2": inter // g2, "grouped13": int(not channelwise),
+            "grouped2": int(not channelwise and group < inter), "sdtype": _DT_CODE[s13.dtype]}
+
+
+# ------------------------------------------------------------------------------- reference
+
+_GROUPED = [i + 8 * j for i in range(8) for j in range(8)]
+_SINGLE = [2 * i + o for i in range(4) for o in (0, 1, 8, 9, 16, 17, 24, 25)]
+
+
+def dequantize_marlin(words: torch.Tensor, scales: torch.Tensor, K: int, N: int, group: int,
+                      grouped_perm: bool | None = None) -> torch.Tensor:
+    """fp32 ``[K, N]`` weight from Marlin words ``[K/16, 2N]`` and Marlin-permuted scales ``[G, N]``:
+    ``(u - 8) * scale``. ``group``: 32/64/128, or -1 (channelwise). ``grouped_perm``: which scale
+    permutation the scales carry (default vLLM's rule for a lone matrix, ``0 < group < K``; for w13
+    vLLM uses the grouped one whenever ``group > 0``). Plain torch: a reference and a slow fallback."""
+    if words.shape != (K // 16, 2 * N):
+        raise ValueError(f"words {tuple(words.shape)} is not [K/16, 2N] = {(K // 16, 2 * N)}")
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    nib = torch.stack([(w >> (4 * t)) & 15 for t in range(8)], dim=-1)  # [KT, 2N, t]
+    # word = nt*128 + 16b + 4a + j, nibble t = 4l + 2g + h -> W[kt*16 + 8h + 2a + l, nt*64 + 16j + 8g + b]
+    nib = nib.reshape(K // 16, N // 64, 8, 4, 4, 2, 2, 2)  # kt, nt, b, a, j, l, g, h
+    u = nib.permute(0, 7, 3, 5, 1, 4, 6, 2).reshape(K, N)  # [kt, h, a, l] x [nt, j, g, b]
+    if grouped_perm is None:
+        grouped_perm = 0 < group < K
+    perm = torch.tensor(_GROUPED if grouped_perm else _SINGLE)
+    flat = scales.reshape(-1, perm.numel()).float()
+    s = torch.empty_like(flat)
+    s[:, perm] = flat
+    s = s.reshape(scales.shape)
+    gs = K if group in (-1, 0) or group >= K else group
+    return (u.float() - 8.0) * s.repeat_interleave(gs, dim=0)
