@@ -651,7 +651,7 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     float *scr = P->scratch[tid];
     float *y0 = scr + scratch_floats(T->maxm) - 2 * 64 * (size_t)T->maxm - 16;
     float *y1 = y0 + 64 * (size_t)T->maxm;
-    int sense = 0;
+    int sense = __atomic_load_n(&P->bar_sense, __ATOMIC_ACQUIRE); /* flips only once all threads arrived */
     const void *rowp[1024];
     const void **xrow = T->maxm <= 1024 ? rowp : NULL;
     if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */

@@ -1,0 +1,294 @@
+"""mmap_offload.host.kernel: W4A16 expert MLPs on the host from Marlin words, against an fp32 reference.
+
+The reference never reads Marlin words: it dequantises the checkpoint-side values (pack-quantized
+``weight_packed`` unpacked by tests/marlin_reference.py, ``(u - 8) * weight_scale``) and computes
+``down(silu(gate(x)) * up(x))`` in fp32. The kernel reads what the project's layout writes into the cache
+(``MarlinW4A16Layout.transform_expert``: repacked words, permuted scales), which test_layout checks
+against vLLM's own processing.
+
+Tolerance, and why: the kernel accumulates in fp32 (another order than torch's matmul: relative
+differences ~1e-6) and rounds once to the output dtype. One rounding costs at most half an ulp: 2^-9 of
+the value in bf16, 2^-11 in fp16. The check is |y - ref| <= rtol * |ref| + atol with rtol = 2^-8 (bf16)
+/ 2^-10 (fp16), i.e. twice the rounding, and atol = 2^-12 * max|ref| (bf16) / 2^-14 (fp16) for
+elements near zero, where the fp32 sums' cancellation, not the rounding, dominates.
+
+Each ISA path is forced in turn; a path this CPU lacks is skipped with the reason (no test depends on
+the CPU's instruction set: ``plain`` always runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mmap_offload.checkpoint import QuantScheme
+from mmap_offload.errors import UnsupportedError
+from mmap_offload.host import kernel as hk
+from mmap_offload.host.kernel import ISAS, HostKernel, available_isas, dequantize_marlin
+from mmap_offload.layout import layout_for
+
+from marlin_reference import random_expert, unpack_values, vllm_expert
+
+try:
+    AVAILABLE = available_isas()
+except UnsupportedError as e:  # no compiler here: the module's tests cannot run
+    pytest.skip(f"mo_host library not available: {e}", allow_module_level=True)
+
+
+def isa_param(isa: str):
+    return pytest.param(isa, marks=pytest.mark.skipif(isa not in AVAILABLE, reason=f"this CPU lacks the {isa} "
+                                                      f"path (has {', '.join(AVAILABLE)})"), id=isa)
+
+
+ISA_PARAMS = [isa_param(i) for i in ISAS]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(threads: int, isa: str) -> HostKernel:
+    return HostKernel(threads=threads, isa=isa)
+
+
+@functools.lru_cache(maxsize=None)
+def expert(hidden: int, inter: int, group: int, seed: int = 0, scale_dtype: torch.dtype = torch.bfloat16):
+    """(cache tensors of one expert, fp32 reference weights gate [I, H], up [I, H], down [H, I])."""
+    gen = torch.Generator().manual_seed(1000 * seed + hidden + inter + group)
+    ex = random_expert(hidden, inter, group, False, gen, scale_dtype=scale_dtype)
+    quant = QuantScheme.w4a16(group_size=group, scale_dtype=scale_dtype)
+    cache = layout_for(quant).transform_expert(ex, quant, 0, 1, "cpu")
+
+    def ref(p):  # checkpoint orientation [N, K]: (u - 8) * scale of (n, k // g)
+        u = torch.from_numpy(unpack_values(p["weight_packed"])).float() - 8.0
+        s = p["weight_scale"].float()
+        return u * s.repeat_interleave(u.shape[1] // s.shape[1], dim=1)
+
+    return cache, (ref(ex["gate"]), ref(ex["up"]), ref(ex["down"]))
+
+
+def ref_mlp(x: torch.Tensor, weights) -> torch.Tensor:
+    gate, up, down = weights
+    xf = x.float()
+    return (torch.nn.functional.silu(xf @ gate.T) * (xf @ up.T)) @ down.T
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = (2.0**-8, 2.0**-12) if dtype == torch.bfloat16 else (2.0**-10, 2.0**-14)
+    atol *= float(ref.abs().max())
+    err = (y.float() - ref).abs()
+    bad = err > rtol * ref.abs() + atol
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements off; worst {float(err.max()):.3g} "
+                           f"(max |ref| {float(ref.abs().max()):.3g})")
+
+
+def args(cache):
+    return (cache["w13_weight_packed"], cache["w13_weight_scale"], cache["w2_weight_packed"],
+            cache["w2_weight_scale"])
+
+
+def rand_x(m: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(m, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# every layout edge the repack supports: groups, channelwise, I == group (w2's 32-chunk scale
+# permutation), H == group (w13's one group, still the grouped permutation: vLLM's size_k = 4I quirk),
+# small and non-square shapes
+SHAPES = [  # hidden, inter, group
+    (256, 128, 32),
+    (256, 192, 64),
+    (384, 256, 128),
+    (256, 128, -1),
+    (128, 128, 128),   # I == group and H == group
+    (256, 64, 64),     # I == group
+    (640, 128, 128),   # I == group, H of 5 tiles
+]
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-I{}-g{}".format(*s))
+def test_every_layout_edge(isa, shape):
+    hidden, inter, group = shape
+    cache, weights = expert(hidden, inter, group)
+    k = kernel(3, isa)
+    for m in (1, 3, 8, 16):
+        x = rand_x(m, hidden, torch.bfloat16, seed=m)
+        y = k.expert_mlp(x, *args(cache), group=group)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, hidden)
+        assert_close(y, ref_mlp(x, weights), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dtypes_and_many_rows(isa, dtype):
+    """fp16 activations with fp16 scales; M = 20 and 33 (more than 16 rows: slower, still right). x is
+    scaled down so that the outputs of random 4-bit weights stay inside fp16's range."""
+    cache, weights = expert(256, 128, 64, scale_dtype=dtype)
+    assert cache["w13_weight_scale"].dtype == dtype
+    k = kernel(2, isa)
+    for m in (2, 20, 33):
+        x = (0.02 * rand_x(m, 256, torch.float32, seed=5 + m)).to(dtype)
+        y = k.expert_mlp(x, *args(cache), group=64)
+        assert y.dtype == dtype
+        assert_close(y, ref_mlp(x, weights), dtype)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_odd_thread_counts(isa, threads):
+    cache, weights = expert(384, 256, 128)
+    k = kernel(threads, isa)
+    assert k.threads == threads and k.isa == isa
+    x = rand_x(5, 384, torch.bfloat16, seed=threads)
+    assert_close(k.expert_mlp(x, *args(cache), group=128), ref_mlp(x, weights), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_accumulate_weight(isa):
+    cache, weights = expert(256, 128, 32)
+    k = kernel(3, isa)
+    x = rand_x(4, 256, torch.bfloat16, seed=11)
+    base = rand_x(4, 256, torch.bfloat16, seed=12)
+    out = base.clone()
+    got = k.expert_mlp(x, *args(cache), group=32, out=out, accumulate_weight=0.375)
+    assert got is out
+    assert_close(out, base.float() + 0.375 * ref_mlp(x, weights), torch.bfloat16)
+    with pytest.raises(ValueError, match="accumulate_weight needs out"):
+        k.expert_mlp(x, *args(cache), group=32, accumulate_weight=0.5)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_experts_mlp_equals_a_loop_of_expert_mlp(isa):
+    """Several jobs of one layer, rows shared between jobs (top-2), a job without rows, list and
+    LongTensor rows: one call equals expert_mlp per job summed with its routing weights."""
+    hidden, inter, group = 256, 128, 64
+    experts = [expert(hidden, inter, group, seed=s) for s in range(4)]
+    k = kernel(3, isa)
+    x = rand_x(6, hidden, torch.bfloat16, seed=21)
+    plan = [([0, 2, 5], [0.5, 0.25, 0.75]), (torch.tensor([1, 2, 3, 4]), [0.5, 0.75, 0.125, 1.0]),
+            ([], []), ([0, 1, 5, 3], [0.5, 0.5, 0.25, 0.625])]
+    base = rand_x(6, hidden, torch.bfloat16, seed=22)
+    out = base.clone()
+    jobs = [(rows, *args(c), group, torch.tensor(w)) for (rows, w), (c, _) in zip(plan, experts)]
+    k.experts_mlp(x, jobs, out)
+    loop = base.clone()
+    ref = base.float()
+    for (rows, w), (c, weights) in zip(plan, experts):
+        rows_t = torch.as_tensor(rows, dtype=torch.int64)
+        for r, wr in zip(rows_t.tolist(), w):
+            loop[r:r + 1] = k.expert_mlp(x[r:r + 1], *args(c), group=group, out=loop[r:r + 1].clone(),
+                                         accumulate_weight=wr)
+        if len(rows_t):
+            ref[rows_t] += torch.tensor(w)[:, None] * ref_mlp(x[rows_t], weights)
+    assert_close(out, ref, torch.bfloat16)  # one rounding per row
+    # the loop rounds after every job: up to three roundings on a row
+    err = (loop.float() - out.float()).abs()
+    assert (err <= 3 * 2.0**-8 * ref.abs() + 2.0**-10 * ref.abs().max()).all()
+    untouched = base.clone()
+    k.experts_mlp(x, [], untouched)
+    assert torch.equal(untouched, base)
+
+
+def test_isas_agree_closely():
+    """Every available path gives the same result up to the accumulation order (1 bf16 ulp)."""
+    cache, _ = expert(384, 256, 128)
+    x = rand_x(8, 384, torch.bfloat16, seed=31)
+    ys = {isa: kernel(2, isa).expert_mlp(x, *args(cache), group=128).float() for isa in AVAILABLE}
+    for isa, y in ys.items():
+        assert ((y - ys["plain"]).abs() <= 2.0**-7 * ys["plain"].abs() + 1e-3).all(), isa
+
+
+def test_views_of_a_dropped_mapping(tmp_path):
+    """The tensors are zero-copy views of a file mapping whose pages were dropped from the page cache
+    (posix_fadvise DONTNEED): the kernel faults them in, reads them in place, and the result is right."""
+    hidden, inter, group = 384, 256, 128
+    cache, weights = expert(hidden, inter, group)
+    names = ["w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"]
+    path = tmp_path / "expert.bin"
+    offsets, off = {}, 0
+    with open(path, "wb") as f:
+        for n in names:
+            raw = cache[n].contiguous().view(torch.uint8).numpy().tobytes()
+            offsets[n] = (off, len(raw))
+            f.write(raw)
+            pad = (-len(raw)) % 4096
+            f.write(b"\0" * pad)
+            off += len(raw) + pad
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    mm = np.memmap(path, dtype=np.uint8, mode="c")  # private mapping, as cache_reader maps
+    views = {}
+    for n in names:
+        o, nb = offsets[n]
+        views[n] = torch.frombuffer(mm, dtype=torch.uint8, offset=o, count=nb).view(cache[n].dtype).view(cache[n].shape)
+    assert views["w13_weight_packed"].data_ptr() == mm.ctypes.data  # a view, not a copy
+    x = rand_x(3, hidden, torch.bfloat16, seed=41)
+    y = kernel(3, AVAILABLE[0]).expert_mlp(x, *(views[n] for n in names), group=group)
+    assert_close(y, ref_mlp(x, weights), torch.bfloat16)
+
+
+def test_dequantize_marlin_matches_the_reference():
+    for hidden, inter, group in [(256, 128, 32), (256, 128, -1), (128, 128, 128)]:
+        cache, (gate, up, down) = expert(hidden, inter, group)
+        w13 = dequantize_marlin(cache["w13_weight_packed"], cache["w13_weight_scale"], hidden, 2 * inter, group,
+                                grouped_perm=group != -1)
+        assert torch.equal(w13, torch.cat([gate, up]).T)
+        w2 = dequantize_marlin(cache["w2_weight_packed"], cache["w2_weight_scale"], inter, hidden, group)
+        assert torch.equal(w2, down.T)
+
+
+def test_layout_words_equal_vllms_model():
+    """The words the tests feed the kernel are vLLM's (marlin_reference's slow model of its processing)."""
+    gen = torch.Generator().manual_seed(3)
+    ex = random_expert(128, 64, 64, False, gen)
+    quant = QuantScheme.w4a16(group_size=64)
+    ours = layout_for(quant).transform_expert(ex, quant, 0, 1, "cpu")
+    theirs = vllm_expert(ex["gate"], ex["up"], ex["down"], 64, False, 0, 1)
+    for n in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
+        assert torch.equal(ours[n], theirs[n]), n
+
+
+def test_refusals(monkeypatch):
+    cache, _ = expert(256, 128, 64)
+    k = kernel(1, "plain")
+    x = rand_x(2, 256, torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="unknown host kernel ISA"):
+        HostKernel(threads=1, isa="sse9")
+    with pytest.raises(ValueError, match="s13"):  # scales of another group size
+        k.expert_mlp(x, *args(cache), group=32)
+    with pytest.raises(ValueError, match="does not fit H"):
+        k.expert_mlp(rand_x(2, 128, torch.bfloat16), *args(cache), group=64)
+    w13, s13, w2, s2 = args(cache)
+    with pytest.raises(UnsupportedError, match="act-order"):  # w2 scales whole-I, as act-order + TP keeps them
+        k.expert_mlp(x, w13, s13, w2, torch.cat([s2, s2]), group=64)
+    with pytest.raises(ValueError, match="rows must index"):
+        k.experts_mlp(x, [([0, 2], w13, s13, w2, s2, 64, [1.0, 1.0])], x.clone())
+
+    class Lacking:  # a CPU without the SIMD paths: forcing one is refused with the reason
+        def __init__(self, lib):
+            self._lib = lib
+
+        def mo_host_isa_available(self, code):
+            return int(code == 0)
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+    monkeypatch.setattr(hk, "library", lambda real=hk.library(): Lacking(real))
+    assert available_isas() == ["plain"]
+    for isa in ("avx512", "avx2"):
+        with pytest.raises(UnsupportedError, match=f"{isa} path needs CPU features"):
+            HostKernel(threads=1, isa=isa)
+    monkeypatch.setenv("MMAP_OFFLOAD_HOST_ISA", "avx2")
+    with pytest.raises(UnsupportedError, match="avx2 path"):
+        HostKernel(threads=1)
+    monkeypatch.setenv("MMAP_OFFLOAD_HOST_ISA", "plain")
+    assert HostKernel(threads=1).isa == "plain"
+    monkeypatch.delenv("MMAP_OFFLOAD_HOST_ISA")
+    assert HostKernel(threads=1).isa == "plain"  # auto: the widest this "CPU" has
