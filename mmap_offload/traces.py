@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["uniform_trace", "skewed_trace", "trace_stats", "zipf_weights", "reuse_fraction", "read_csv",
-           "write_csv"]
+           "write_csv", "check_trace"]
 
 
 def zipf_weights(num_experts: int, s: float) -> np.ndarray:
@@ -146,66 +146,117 @@ def reuse_fraction(trace: np.ndarray) -> float:
     return float(hit.mean())
 
 
-# CSV form of a trace (the vLLM backend's ``routing_trace`` option, benchmarks/traces/): one row per
-# (step, MoE layer position, sequence), ``step,layer,e0,...,e{k-1}``; the rows of one (step, layer)
-# are the batch's sequences in order. Lines starting with "#" and a header starting with "step" are
-# skipped. Every (step, layer) of 0..S-1 x 0..L-1 must have the same number of rows.
+# CSV form of a trace (the vLLM backend's ``routing_trace`` option, benchmarks/traces/, bench_moe.py
+# --trace): one row per (step, MoE layer position, sequence), ``step,layer,e0,...,e{k-1}[,w0,...,w{k-1}]``;
+# the rows of one (step, layer) are the batch's sequences in order; the optional weights are the router's
+# top-k weights of the row (floats >= 0). Lines starting with "#" and a header starting with "step" are
+# skipped (a header naming w0... columns says the rows carry weights; without a header, a row carries
+# weights when a field after step,layer is written as a float, e.g. "0.25", and then holds k ids and k
+# weights). Every (step, layer) of 0..S-1 x 0..L-1 must have the same number of rows; the ids of a row
+# are distinct.
 
 
-def write_csv(trace: np.ndarray, path, comment: str = ""):
-    """Write ``trace`` ``[steps, layers, batch, top_k]`` as CSV (format above); returns the path."""
+def write_csv(trace: np.ndarray, path, comment: str = "", weights: np.ndarray | None = None):
+    """Write ``trace`` ``[steps, layers, batch, top_k]`` (and ``weights`` of the same shape, if given)
+    as CSV (format above); returns the path."""
     from pathlib import Path
 
     steps, layers, batch, top_k = trace.shape
+    if weights is not None and np.shape(weights) != trace.shape:
+        raise ValueError(f"weights {np.shape(weights)} must have the trace's shape {trace.shape}")
     lines = [f"# {c}" for c in comment.splitlines() if c] if comment else []
-    lines.append("step,layer," + ",".join(f"e{j}" for j in range(top_k)))
+    head = "step,layer," + ",".join(f"e{j}" for j in range(top_k))
+    if weights is not None:
+        head += "," + ",".join(f"w{j}" for j in range(top_k))
+    lines.append(head)
     for t in range(steps):
         for li in range(layers):
-            for row in trace[t, li]:
-                lines.append(f"{t},{li}," + ",".join(str(int(e)) for e in row))
+            for b, row in enumerate(trace[t, li]):
+                line = f"{t},{li}," + ",".join(str(int(e)) for e in row)
+                if weights is not None:
+                    line += "," + ",".join(repr(float(np.float32(w))) for w in weights[t, li, b])
+                lines.append(line)
     p = Path(path)
     p.write_text("\n".join(lines) + "\n")
     return p
 
 
-def read_csv(path) -> np.ndarray:
-    """Read a CSV trace (format above) into ``int64 [steps, layers, batch, top_k]``.
+def read_csv(path, with_weights: bool = False):
+    """Read a CSV trace (format above) into ``int64 [steps, layers, batch, top_k]``; with
+    ``with_weights`` return ``(ids, weights)``, weights ``float32`` of the same shape or None when the
+    file has none.
 
-    Raises UnsupportedError naming the file and the first problem (missing file, ragged rows,
-    a (step, layer) missing or with another batch size, a negative id)."""
+    Raises UnsupportedError naming the file and the first problem (missing file, ragged rows, a
+    (step, layer) missing or with another batch size, a negative or repeated id, a bad weight)."""
     from pathlib import Path
 
     from .errors import UnsupportedError
 
     p = Path(path)
-    fix = "write it with mmap_offload.traces.write_csv (rows: step,layer,expert ids...)"
+    fix = "write it with mmap_offload.traces.write_csv (rows: step,layer,expert ids[,weights])"
     try:
         text = p.read_text()
     except OSError as e:
         raise UnsupportedError(f"routing trace {p} cannot be read: {e.strerror or e}", "pass an existing CSV file") from None
+    except UnicodeDecodeError:
+        raise UnsupportedError(f"routing trace {p} is not text", fix) from None
     rows: dict[tuple[int, int], list[list[int]]] = {}
-    width = None
+    wrows: dict[tuple[int, int], list[list[float]]] = {}
+    width = None  # fields per row
+    has_w = None  # rows carry weights
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
-        if not line or line.startswith("#") or line.lower().startswith("step"):
+        if not line or line.startswith("#"):
             continue
+        if line.lower().startswith("step"):
+            cols = [c.strip().lower() for c in line.split(",")]
+            if any(c.startswith("w") for c in cols[2:]):
+                has_w = True
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        floaty = any(("." in f or "e" in f.lower() or "n" in f.lower()) for f in fields[2:])
+        row_w = has_w if has_w is not None else floaty
+        if width is not None and len(fields) != width:
+            raise UnsupportedError(f"routing trace {p} line {n} has {len(fields)} fields, expected {width}", fix)
+        if len(fields) < 3 or (row_w and (len(fields) - 2) % 2):
+            raise UnsupportedError(f"routing trace {p} line {n} has {len(fields)} fields, expected step,layer and "
+                                   f"{'k ids and k weights' if row_w else '>= 1 expert id'}", fix)
+        k = (len(fields) - 2) // 2 if row_w else len(fields) - 2
         try:
-            vals = [int(v) for v in line.split(",")]
+            vals = [int(v) for v in fields[: 2 + k]]
         except ValueError:
             raise UnsupportedError(f"routing trace {p} line {n} is not integers: {line[:60]!r}", fix) from None
-        if len(vals) < 3 or (width is not None and len(vals) != width):
-            raise UnsupportedError(f"routing trace {p} line {n} has {len(vals)} fields, expected "
-                                   f"{width or 'step,layer and >= 1 expert id'}", fix)
-        width = len(vals)
+        ws = None
+        if row_w:
+            try:
+                ws = [float(v) for v in fields[2 + k:]]
+            except ValueError:
+                raise UnsupportedError(f"routing trace {p} line {n} has a weight that is not a number: {line[:60]!r}",
+                                       fix) from None
+            if not all(np.isfinite(w) and w >= 0 for w in ws):
+                raise UnsupportedError(f"routing trace {p} line {n} has a negative or non-finite weight", fix)
+        if has_w is None:
+            has_w = row_w
+        elif row_w != has_w:
+            raise UnsupportedError(f"routing trace {p} line {n} {'has' if row_w else 'lacks'} weights, unlike the "
+                                   "rows before it", fix)
+        width = len(fields)
         if min(vals) < 0:
             raise UnsupportedError(f"routing trace {p} line {n} has a negative value", fix)
+        if len(set(vals[2:])) != k:
+            raise UnsupportedError(f"routing trace {p} line {n} repeats an expert id (a row's top-k ids are distinct)",
+                                   fix)
         rows.setdefault((vals[0], vals[1]), []).append(vals[2:])
+        if ws is not None:
+            wrows.setdefault((vals[0], vals[1]), []).append(ws)
     if not rows:
         raise UnsupportedError(f"routing trace {p} has no rows", fix)
     steps = 1 + max(s for s, _ in rows)
     layers = 1 + max(li for _, li in rows)
     batch = len(next(iter(rows.values())))
-    out = np.empty((steps, layers, batch, width - 2), dtype=np.int64)
+    k = len(next(iter(rows.values()))[0])
+    out = np.empty((steps, layers, batch, k), dtype=np.int64)
+    wout = np.empty((steps, layers, batch, k), dtype=np.float32) if wrows else None
     for t in range(steps):
         for li in range(layers):
             r = rows.get((t, li))
@@ -213,4 +264,23 @@ def read_csv(path) -> np.ndarray:
                 raise UnsupportedError(
                     f"routing trace {p}: step {t} layer {li} has {0 if r is None else len(r)} rows, expected {batch}", fix)
             out[t, li] = r
-    return out
+            if wout is not None:
+                wout[t, li] = wrows[(t, li)]
+    return (out, wout) if with_weights else out
+
+
+def check_trace(trace: np.ndarray, num_experts: int, top_k: int, source: str = "routing trace") -> None:
+    """A trace read from a file against the model it drives: ids below ``num_experts``, ``top_k`` per row.
+    Raises UnsupportedError (one line: what and how to fix)."""
+    from .errors import UnsupportedError
+
+    if trace.ndim != 4:
+        raise UnsupportedError(f"{source} has shape {trace.shape}, not [steps, layers, batch, top_k]",
+                               "read it with mmap_offload.traces.read_csv")
+    if trace.shape[3] != top_k:
+        raise UnsupportedError(f"{source} routes {trace.shape[3]} experts per token, the model top_k={top_k}",
+                               f"record the trace with this model, or pass --top-k {trace.shape[3]}")
+    hi = int(trace.max()) if trace.size else -1
+    if hi >= num_experts:
+        raise UnsupportedError(f"{source} routes expert {hi}, the model has {num_experts} experts",
+                               f"use a trace recorded for {num_experts} experts, or pass --experts {hi + 1}")
