@@ -203,3 +203,30 @@ def test_expert_cache_size_option():
     assert json.loads(argv[argv.index("--additional-config") + 1]) == {CONFIG_KEY: {"expert_cache_gib": "3"}}
     with pytest.raises(UnsupportedError, match="expert_cache_gib"):
         launcher_argv(["serve", "/m", "--mmap-expert-cache-gib", "lots"])
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_probe_expectation_reads_vllms_wna16_placeholders(tmp_path, transposed):
+    """vLLM's WNA16 MoE methods create w13/w2 packed weights and scales transposed ([K/8, N],
+    [G, N]); the probe must undo that before computing our layout of the same bytes (the first
+    GPU run with W4A16 split the transposed w13 along the wrong axis and refused)."""
+    from mmap_offload.checkpoint import open_checkpoint
+    from mmap_offload.layout import layout_for
+    from mmap_offload.synth import PRESETS, make_checkpoint
+    from mmap_offload.vllm_backend.probe import expected_layout
+
+    with open_checkpoint(make_checkpoint(tmp_path / "ckpt", **PRESETS["tiny-mixtral-w4a16"])) as ckpt:
+        layer = ckpt.moe.layers[0]
+        t = {p: {s: ckpt.read(r) for s, r in parts.items()} for p, parts in ckpt.expert_refs(layer, 0).items()}
+        want = layout_for(ckpt.quant).transform_expert(t, ckpt.quant, 0, 1, torch.device("cpu"))
+        placeholders = {}
+        for suffix in ("weight_packed", "weight_scale"):
+            w13 = torch.cat([t["gate"][suffix], t["up"][suffix]], 0)
+            w2 = t["down"][suffix]
+            if transposed:
+                w13, w2 = w13.t().contiguous(), w2.t().contiguous()
+            placeholders[f"w13_{suffix}"], placeholders[f"w2_{suffix}"] = w13[None], w2[None]
+        got = expected_layout(placeholders, ckpt)
+    assert sorted(got) == sorted(placeholders)
+    for name, v in got.items():
+        assert torch.equal(v, want[name]), name

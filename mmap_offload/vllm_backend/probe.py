@@ -34,9 +34,15 @@ def expected_layout(placeholders: dict[str, torch.Tensor], ckpt) -> dict[str, to
 
     layout = layout_for(ckpt.quant)
     tensors: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    # vLLM's WNA16 MoE methods (0.26, 0.32; not FlashInfer) create the packed weights and scales
+    # transposed, GPTQ-style: w13 [H/8, 2I], w2 [I/8, H] (scales [G, N]); the checkpoint is [N, K/8]
+    w2p = placeholders.get("w2_weight_packed")
+    transposed = w2p is not None and int(w2p.shape[-1]) == int(ckpt.moe.hidden)
     for name, t in placeholders.items():
         stem, suffix = name.split("_", 1)
         x = t[0].detach().cpu()
+        if transposed and x.dim() == 2:
+            x = x.t()
         if stem == "w13":
             half = x.shape[0] // 2
             tensors["gate"][suffix], tensors["up"][suffix] = x[:half].contiguous(), x[half:].contiguous()
