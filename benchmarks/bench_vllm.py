@@ -69,8 +69,8 @@ MIB = 1 << 20
 USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
 TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 DECODE_BATCHES = (1, 8, 64)
-CONFIGS = ("uva", "mmap-layer", "mmap-cache", "noff", "uva-eqtotal")
-DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,noff"
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-hybrid", "noff", "uva-eqtotal")
+DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
 
 
@@ -276,15 +276,17 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
             specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "tasks": own_routing_tasks(False),
                           "llm": {**common, "offload_backend": "mmap",
                                   "additional_config": {"mmap_offload": {**mm, "expert_cache_gib": 0}}}})
-        elif cfg == "mmap-cache":
+        elif cfg in ("mmap-cache", "mmap-hybrid"):
             pool = {**mm, "expert_cache_gib": round(budget / GIB, 9)}
+            if cfg == "mmap-hybrid":  # the same pool; decode misses split between host compute and copies
+                pool["hybrid"] = True
             if skewed:  # the trace goes through the backend's own option: one engine per routing
-                specs.append({**base, "label": "mmap-cache-skewed", "config": cfg, "register_backend": True,
+                specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True,
                               "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
                               "llm": {**common, "offload_backend": "mmap",
                                       "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
             if "uniform" in routings:
-                specs.append({**base, "label": "mmap-cache", "config": cfg, "register_backend": True,
+                specs.append({**base, "label": cfg, "config": cfg, "register_backend": True,
                               "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
                               "llm": {**common, "offload_backend": "mmap",
                                       "additional_config": {"mmap_offload": pool}}})
@@ -424,6 +426,12 @@ def bars(rows: list[dict], prefill_name: str) -> list[dict]:
         v = r.get("x_uva") if r else None
         out.append({"bar": f"{prefill_name} uniform: {cfg} / uva", "value": v, "need": f">= {BARS['prefill']}",
                     "met": None if v is None else v >= BARS["prefill"]})
+    for routing, need in (("uniform", 1.0), ("skewed", 1.5)):  # issue 15's bars for host compute
+        for b in (1, 8):
+            r = _find(rows, "mmap-hybrid", routing, f"decode-{b}")
+            v = r.get("x_uva") if r else None
+            out.append({"bar": f"decode-{b} {routing}: mmap-hybrid / uva (issue 15)", "value": v, "need": f">= {need}",
+                        "met": None if v is None else v >= need})
     pairs = []
     for routing in ("uniform", "skewed"):
         for b in DECODE_BATCHES:
@@ -458,8 +466,8 @@ def markdown(res: dict) -> str:
     wl = {w: i for i, w in enumerate(res["workloads"])}
     for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99))):
         c = by_cfg.get(r["config"], {})
-        if r["routing"] == "skewed" and r["config"] == "mmap-cache":
-            c = cfgs.get("mmap-cache/mmap-cache-skewed", c)
+        if r["routing"] == "skewed" and r["config"] in ("mmap-cache", "mmap-hybrid"):
+            c = cfgs.get(f"{r['config']}/{r['config']}-skewed", c)
         if "tok_s" not in r:
             L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | |")
             continue

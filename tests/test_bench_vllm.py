@@ -189,7 +189,10 @@ def test_child_specs_give_uva_the_pool_bytes(tmp_path):
     gib = 1 << 30
     specs = bench_vllm.child_specs(args, tmp_path / "ck", tmp_path / "cache", tmp_path / "t.csv", 8 * gib, gib, 0.0)
     by = {s["label"]: s for s in specs}
-    assert [s["label"] for s in specs] == ["uva", "mmap-layer", "mmap-cache-skewed", "mmap-cache", "noff"]
+    assert [s["label"] for s in specs] == ["uva", "mmap-layer", "mmap-cache-skewed", "mmap-cache",
+                                           "mmap-hybrid-skewed", "mmap-hybrid", "noff"]
+    hy = by["mmap-hybrid"]["llm"]["additional_config"]["mmap_offload"]
+    assert hy["hybrid"] is True and hy["expert_cache_gib"] == 2.0  # the same pool as mmap-cache
     assert by["uva"]["llm"]["cpu_offload_gb"] == 6.0 and by["uva"]["llm"]["offload_backend"] == "uva"
     assert by["uva"]["llm"]["cpu_offload_params"] == ["experts"]
     mm = by["mmap-cache"]["llm"]["additional_config"]["mmap_offload"]
