@@ -166,6 +166,9 @@ class Ctx:
     engine_threads: int
     pinned_ring: int
     engine_opts: dict = field(default_factory=dict)  # pattern -> make_engine options (mmap engine)
+    group: int = 128
+    top_k: int = 8
+    host: dict = field(default_factory=dict)  # host compute: threads, kernel, max_rows, prefill
 
 
 class Variant:
@@ -330,7 +333,8 @@ class PrefetchVariant(EngineVariant):
         c = self.ctx
         self._open_engine("layer")
         nb = max(1, min(len(c.layers), c.budget_bytes // c.layer_nbytes))
-        self.pf = LayerPrefetcher(c.cache, self.engine, c.device, lookahead=max(1, nb - 1), num_buffers=nb)
+        self.pf = LayerPrefetcher(c.cache, self.engine, c.device, lookahead=max(1, nb - 1), num_buffers=nb,
+                                  verify_first_use=False)  # transfers only (a check warms the page cache)
         self.vram_weight_bytes = nb * c.layer_nbytes
         self.w_cache = {}
 
@@ -373,7 +377,7 @@ class CacheVariant(EngineVariant):
         c = self.ctx
         self._open_engine("experts")
         self.ec = ExpertCache(c.cache, self.engine, c.device, capacity_bytes=c.budget_bytes, shared=True,
-                              policy=self.policy)
+                              policy=self.policy, verify_first_use=False)
         self.vram_weight_bytes = self.ec.capacity_bytes
         self.w_cache = {}
 
@@ -396,6 +400,244 @@ class CacheVariant(EngineVariant):
         finally:
             self.notes["expert_cache"] = dict(self.ec.summary())
             self._close_engine()
+
+
+# ----------------------------------------------------------------------------------------------
+# hybrid: misses split between host compute and the copy path (issue 15); host-only
+# ----------------------------------------------------------------------------------------------
+
+
+def _host_kernels(ctx: Ctx) -> tuple[dict, str, int, int]:
+    """{threads: host kernel} for the split and the all-cores thread counts; (kernels, name, split, all)."""
+    from mmap_offload.host import hybrid
+
+    h = ctx.host
+    t_all = int(h.get("threads") or hybrid.default_threads(0)[1])
+    t_split = max(1, t_all - ctx.engine_threads)
+    kernels, name = {}, ""
+    for t in sorted({t_split, t_all}):
+        kernels[t], name = hybrid.make_host_kernel(h.get("kernel", "auto"), threads=t,
+                                                   memo=ctx.device.type == "cpu" and h.get("kernel") == "torch")
+    return kernels, name, t_split, t_all
+
+
+def _close_kernels(kernels: dict) -> None:
+    for k in kernels.values():
+        close = getattr(k, "close", None)
+        if close is not None:
+            close()
+
+
+class HybridVariant(EngineVariant):
+    """ExpertCache (the same pool as mmap-cache) + host compute of the misses the cost model gives the
+    host (mmap_offload/host/hybrid.py). When the model sends nothing to the host and nearly every expert
+    of a layer is routed (prefill), whole layers are streamed into the same VRAM (LayerPrefetcher, 2
+    buffers, lookahead 1) as mmap-prefetch does: the best copy path at that size."""
+
+    suffix = "hybrid"
+
+    def setup(self):
+        from mmap_offload.host import hybrid
+
+        c = self.ctx
+        self._open_engine("experts")
+        self.kernels, kname, self.t_split, self.t_all = _host_kernels(c)
+        self.notes["host_kernel"] = kname
+        self.notes["populate"] = hybrid.populate(c.cache, c.layers)
+        self.mode = None
+        self.ec = self.pf = self.hy = None
+        self._set_mode("experts")
+        # calibration: host GB/s per thread count, copy GB/s, one GPU call, activations down/up
+        slots = self.ec.slots(c.layers[0])
+        w = mk.weights_from_tensors(slots, c.hidden, c.inter)
+        k = c.top_k
+        xg = torch.randn(1, c.hidden, device=c.device).to(_dtype(c.device))
+        rwg = torch.full((1, k), 1.0 / k, device=c.device)
+        sid = np.arange(k).reshape(1, k) % self.ec.slots_per_pool
+
+        def gpu_call():
+            mk.moe_forward(xg, sid, rwg, w, impl=c.impl)
+
+        self.rates = hybrid.calibrate(c.cache, self.engine, c.device, self.kernels, group=c.group, hidden=c.hidden,
+                                      threads_split=self.t_split, threads_all=self.t_all, gpu_call=gpu_call,
+                                      dtype=_dtype(c.device), max_host_rows=c.host.get("max_rows", 64))
+        self.planner = hybrid.Planner(self.rates)
+        self.hy.planner = self.planner
+        self.notes["rates"] = self.rates.to_dict()
+        self.notes["crossover"] = hybrid.crossover_table(self.rates, c.cache.num_experts, k,
+                                                         min(1.0, self.ec.slots_per_pool / (len(c.layers) * c.cache.num_experts)))
+        print(f"{self.name}: host kernel {kname}; " + describe_rates(self.rates), flush=True)
+        self._moved0 = 0
+        self.calls: dict = {}
+
+    def _set_mode(self, mode: str) -> None:
+        from mmap_offload.expert_cache import ExpertCache
+        from mmap_offload.host import hybrid
+        from mmap_offload.prefetch import LayerPrefetcher
+
+        if mode == self.mode:
+            return
+        c = self.ctx
+        moved = self.pcie_bytes() if self.mode else 0
+        if self.ec is not None:
+            self.ec.sync()
+            self.notes.setdefault("expert_cache", []).append(dict(self.ec.summary()))
+            self.hy.close()
+            self.ec = self.hy = None
+        if self.pf is not None:
+            self.pf.sync()
+            self.notes.setdefault("prefetch", []).append(dict(self.pf.metrics))
+            self.pf = None
+        gc.collect()
+        if c.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._moved_base = moved
+        self.w_cache = {}
+        if mode == "experts":
+            self.ec = ExpertCache(c.cache, self.engine, c.device, capacity_bytes=c.budget_bytes, shared=True,
+                                  verify_first_use=False)
+            self.vram_weight_bytes = self.ec.capacity_bytes
+            planner = getattr(self, "planner", None) or hybrid.Planner(hybrid.Rates(
+                expert_bytes=c.expert_nbytes, host_base_s={self.t_split: 1.0, self.t_all: 1.0},
+                host_row_s={self.t_split: 0.0, self.t_all: 0.0}, threads_split=self.t_split,
+                threads_all=self.t_all, copy_bw=1e9))
+            self.hy = hybrid.HybridMoE(c.cache, self.ec, self.kernels, planner, self._gpu_forward, c.device,
+                                       group=c.group, record=True)
+        else:
+            nb = max(1, min(len(c.layers), c.budget_bytes // c.layer_nbytes))
+            self.pf = LayerPrefetcher(c.cache, self.engine, c.device, lookahead=max(1, nb - 1), num_buffers=nb,
+                                      verify_first_use=False)
+            self.vram_weight_bytes = max(self.vram_weight_bytes, nb * c.layer_nbytes)
+        self.mode = mode
+
+    def _gpu_forward(self, layer, x, slot_ids, rw):
+        slots = self.ec.slots(layer)
+        w = self.w_cache.get(id(slots))
+        if w is None:
+            w = self.w_cache[id(slots)] = mk.weights_from_tensors(slots, self.ctx.hidden, self.ctx.inter)
+        return mk.moe_forward(x, slot_ids, rw, w, impl=self.ctx.impl)
+
+    def prepare(self, batch: int, kind: str) -> None:
+        """Choose the copy path for this batch size from the cost model (see the class docstring)."""
+        from mmap_offload.host import hybrid
+
+        c = self.ctx
+        E, k = c.cache.num_experts, c.top_k
+        row = hybrid.crossover_table(self.rates, E, k, 0.25, tokens=(batch,))[0]
+        stream = row["host"] == 0 and hybrid.expected_distinct(batch, E, k) >= 0.9 * E
+        self._set_mode("layer" if stream else "experts")
+        self.notes.setdefault("modes", {})[f"{kind}-{batch}"] = self.mode
+
+    def begin(self):
+        if self.mode == "layer":
+            self.pf.start_prefetch(self.ctx.layers[0])
+        else:
+            self.hy.calls.clear()
+
+    def forward(self, li, x, ids, rw):
+        layer = self.ctx.layers[li]
+        if self.mode == "layer":
+            bufs = self.pf.wait_for_layer(layer)
+            self.pf.start_prefetch(self.pf.layer_after(layer))
+            w = self.w_cache.get(id(bufs))
+            if w is None:
+                w = self.w_cache[id(bufs)] = mk.weights_from_tensors(bufs, self.ctx.hidden, self.ctx.inter)
+            return mk.moe_forward(x, ids, rw, w, impl=self.ctx.impl)
+        return self.hy.forward(layer, x, ids, rw)
+
+    def after_warm(self):
+        if self.hy is not None:
+            self.hy.calls.clear()
+            self._m0 = dict(self.hy.metrics)
+
+    def row_extra(self, steps: int, key) -> dict:
+        if self.hy is None:
+            return dict(mode=self.mode, host_bytes_per_step=0.0)
+        m, m0 = self.hy.metrics, getattr(self, "_m0", {})
+        d = {k: m[k] - m0.get(k, 0) for k in ("hits", "misses", "host_experts", "copied_experts", "host_s",
+                                               "host_wait_s", "plan_s", "ensure_s")}
+        self.calls[key] = [(t, h, r.tolist()) for t, h, r in self.hy.calls]
+        return dict(mode=self.mode, host_bytes_per_step=d["host_experts"] * self.ctx.expert_nbytes / steps,
+                    host_experts_per_step=d["host_experts"] / steps, copied_experts_per_step=d["copied_experts"] / steps,
+                    hit_experts_per_step=d["hits"] / steps, host_wait_ms=1e3 * d["host_wait_s"] / steps,
+                    host_compute_ms=1e3 * d["host_s"] / steps)
+
+    def pcie_bytes(self):
+        cur = 0
+        if self.ec is not None:
+            cur = int(self.ec.metrics["bytes_moved"])
+        elif self.pf is not None:
+            cur = int(self.pf.metrics["bytes_moved"])
+        return getattr(self, "_moved_base", 0) + cur
+
+    def close(self):
+        try:
+            if self.ec is not None:
+                self.ec.sync()
+                self.notes.setdefault("expert_cache", []).append(dict(self.ec.summary()))
+                self.notes["hybrid"] = dict(self.hy.metrics)
+                self.hy.close()
+            if self.pf is not None:
+                self.pf.sync()
+        finally:
+            self.notes["calls"] = {f"{k[0]}/{k[1]}": v for k, v in self.calls.items()}
+            _close_kernels(self.kernels)
+            self._close_engine()
+
+
+class HostOnlyVariant(Variant):
+    """Every routed expert computed on the host from the mapped cache (llama.cpp --cpu-moe,
+    KTransformers): no expert weights in VRAM, activations down and rows up per layer."""
+
+    name = "host-only"
+
+    def setup(self):
+        from mmap_offload.host import hybrid
+
+        c = self.ctx
+        self.kernels, kname, _, t_all = _host_kernels(c)
+        self.kernel = self.kernels[t_all]
+        self.notes["host_kernel"] = kname
+        self.notes["populate"] = hybrid.populate(c.cache, c.layers)
+        self.bufs: dict = {}
+        self.vram_weight_bytes = 0
+        self._bytes = 0
+        print(f"host-only: host kernel {kname}", flush=True)
+
+    def skip(self, wl: str, kind: str) -> str | None:
+        if kind == "prefill" and not self.ctx.host.get("prefill"):
+            return "host-only: prefill not run (compute-bound on the host; --host-prefill runs it)"
+        return None
+
+    def forward(self, li, x, ids, rw):
+        from mmap_offload.host import hybrid
+
+        self._bytes += len(np.unique(ids)) * self.ctx.expert_nbytes
+        y = hybrid.host_forward(self.ctx.cache, self.kernel, self.ctx.layers[li], x, ids, rw, self.ctx.group, self.bufs)
+        self.pinned_bytes = sum(t.numel() * t.element_size() for t in self.bufs.values()) if x.is_cuda else 0
+        return y
+
+    def row_extra(self, steps: int, key) -> dict:
+        b, self._bytes = self._bytes, 0
+        return dict(host_bytes_per_step=b / max(1, steps))
+
+    def after_warm(self):
+        self._bytes = 0
+
+    def close(self):
+        _close_kernels(self.kernels)
+        self.bufs.clear()
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def describe_rates(r) -> str:
+    hs = ", ".join(f"{t} thr {r.host_gbps(t):.1f} GB/s (+{1e3 * r.host_row_s[t]:.3f} ms/row)" for t in sorted(r.host_base_s))
+    return (f"host {hs}; copy {r.copy_bw / 1e9:.1f} GB/s + {1e3 * r.copy_lat_s:.2f} ms; GPU call "
+            f"{1e3 * r.gpu_call_s:.2f} ms; activations {1e3 * r.xfer_s:.3f} ms; both at once: host x{r.slow_host:.2f}, "
+            f"copy x{r.slow_copy:.2f}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,6 +811,12 @@ def make_traces(args, shp: dict, batch: int, kind: str, trace: str, steps: int) 
     from mmap_offload import traces
 
     L, E, k = shp["layers"], shp["experts"], shp["top_k"]
+    if trace.startswith("file:"):  # replay: step and layer modulo the file's, its rows tiled over the batch
+        ft = args.trace_ids
+        s_i = np.arange(steps) % ft.shape[0]
+        l_i = np.arange(L) % ft.shape[1]
+        b_i = np.arange(batch) % ft.shape[2]
+        return ft[s_i][:, l_i][:, :, b_i]
     if trace == "uniform":
         return traces.uniform_trace(steps, L, E, k, batch=batch, seed=args.seed)
     if kind == "prefill":  # popularity skew only: temporal locality has no meaning inside one prompt
@@ -579,18 +827,27 @@ def make_traces(args, shp: dict, batch: int, kind: str, trace: str, steps: int) 
 
 def run_steps(var: Variant, ctx: Ctx, trace: np.ndarray, x0: torch.Tensor, rw: torch.Tensor, first: int, n: int,
               sync) -> tuple[float, torch.Tensor]:
-    """Run steps [first, first + n) of ``trace``; returns (seconds, output of the last step)."""
+    """Run steps [first, first + n) of ``trace``; returns (seconds, output of the last step).
+
+    ``rw``: route weights [T, k] for every layer, or [steps, L, T, k] (a trace file's weights). A variant
+    with ``forward`` (hybrid, host-only) runs the whole layer; its host time in the call is its delivery."""
     sync()
     t0 = time.perf_counter()
     y = x0
+    fwd = getattr(var, "forward", None)
     for s in range(first, first + n):
         x = x0
         for li in range(len(ctx.layers)):
             ids = trace[s, li]
+            rwl = rw if rw.dim() == 2 else rw[s, li]
             t1 = time.perf_counter()
-            w, slot_ids = var.layer(li, ids)
-            var.deliver_s += time.perf_counter() - t1
-            y = mk.moe_forward(x, slot_ids, rw, w, impl=ctx.impl)
+            if fwd is not None:
+                y = fwd(li, x, ids, rwl)
+                var.deliver_s += time.perf_counter() - t1
+            else:
+                w, slot_ids = var.layer(li, ids)
+                var.deliver_s += time.perf_counter() - t1
+                y = mk.moe_forward(x, slot_ids, rwl, w, impl=ctx.impl)
             x = y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype)
         y = x
     sync()
@@ -632,13 +889,29 @@ def bench_variant(var: Variant, ctx: Ctx, args, shp, workloads, trace_kinds, ref
                     var.setup()
                 steps_total = args.cold_steps if var.cold else args.steps if kind == "decode" else args.prefill_steps
                 warm_steps = 0 if var.cold else 1
+                why = var.skip(wl, kind) if hasattr(var, "skip") else None
+                if why:
+                    row["skipped"] = why
+                    rows.append(row)
+                    print(_fmt_row(row), flush=True)
+                    continue
                 tr = make_traces(args, shp, batch, kind, trace_kind, steps_total + warm_steps)
                 g = torch.Generator().manual_seed(args.seed + batch)
                 x0 = torch.randn(batch, ctx.hidden, generator=g).to(dtype).to(dev)
                 rw = torch.softmax(torch.randn(batch, shp["top_k"], generator=g), -1).to(dev)
+                if trace_kind.startswith("file:") and args.trace_weights is not None:
+                    fw = args.trace_weights
+                    n_s = tr.shape[0]
+                    rw = torch.from_numpy(np.ascontiguousarray(
+                        fw[np.arange(n_s) % fw.shape[0]][:, np.arange(len(ctx.layers)) % fw.shape[1]][
+                            :, :, np.arange(batch) % fw.shape[2]])).to(dev)
+                if hasattr(var, "prepare"):
+                    var.prepare(batch, kind)
                 var.begin()
                 if warm_steps:
                     _, y_first = run_steps(var, ctx, tr, x0, rw, 0, 1, sync)  # compile + warm caches
+                if hasattr(var, "after_warm"):
+                    var.after_warm()
                 b0 = var.pcie_bytes()
                 # time-bounded: stop early once the run's time budget is spent (cold disks are slow)
                 secs, done, y = 0.0, 0, None
@@ -659,7 +932,14 @@ def bench_variant(var: Variant, ctx: Ctx, args, shp, workloads, trace_kinds, ref
                 row.update(steps=done, seconds=secs, tokens_per_s=tokens / secs,
                            step_ms=1e3 * secs / done, pcie_bytes_per_step=moved / done,
                            routed_bytes_per_step=routed / done, deliver_ms=1e3 * var.deliver_s / done)
-                if not var.cold:
+                if hasattr(var, "row_extra"):
+                    row.update(var.row_extra(done, (trace_kind, wl)))
+                if getattr(var, "host_semantics", False) or hasattr(var, "forward"):
+                    # the host kernel computes the Marlin layout's function, the harness's GPU kernel the
+                    # GPTQ reinterpretation of the same bytes (moe_kernel.py): outputs are not comparable
+                    # here (tests/test_hybrid.py checks hybrid == all-GPU on one semantics)
+                    pass
+                elif not var.cold:
                     key = (trace_kind, wl)
                     yf = y_first.float().cpu()
                     if key not in reference:
@@ -771,11 +1051,177 @@ def bars(rows: list[dict]) -> list[dict]:
     return out
 
 
+def hybrid_bars(rows: list[dict]) -> list[dict]:
+    """Issue 15's bars for mmap-hybrid (ratios of this run): decode 1 and 8 against uva, prefill against
+    the best copy variant, pinned bytes."""
+
+    def tps(variant, trace, wl):
+        for r in rows:
+            if r["variant"] == variant and r["trace"] == trace and r["workload"] == wl and "tokens_per_s" in r:
+                return r["tokens_per_s"]
+        return None
+
+    if not any(r["variant"] == "mmap-hybrid" for r in rows):
+        return []
+    out = []
+    for trace, need in (("uniform", 1.0), ("skewed", 1.5)):
+        for wl in ("decode-1", "decode-8"):
+            a, b = tps("mmap-hybrid", trace, wl), tps("uva", trace, wl)
+            out.append(dict(bar=f"{wl} {trace}: mmap-hybrid / uva >= {need}", value=(a / b) if a and b else None,
+                            need=need))
+    for trace in ("uniform", "skewed"):
+        best = max([v for v in (tps(n, trace, "prefill-2k") for n in ("mmap-cache", "mmap-prefetch", "kvikio-cache"))
+                    if v] or [0])
+        a = tps("mmap-hybrid", trace, "prefill-2k")
+        if a or best:
+            out.append(dict(bar=f"prefill-2k {trace}: mmap-hybrid / best copy variant >= 1.0",
+                            value=(a / best) if a and best else None, need=1.0))
+    pinned = [r["pinned_bytes"] for r in rows if r["variant"] == "mmap-hybrid" and "pinned_bytes" in r]
+    if pinned:
+        out.append(dict(bar="pinned: mmap-hybrid <= 0.5 GiB", value=max(pinned) / 2**30, need=0.5, lower_is_better=True))
+    for trace in ("uniform", "skewed"):
+        for wl in ("decode-1", "decode-8"):
+            a, b = tps("host-only", trace, wl), tps("uva", trace, wl)
+            if a and b:
+                out.append(dict(bar=f"{wl} {trace}: host-only / uva (reported)", value=a / b, need=None))
+    return out
+
+
+def _rates_from(d: dict):
+    from dataclasses import fields
+
+    from mmap_offload.host import hybrid
+
+    keep = {f.name for f in fields(hybrid.Rates)}
+    r = hybrid.Rates(**{k: v for k, v in d.items() if k in keep})
+    r.host_base_s = {int(k): v for k, v in r.host_base_s.items()}
+    r.host_row_s = {int(k): v for k, v in r.host_row_s.items()}
+    return r
+
+
+def hybrid_model(meta: dict, rows: list[dict], variants: list[dict]) -> dict | None:
+    """Decode step times from the cost model, on this machine (to check the model against the
+    measured rows) and on a PCIe Gen4 machine (``--model-h2d-gbps``, ``--model-cores``): the misses of
+    each layer call recorded in the mmap-hybrid run, re-planned with the other machine's rates. A model,
+    labelled as such: the forward's own time is the vram row's step time on this machine; uva's
+    step = that + its modelled PCIe bytes at (the other link x this run's UVA-read / H2D ratio); the
+    host rates are this machine's at the same thread counts (the other host's DRAM bandwidth assumed
+    equal, shared by ``--model-ranks`` ranks)."""
+    from mmap_offload.host import hybrid
+
+    hv = next((v for v in variants if v.get("variant") == "mmap-hybrid" and "notes" in v
+               and "rates" in v["notes"]), None)
+    if hv is None:
+        return None
+    rates = _rates_from(hv["notes"]["rates"])
+    args = meta.get("args", {})
+    h2d = meta.get("tuning", {}).get("pinned_h2d_gbps")
+    kern = [c for c in meta.get("tuning", {}).get("kernel", {}).get("candidates", []) if "gbps" in c]
+    uva_gbps = max([c["gbps"] for c in kern] or [0]) or (0.88 * h2d if h2d else None)
+    g_h2d = float(args.get("model_h2d_gbps", 25.0))
+    ranks = max(1, int(args.get("model_ranks", 2)))
+    gen4 = hybrid.pcie_model_rates(rates, g_h2d, h2d, int(args.get("model_cores", 32)),
+                                   label=f"model: PCIe {g_h2d:.0f} GB/s H2D")
+    if ranks > 1:  # ranks share the host's DRAM: each gets 1/ranks of the host rate
+        gen4.host_base_s = {t: v * ranks for t, v in gen4.host_base_s.items()}
+        gen4.host_row_s = {t: v * ranks for t, v in gen4.host_row_s.items()}
+    uva_ratio = (uva_gbps / h2d) if (uva_gbps and h2d) else 0.88
+
+    def row(variant, trace, wl):
+        return next((r for r in rows if r["variant"] == variant and r["trace"] == trace and r["workload"] == wl
+                     and "tokens_per_s" in r), None)
+
+    L = len(meta.get("layers", [])) or int(meta["shapes"]["layers"])
+    out = []
+    for key, calls in hv["notes"].get("calls", {}).items():
+        trace, wl = key.split("/", 1)
+        hyb, uva, vram = row("mmap-hybrid", trace, wl), row("uva", trace, wl), row("vram", trace, wl)
+        if not calls or hyb is None or hyb.get("kind") != "decode":
+            continue
+        steps = len(calls) / L
+        batch = hyb["batch"]
+        fwd_s = (vram["step_ms"] / 1e3) if vram else 0.0
+
+        def plan_s(r_):
+            pl = hybrid.Planner(r_)
+            return sum(pl.plan(np.asarray(m)).est_s for _, _, m in calls) / steps
+
+        def copy_s(r_):
+            return sum(r_.copy_s(len(m), False) + (r_.gpu_call_s if len(m) else 0.0) for _, _, m in calls) / steps
+
+        d = dict(trace=trace, workload=wl, batch=batch, fwd_ms=1e3 * fwd_s,
+                 measured_hybrid=hyb["tokens_per_s"], measured_uva=uva["tokens_per_s"] if uva else None)
+        d["model_hybrid_here"] = batch / (fwd_s + plan_s(rates))
+        d["model_hybrid_gen4"] = batch / (fwd_s + plan_s(gen4))
+        d["model_copy_gen4"] = batch / (fwd_s + copy_s(gen4))
+        if uva:
+            pcie = uva["pcie_bytes_per_step"]
+            d["model_uva_here"] = batch / (fwd_s + pcie / (uva_ratio * h2d * 1e9)) if h2d else None
+            d["model_uva_gen4"] = batch / (fwd_s + pcie / (uva_ratio * g_h2d * 1e9))
+        out.append(d)
+    return dict(rates_here=rates.to_dict(), rates_gen4=gen4.to_dict(), uva_read_over_h2d=uva_ratio,
+                ranks=ranks, rows=out, forward_from_vram=any(r["variant"] == "vram" for r in rows))
+
+
+def hybrid_lines(meta: dict, rows: list[dict], variants: list[dict], model: dict | None) -> list[str]:
+    """The Hybrid section of results.md: rates, crossover, the split per row, the PCIe Gen4 model."""
+    hv = next((v for v in variants if v.get("variant") == "mmap-hybrid" and "rates" in v.get("notes", {})), None)
+    lines = []
+    if hv is not None:
+        r = _rates_from(hv["notes"]["rates"])
+        lines += ["", "## Hybrid (mmap-hybrid)", "",
+                  f"Host kernel: {hv['notes'].get('host_kernel')}; populate: {hv['notes'].get('populate')}.  ",
+                  f"Calibrated at start ({hv['notes']['rates']['notes'].get('seconds', 0):.1f} s): {describe_rates(r)}.  ",
+                  f"Copy paths chosen per batch: {hv['notes'].get('modes')}", "",
+                  "Crossover (cost model on uniform routing, 25% resident; host = misses computed on the host):", "",
+                  "| tokens/step | rows/expert | routed | misses | host | copied | est ms/layer | copy-all ms/layer |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for c in hv["notes"].get("crossover", []):
+            lines.append(f"| {c['tokens']} | {c['rows_per_expert']:.1f} | {c['routed']:.1f} | {c['misses']:.1f} | "
+                         f"{c['host']:.1f} | {c['copied']:.1f} | {c['est_ms']:.2f} | {c['copy_all_ms']:.2f} |")
+    split = [r for r in rows if r["variant"] in ("mmap-hybrid", "host-only") and "tokens_per_s" in r]
+    if split:
+        lines += ["", "| variant | trace | workload | mode | hits/step | copied/step | host experts/step | host MiB/step | "
+                  "host compute ms/step | host wait ms/step |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in split:
+            lines.append(f"| {r['variant']} | {r['trace']} | {r['workload']} | {r.get('mode', 'host')} | "
+                         f"{r.get('hit_experts_per_step', 0):.1f} | {r.get('copied_experts_per_step', 0):.1f} | "
+                         f"{r.get('host_experts_per_step', 0):.1f} | {r.get('host_bytes_per_step', 0) / 2**20:.1f} | "
+                         f"{r.get('host_compute_ms', 0):.2f} | {r.get('host_wait_ms', 0):.2f} |")
+    if model and model["rows"]:
+        g = model["rates_gen4"]
+        lines += ["", f"**Model, not a measurement**: the same split on a PCIe Gen4 machine "
+                  f"({g['notes']['h2d_gbps']:.0f} GB/s H2D; copies at {g['copy_gbps']:.1f} GB/s; host rates as measured "
+                  f"here, shared by {model['ranks']} TP ranks; UVA reads at {model['uva_read_over_h2d']:.2f} x H2D as here; "
+                  f"forward time from the vram rows{'' if model['forward_from_vram'] else ' (no vram row: 0)'}). "
+                  "The 'model here' columns apply the same model to this machine, next to what was measured.", "",
+                  "| trace | workload | measured hybrid / uva | model here: hybrid / uva | Gen4 model: uva tok/s | "
+                  "Gen4 model: copy-only tok/s | Gen4 model: hybrid tok/s | Gen4 model: hybrid / uva |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for d in model["rows"]:
+            mu, mh = d.get("measured_uva"), d["measured_hybrid"]
+            here = (d["model_hybrid_here"] / d["model_uva_here"]) if d.get("model_uva_here") else None
+            gu = d.get("model_uva_gen4")
+
+            def f(v, p=2):
+                return "n/a" if v is None else f"{v:.{p}f}"
+
+            lines.append(f"| {d['trace']} | {d['workload']} | {f(mh / mu if mu else None)} | {f(here)} | {f(gu, 1)} | "
+                         f"{d['model_copy_gen4']:.1f} | {d['model_hybrid_gen4']:.1f} | "
+                         f"{f(d['model_hybrid_gen4'] / gu if gu else None)} |")
+    return lines
+
+
 def write_report(out: Path, meta: dict, rows: list[dict], variants: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    bar_rows = bars(rows)
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, variants=variants, bars=bar_rows),
-                                                 indent=1, default=str))
+    bar_rows = bars(rows) + hybrid_bars(rows)
+    try:
+        model = hybrid_model(meta, rows, variants)
+    except Exception as exc:  # the model is derived; the rows are the record
+        model = None
+        print(f"hybrid model skipped: {type(exc).__name__}: {exc}")
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, variants=variants, bars=bar_rows,
+                                                      hybrid_model=model), indent=1, default=str))
     lines = [
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['machine']}; shapes: {meta['shapes']}; expert {meta['expert_nbytes'] / 2**20:.2f} MiB, "
@@ -801,6 +1247,7 @@ def write_report(out: Path, meta: dict, rows: list[dict], variants: list[dict]) 
     for b in bar_rows:
         v = "n/a" if b["value"] is None else f"{b['value']:.2f}"
         lines.append(f"| {b['bar']} | {v} | {b['need'] if b['need'] is not None else ''} | {b.get('ok', '')} |")
+    lines += hybrid_lines(meta, rows, variants, model)
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         plot(out, rows, meta)
@@ -887,7 +1334,18 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="vram,uva,mmap-cache,mmap-prefetch,mmap-cache-cold,pread-prefetch-cold,"
                    "kvikio-prefetch-cold,pread-cache-cold,kvikio-cache-cold")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
-    p.add_argument("--traces", default="uniform,skewed")
+    p.add_argument("--traces", default=None, help="uniform,skewed (default; only the file's with --trace)")
+    p.add_argument("--trace", default=None, help="replay a routing trace CSV (step,layer,expert ids[,weights])")
+    p.add_argument("--host-threads", type=int, default=0,
+                   help="host compute threads when nothing is copied (default: the cores this process may use); "
+                        "beside copies: this minus --engine-threads")
+    p.add_argument("--host-kernel", choices=("auto", "native", "torch"), default="auto")
+    p.add_argument("--host-max-rows", type=int, default=64, help="experts with more token rows stay on the GPU")
+    p.add_argument("--host-prefill", action="store_true", help="run host-only at prefill too (slow)")
+    p.add_argument("--model-h2d-gbps", type=float, default=25.0,
+                   help="the modelled machine's H2D (PCIe Gen4 x16 ~25 GB/s: the user's 2x RTX 3090)")
+    p.add_argument("--model-cores", type=int, default=32)
+    p.add_argument("--model-ranks", type=int, default=2, help="TP ranks sharing the modelled host (2x RTX 3090: 2)")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per run")
     p.add_argument("--prefill-steps", type=int, default=3)
     p.add_argument("--cold-steps", type=int, default=6)
@@ -921,6 +1379,17 @@ def main(argv=None) -> int:
         if v is not None:
             shp[k] = v
     impl = "triton" if device.type == "cuda" else "torch"
+    args.trace_ids = args.trace_weights = None
+    if args.trace:  # before the (long) set-up: a bad file is one line, at once
+        from mmap_offload import traces as traces_mod
+        from mmap_offload.errors import MmapOffloadError
+
+        try:
+            args.trace_ids, args.trace_weights = traces_mod.read_csv(args.trace, with_weights=True)
+            traces_mod.check_trace(args.trace_ids, shp["experts"], shp["top_k"], f"routing trace {args.trace}")
+        except MmapOffloadError as exc:
+            print(f"bench_moe: {exc}", file=sys.stderr)
+            return 2
     work = Path(args.workdir or (Path(args.out) / "work"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"shapes {shp}, device {device}, kernel {impl}", flush=True)
@@ -938,7 +1407,9 @@ def main(argv=None) -> int:
     ctx = Ctx(cache=cache, device=device, impl=impl, hidden=shp["hidden"], inter=shp["inter"], layers=list(cache.layers),
               expert_nbytes=expert_nbytes, layer_nbytes=layer_nbytes,
               budget_bytes=int(args.budget_layers * layer_nbytes), engine_threads=args.engine_threads,
-              pinned_ring=args.pinned_ring_mib << 20)
+              pinned_ring=args.pinned_ring_mib << 20, group=shp["group"], top_k=shp["top_k"],
+              host=dict(threads=args.host_threads, kernel=args.host_kernel, max_rows=args.host_max_rows,
+                        prefill=args.host_prefill))
     cache_files = [cache.layer_file(l) for l in cache.layers]
     warm_page_cache(cache_files)
     tuning = {}
@@ -964,7 +1435,11 @@ def main(argv=None) -> int:
         open_cache_s=open_s, setup=setup, tuning=tuning, args=vars(args),
     )
     workloads = [w for w in args.workloads.split(",") if w]
-    trace_kinds = [t for t in args.traces.split(",") if t]
+    trace_kinds = [t for t in (args.traces or ("" if args.trace else "uniform,skewed")).split(",") if t]
+    if args.trace:
+        trace_kinds.append("file:" + Path(args.trace).stem)
+        meta["trace_file"] = dict(path=str(args.trace), shape=list(args.trace_ids.shape),
+                                  weights=args.trace_weights is not None)
     if args.tiny:  # toy size on a CPU: fewer, shorter runs
         args.steps, args.prefill_steps, args.cold_steps = min(args.steps, 4), 1, min(args.cold_steps, 2)
         args.run_seconds = min(args.run_seconds, 0.5)
@@ -1011,6 +1486,10 @@ def _variant(name: str, ctx: Ctx) -> Variant | None:
         return VramVariant(ctx)
     if name == "uva":
         return UvaVariant(ctx)
+    if name == "mmap-hybrid":
+        return HybridVariant(ctx, engine_kind="mmap")
+    if name == "host-only":
+        return HostOnlyVariant(ctx)
     parts = name.split("-")
     if len(parts) in (2, 3) and parts[0] in ("mmap", "pread", "kvikio") and parts[1] in ("cache", "prefetch"):
         cold = len(parts) == 3 and parts[2] == "cold"

@@ -331,3 +331,42 @@ def test_check_trace_against_the_model():
         traces.check_trace(tr, 8, 4)
     with pytest.raises(UnsupportedError, match="top_k=8"):
         traces.check_trace(tr, 16, 8)
+
+
+def test_admission_keeps_the_cache_learning_when_the_host_is_faster():
+    """Host 10x faster than the link: without admission every miss would go to the host and the pool
+    would stay empty. Free slots are filled with the most popular misses; once full, only experts much
+    hotter than the layer's resident ones are forced to the copy path."""
+    rates = synthetic_rates(expert_bytes=9 << 20, host_gbps=100, copy_gbps=10, per_row_frac=0.0)
+    pl = hybrid.Planner(rates)
+    for _ in range(10):
+        pl.note_routed(0, np.array([1, 2, 3]))
+    misses = np.array([1, 2, 9])
+    assert pl.admit(0, misses, np.array([], dtype=np.int64), free_slots=2).tolist() == [True, True, False]
+    # full pool: resident experts 4, 5 used as often as 1 and 2; 3 is hot against them, 9 is not
+    for _ in range(10):
+        pl.note_routed(0, np.array([4, 5, 3]))
+    forced = pl.admit(0, np.array([3, 9]), np.array([4, 5]), free_slots=0)
+    assert forced.tolist() == [False, False]  # 3 is used as often as the resident ones: not forced
+    for _ in range(40):
+        pl.note_routed(0, np.array([3]))
+    assert pl.admit(0, np.array([3, 9]), np.array([4, 5]), free_slots=0).tolist() == [True, False]
+    p = pl.plan(np.ones(2, dtype=np.int64), forced_copy=np.array([True, False]))
+    assert p.copy.tolist() == [0] and p.host.tolist() == [1]
+
+
+def test_hybrid_fills_the_pool_although_the_host_is_faster(tmp_path):
+    E, k = 12, 4
+    cache = make_marlin_cache(tmp_path / "c", experts=E, layers=(0,))
+    nb = sum(s.nbytes for s in cache.expert_specs)
+    rates = synthetic_rates(expert_bytes=nb, host_gbps=100.0, copy_gbps=1.0, per_row_frac=0.0, split=1, all_=1)
+    kern, _ = hybrid.make_host_kernel("auto", threads=1)
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=6)
+    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(rates), ref_gpu_forward(ec, 64), "cpu", group=64)
+    tr = traces.skewed_trace(20, 1, E, k, batch=1, zipf_s=1.5, seed=3)
+    for s in range(tr.shape[0]):
+        hy.forward(0, torch.randn(1, 256).to(torch.bfloat16), tr[s, 0], torch.full((1, k), 0.25))
+    assert (ec.slot_map(0) >= 0).sum() == 6  # the pool filled up
+    assert hy.metrics["hits"] > 0 and hy.metrics["host_experts"] > 0
+    hy.close()
+    cache.close()

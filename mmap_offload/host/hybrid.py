@@ -218,31 +218,68 @@ class Plan:
 
 
 class Planner:
-    """Splits a layer's misses between host compute and the copy path (module docstring)."""
+    """Splits a layer's misses between host compute and the copy path (module docstring).
 
-    def __init__(self, rates: Rates, half_life_calls: float = 512.0):
+    Admission: a miss computed on the host never enters the VRAM cache, so a planner that sends every
+    miss to the host would leave the cache cold forever. ``admit`` returns the misses that are copied
+    whatever the rates: while the pool has free slots, the most popular misses (up to the free count);
+    after that, a miss whose decayed use count is ``admit_factor`` x the median of the layer's resident
+    experts' (and >= ``admit_min``): under skewed routing the hot experts become resident, under uniform
+    routing (no expert much hotter than the resident ones) nothing is forced."""
+
+    def __init__(self, rates: Rates, half_life_calls: float = 512.0, admit_factor: float = 2.0,
+                 admit_min: float = 3.0):
         self.rates = rates
-        self._pop: dict = {}  # (layer, expert) -> (decayed count, call number)
+        self.admit_factor = admit_factor
+        self.admit_min = admit_min
+        self._count: dict = {}  # layer -> [E] decayed counts at time _last[layer]
+        self._last: dict = {}  # layer -> [E] call number of the count
         self._now = 0
         self._lam = math.log(2.0) / max(half_life_calls, 1e-9)
+
+    def _arrays(self, layer: int, n: int):
+        c = self._count.get(layer)
+        if c is None or c.size < n:  # grow, keeping what was counted
+            m = max(n, 64, 0 if c is None else 2 * c.size)
+            c2, l2 = np.zeros(m), np.zeros(m)
+            if c is not None:
+                c2[: c.size], l2[: c.size] = c, self._last[layer]
+            c = self._count[layer] = c2
+            self._last[layer] = l2
+        return c, self._last[layer]
 
     def note_routed(self, layer: int, experts: np.ndarray) -> None:
         """Count a layer's routed experts (decayed), so popular misses are copied, rare ones computed."""
         self._now += 1
-        for e in experts.tolist():
-            c, t = self._pop.get((layer, e), (0.0, self._now))
-            self._pop[(layer, e)] = (c * math.exp(-self._lam * (self._now - t)) + 1.0, self._now)
+        experts = np.asarray(experts, dtype=np.int64)
+        if not experts.size:
+            return
+        c, last = self._arrays(layer, int(experts.max()) + 1)
+        c[experts] = c[experts] * np.exp(-self._lam * (self._now - last[experts])) + 1.0
+        last[experts] = self._now
 
     def popularity(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(experts))
-        for i, e in enumerate(experts.tolist()):
-            c, t = self._pop.get((layer, e), (0.0, self._now))
-            out[i] = c * math.exp(-self._lam * (self._now - t))
-        return out
+        experts = np.asarray(experts, dtype=np.int64)
+        if not experts.size:
+            return np.zeros(0)
+        c, last = self._arrays(layer, int(experts.max()) + 1)
+        return c[experts] * np.exp(-self._lam * (self._now - last[experts]))
+
+    def admit(self, layer: int, misses: np.ndarray, resident: np.ndarray, free_slots: int) -> np.ndarray:
+        """bool mask over ``misses``: copied whatever the rates (see the class docstring)."""
+        pop = self.popularity(layer, misses)
+        forced = np.zeros(misses.size, dtype=bool)
+        if free_slots > 0 and misses.size:
+            forced[np.argsort(-pop, kind="stable")[:free_slots]] = True
+        if resident.size and misses.size:
+            bar = max(self.admit_min, self.admit_factor * float(np.median(self.popularity(layer, resident))))
+            forced |= pop >= bar
+        return forced
 
     def plan(self, miss_rows: np.ndarray, popularity: np.ndarray | None = None,
-             host_allowed: bool = True) -> Plan:
-        """Choose the host set among misses with ``miss_rows`` token rows each (see module docstring)."""
+             host_allowed: bool = True, hits: int = 0, forced_copy: np.ndarray | None = None) -> Plan:
+        """Choose the host set among misses with ``miss_rows`` token rows each (see module docstring);
+        ``forced_copy`` (bool per miss) are copied in any case; ``hits`` > 0: a GPU call runs anyway."""
         r = self.rates
         rows = np.asarray(miss_rows, dtype=np.int64)
         n = rows.size
@@ -250,23 +287,28 @@ class Planner:
         if n == 0:
             return Plan(empty, empty, 0, 0.0, 0.0, 0.0)
         pop = np.zeros(n) if popularity is None else np.asarray(popularity, dtype=np.float64)
-        order = np.lexsort((pop, rows))  # fewest rows first, then least popular
-        eligible = int((rows[order] <= r.max_host_rows).sum()) if host_allowed else 0
+        forced = np.zeros(n, dtype=bool) if forced_copy is None else np.asarray(forced_copy, dtype=bool)
+        # host candidates: not forced, few enough rows; fewest rows first, then least popular
+        cand = np.flatnonzero(~forced & (rows <= r.max_host_rows)) if host_allowed else empty
+        order = cand[np.lexsort((pop[cand], rows[cand]))]
         copy_only = r.copy_s(n, False) + r.gpu_call_s
         best = (copy_only, 0, 0, 0.0, copy_only)
         cum_rows = np.concatenate(([0], np.cumsum(rows[order])))
-        for k in range(1, eligible + 1):
+        for k in range(1, order.size + 1):
             rest = n - k
             threads = r.threads_all if rest == 0 else r.threads_split
             conc = rest > 0
             host = r.xfer_s + (k * r.host_base_s[threads] + cum_rows[k] * r.host_row_s[threads]) * (
                 r.slow_host if conc else 1.0)
-            cp = (r.copy_s(rest, True) + r.gpu_call_s) if rest else 0.0
+            cp = (r.copy_s(rest, True) + r.gpu_call_s) if rest else (r.gpu_call_s if hits else 0.0)
             t = max(host, cp)
             if t < best[0]:
                 best = (t, k, threads, host, cp)
         t, k, threads, host, cp = best
-        return Plan(np.sort(order[:k]), np.sort(order[k:]), threads, t, host, cp)
+        host_idx = np.sort(order[:k])
+        copy_mask = np.ones(n, dtype=bool)
+        copy_mask[host_idx] = False
+        return Plan(host_idx, np.flatnonzero(copy_mask), threads, t, host, cp)
 
 
 def expected_distinct(tokens: int, experts: int, top_k: int) -> float:
@@ -288,7 +330,7 @@ def crossover_table(rates: Rates, experts: int, top_k: int, resident_frac: float
             uniq, counts = np.unique(ids, return_counts=True)
             resident = rng.random(uniq.size) < resident_frac
             miss_rows = counts[~resident]
-            p = planner.plan(miss_rows)
+            p = planner.plan(miss_rows, hits=int(resident.sum()))
             copy_all = rates.copy_s(miss_rows.size, False) + (rates.gpu_call_s if miss_rows.size else 0.0)
             acc += (uniq.size, miss_rows.size, p.host.size, p.copy.size, p.est_s, copy_all)
         acc /= 8
@@ -343,6 +385,9 @@ class HybridMoE:
         self.device = torch.device(device)
         self.group = int(group)
         self.host_allowed = True
+        self._maps = [expert_cache.slot_map(l) for l in expert_cache.layers]  # live views, one per layer
+        n_pools = expert_cache.capacity_bytes // max(1, expert_cache.slots_per_pool * expert_cache.expert_nbytes)
+        self._shared = n_pools == 1 and len(self._maps) > 1
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmap-offload-hybrid")
         self._views: dict = {}
         self._xbuf: torch.Tensor | None = None
@@ -351,6 +396,12 @@ class HybridMoE:
         self.calls: list = []  # per call when recording: (tokens, hits, miss_rows)
         self.metrics = dict(calls=0, hits=0, misses=0, host_experts=0, copied_experts=0, host_s=0.0,
                             host_wait_s=0.0, plan_s=0.0, ensure_s=0.0)
+
+    def _free(self, smap: np.ndarray) -> int:
+        """Free slots of the pool serving the layer of ``smap`` (shared pool: over all layers)."""
+        if self._shared:
+            return self.ec.slots_per_pool - sum(int((m >= 0).sum()) for m in self._maps)
+        return self.ec.slots_per_pool - int((smap >= 0).sum())
 
     def _expert(self, layer: int, e: int):
         v = self._views.get((layer, e))
@@ -395,9 +446,13 @@ class HybridMoE:
         smap = self.ec.slot_map(layer)
         resident = smap[uniq] >= 0
         hits, misses, miss_rows = uniq[resident], uniq[~resident], counts[~resident]
-        pop = self.planner.popularity(layer, misses)
-        self.planner.note_routed(layer, uniq)
-        plan = self.planner.plan(miss_rows, pop, host_allowed=self.host_allowed)
+        pl = self.planner
+        pop = pl.popularity(layer, misses)
+        forced = None
+        if self.host_allowed and misses.size:
+            forced = pl.admit(layer, misses, np.flatnonzero(smap >= 0), self._free(smap))
+        pl.note_routed(layer, uniq)
+        plan = pl.plan(miss_rows, pop, host_allowed=self.host_allowed, hits=hits.size, forced_copy=forced)
         host_e, copy_e = misses[plan.host], misses[plan.copy]
         m = self.metrics
         m["calls"] += 1
