@@ -18,6 +18,17 @@ the weight delivery differs between variants, each given the same VRAM budget fo
     *-cold         the same after the cache files were evicted from the page cache (first steps only)
     pread-cold     ExpertCache / LayerPrefetcher over the O_DIRECT pread engine
     kvikio-cold    the same over kvikio (skipped with the reason where kvikio is not installed)
+    mmap-hybrid    the mmap-cache pool; per layer hits on the GPU first, misses split between host compute
+                   (host.kernel.HostKernel on the mapped Marlin words) and copies by a cost model calibrated
+                   at set-up (mmap_offload/host/hybrid.py); at prefill-like batches, when the model copies
+                   everything, whole layers are streamed into the same VRAM (the mmap-prefetch path)
+    host-only      every routed expert computed on the host (llama.cpp --cpu-moe / KTransformers), no
+                   expert weights in VRAM; prefill skipped unless --host-prefill
+
+Routing: synthetic traces (uniform, skewed), or ``--trace FILE`` (CSV ``step,layer,expert ids[,weights]``,
+traces.read_csv) replayed: step and layer modulo the file's, its rows tiled over the batch. The hybrid
+variant prints its calibrated rates, the crossover (tokens per step -> host / copied misses) and a
+model of the same split on a PCIe Gen4 machine (``--model-h2d-gbps``, labelled as a model).
 
 Per run it records tokens/s, bytes over PCIe per step (uva: a model of the kernel's reads = routed
 experts x M-blocks reading them; engines: bytes their copies moved), routed bytes per step (distinct

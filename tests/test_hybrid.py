@@ -370,3 +370,43 @@ def test_hybrid_fills_the_pool_although_the_host_is_faster(tmp_path):
     assert hy.metrics["hits"] > 0 and hy.metrics["host_experts"] > 0
     hy.close()
     cache.close()
+
+
+# -- the benchmark's wiring (CPU toy size) ---------------------------------------------------------------
+
+
+def test_bench_moe_hybrid_and_host_only_run_on_cpu(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import json
+
+    import bench_moe
+
+    tr = traces.skewed_trace(4, 4, 16, 4, batch=2, seed=0)
+    w = np.full(tr.shape, 0.25, dtype=np.float32)
+    trace = traces.write_csv(tr, tmp_path / "t.csv", weights=w)
+    out = tmp_path / "out"
+    rc = bench_moe.main(["--device", "cpu", "--tiny", "--no-tune", "--out", str(out), "--variants",
+                         "vram,mmap-hybrid,host-only", "--workloads", "decode-1,prefill-2k", "--traces", "uniform",
+                         "--trace", str(trace), "--run-seconds", "0.05", "--steps", "2"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    got = {(r["variant"], r["trace"], r["workload"]): r for r in res["rows"]}
+    for v in ("mmap-hybrid", "host-only"):
+        for t in ("uniform", "file:t"):
+            assert got[(v, t, "decode-1")]["tokens_per_s"] > 0, (v, t)
+    assert got[("mmap-hybrid", "uniform", "prefill-2k")]["mode"] == "layer"  # the model copies at prefill
+    assert "skipped" in got[("host-only", "uniform", "prefill-2k")]
+    md = (out / "results.md").read_text()
+    assert "## Hybrid (mmap-hybrid)" in md and "Crossover" in md and "Model, not a measurement" in md
+    assert res["hybrid_model"]["rows"]
+
+
+def test_bench_moe_bad_trace_is_one_line(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_moe
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0,0,1,99,2,3\n")
+    assert bench_moe.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "o"), "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "routes expert 99" in err and "16 experts" in err

@@ -326,7 +326,7 @@ def crossover_table(rates: Rates, experts: int, top_k: int, resident_frac: float
     for t in tokens:
         acc = np.zeros(6)
         for _ in range(8):
-            ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(t)])
+            ids = np.argsort(rng.random((t, experts)), axis=1)[:, :top_k]  # t uniform top-k draws
             uniq, counts = np.unique(ids, return_counts=True)
             resident = rng.random(uniq.size) < resident_frac
             miss_rows = counts[~resident]
