@@ -423,7 +423,9 @@ def _host_kernels(ctx: Ctx) -> tuple[dict, str, int, int]:
     from mmap_offload.host import hybrid
 
     h = ctx.host
-    t_all = int(h.get("threads") or hybrid.default_threads(0)[1])
+    cores = hybrid.default_threads(0)[1]
+    # one core stays with the Python thread that launches the GPU work while the host computes
+    t_all = int(h.get("threads") or (max(1, cores - 1) if ctx.device.type == "cuda" else cores))
     t_split = max(1, t_all - ctx.engine_threads)
     kernels, name = {}, ""
     for t in sorted({t_split, t_all}):
@@ -1260,6 +1262,8 @@ def write_report(out: Path, meta: dict, rows: list[dict], variants: list[dict]) 
         lines.append(f"| {b['bar']} | {v} | {b['need'] if b['need'] is not None else ''} | {b.get('ok', '')} |")
     lines += hybrid_lines(meta, rows, variants, model)
     (out / "results.md").write_text("\n".join(lines) + "\n")
+    if meta.get("args", {}).get("no_plots"):
+        return
     try:
         plot(out, rows, meta)
     except Exception as exc:  # plots are a convenience; the table is the record
@@ -1348,7 +1352,8 @@ def parse_args(argv=None):
     p.add_argument("--traces", default=None, help="uniform,skewed (default; only the file's with --trace)")
     p.add_argument("--trace", default=None, help="replay a routing trace CSV (step,layer,expert ids[,weights])")
     p.add_argument("--host-threads", type=int, default=0,
-                   help="host compute threads when nothing is copied (default: the cores this process may use); "
+                   help="host compute threads when nothing is copied (default: the cores this process may use, "
+                        "less one on CUDA for the thread launching GPU work); "
                         "beside copies: this minus --engine-threads")
     p.add_argument("--host-kernel", choices=("auto", "native", "torch"), default="auto")
     p.add_argument("--host-max-rows", type=int, default=64, help="experts with more token rows stay on the GPU")
@@ -1373,6 +1378,7 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None, help="checkpoint + cache (reused when shapes match)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="results.json + results.md only (fewer files)")
     return p.parse_args(argv)
 
 

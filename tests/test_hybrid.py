@@ -93,15 +93,16 @@ def ref_expert(x, w13, s13, w2, s2, group):
 def ref_gpu_forward(ec, group):
     """The all-"GPU" path on CPU: every pair over the expert cache's slots, fp32, rounded once."""
 
-    def fwd(layer, x, slot_ids, route_w):
-        slots = ec.slots(layer)
+    def fwd(layer, x, slot_ids, route_w):  # on CUDA: the slots' bytes are read back (a reference, not fast)
+        slots = {k: v.cpu() for k, v in ec.slots(layer).items()} if x.is_cuda else ec.slots(layer)
+        xc, rc = x.cpu(), route_w.cpu()
         out = torch.zeros(x.shape[0], x.shape[1])
         for s in np.unique(slot_ids).tolist():
             t, j = np.nonzero(slot_ids == s)
-            y = ref_expert(x[torch.from_numpy(t)], slots["w13_weight_packed"][s], slots["w13_weight_scale"][s],
+            y = ref_expert(xc[torch.from_numpy(t)], slots["w13_weight_packed"][s], slots["w13_weight_scale"][s],
                            slots["w2_weight_packed"][s], slots["w2_weight_scale"][s], group)
-            out.index_add_(0, torch.from_numpy(t), y * route_w[torch.from_numpy(t), torch.from_numpy(j)].float()[:, None])
-        return out.to(x.dtype)
+            out.index_add_(0, torch.from_numpy(t), y * rc[torch.from_numpy(t), torch.from_numpy(j)].float()[:, None])
+        return out.to(x.dtype).to(x.device)
 
     return fwd
 
@@ -410,3 +411,38 @@ def test_bench_moe_bad_trace_is_one_line(tmp_path, capsys):
     assert bench_moe.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "o"), "--trace", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "routes expert 99" in err and "16 experts" in err
+
+
+@pytest.mark.gpu
+def test_hybrid_equals_all_gpu_on_cuda(tmp_path):
+    """On the GPU machine: device slots filled by the real mmap engine, pinned activations down and rows
+    up, hits first, copies ordered on the stream; the same tolerance as on CPU. Then a calibration."""
+    from mmap_offload.transfer import make_engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    E, k, L, group = 16, 4, (0, 1, 2), 64
+    cache = make_marlin_cache(tmp_path / "c", 512, 128, group, experts=E, layers=L)
+    nb = sum(s.nbytes for s in cache.expert_specs)
+    rates = synthetic_rates(expert_bytes=nb, host_gbps=1.0, copy_gbps=1.0, per_row_frac=0.0, split=4, all_=4)
+    kern, _ = hybrid.make_host_kernel("auto", threads=4)
+    eng = make_engine("mmap", "cuda", pinned_bytes=16 << 20)
+    ec = ExpertCache(cache, eng, "cuda", capacity_experts=10, shared=True)
+    hy = hybrid.HybridMoE(cache, ec, {4: kern}, hybrid.Planner(rates), ref_gpu_forward(ec, group), "cuda", group=group)
+    ec_ref = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=len(L) * E, shared=True)
+    ref = ref_gpu_forward(ec_ref, group)
+    tr = traces.skewed_trace(5, len(L), E, k, batch=4, seed=2)
+    for s in range(tr.shape[0]):
+        x = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
+        rw = torch.softmax(torch.randn(4, k, device="cuda"), -1)
+        for li, layer in enumerate(L):
+            y = hy.forward(layer, x, tr[s, li], rw)
+            want = ref(layer, x.cpu(), np.asarray(ec_ref.ensure(layer, tr[s, li])), rw.cpu()).float()
+            assert y.is_cuda and (y.float().cpu() - want).abs().max() <= TOL * want.abs().max()
+    assert hy.metrics["host_experts"] > 0 and hy.metrics["copied_experts"] > 0 and hy.metrics["hits"] > 0
+    r = hybrid.calibrate(cache, eng, "cuda", {4: kern}, group=group, hidden=512, threads_split=4, threads_all=4,
+                         n_experts=4, rows_hi=4, reps=2)
+    assert r.copy_bw > 0 and r.xfer_s > 0 and r.host_base_s[4] > 0
+    hy.close()
+    eng.close()
+    cache.close()

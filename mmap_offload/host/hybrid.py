@@ -293,17 +293,21 @@ class Planner:
         order = cand[np.lexsort((pop[cand], rows[cand]))]
         copy_only = r.copy_s(n, False) + r.gpu_call_s
         best = (copy_only, 0, 0, 0.0, copy_only)
-        cum_rows = np.concatenate(([0], np.cumsum(rows[order])))
-        for k in range(1, order.size + 1):
+        m = order.size
+        if m:  # every host count k = 1..m at once
+            k = np.arange(1, m + 1)
+            cum_rows = np.cumsum(rows[order])
             rest = n - k
-            threads = r.threads_all if rest == 0 else r.threads_split
-            conc = rest > 0
-            host = r.xfer_s + (k * r.host_base_s[threads] + cum_rows[k] * r.host_row_s[threads]) * (
-                r.slow_host if conc else 1.0)
-            cp = (r.copy_s(rest, True) + r.gpu_call_s) if rest else (r.gpu_call_s if hits else 0.0)
-            t = max(host, cp)
-            if t < best[0]:
-                best = (t, k, threads, host, cp)
+            ts, ta = r.threads_split, r.threads_all
+            host = r.xfer_s + np.where(
+                rest > 0, (k * r.host_base_s[ts] + cum_rows * r.host_row_s[ts]) * r.slow_host,
+                k * r.host_base_s[ta] + cum_rows * r.host_row_s[ta])
+            cp = np.where(rest > 0, (r.copy_lat_s + rest * (r.expert_bytes / r.copy_bw)) * r.slow_copy + r.gpu_call_s,
+                          r.gpu_call_s if hits else 0.0)
+            t = np.maximum(host, cp)
+            i = int(np.argmin(t))
+            if t[i] < best[0]:
+                best = (float(t[i]), i + 1, ta if rest[i] == 0 else ts, float(host[i]), float(cp[i]))
         t, k, threads, host, cp = best
         host_idx = np.sort(order[:k])
         copy_mask = np.ones(n, dtype=bool)
@@ -469,12 +473,17 @@ class HybridMoE:
         if host_e.size:
             xh, oh = self._buffers(T, x.shape[1], x.dtype)
             xh.copy_(x)  # waits for the previous layer on the device: the host needs its output
-            rw_h = route_w.float().cpu().numpy()  # one small copy (the device is idle here anyway)
+            rw_h = route_w.float().cpu().numpy().reshape(-1)  # one small copy (the device is idle here anyway)
+            flat = ids.reshape(-1)
+            order = np.argsort(flat, kind="stable")  # pairs grouped by expert
+            fs = flat[order]
+            lo, hi = np.searchsorted(fs, host_e), np.searchsorted(fs, host_e, side="right")
+            k_ = ids.shape[1]
             jobs = []
-            for e in host_e.tolist():
-                r, c = np.nonzero(ids == e)
-                jobs.append((torch.from_numpy(r), *self._expert(layer, e), self.group,
-                             torch.from_numpy(np.ascontiguousarray(rw_h[r, c]))))
+            for e, a, b in zip(host_e.tolist(), lo.tolist(), hi.tolist()):
+                pairs = order[a:b]
+                jobs.append((torch.from_numpy(pairs // k_), *self._expert(layer, e), self.group,
+                             torch.from_numpy(rw_h[pairs])))
             fut = self._pool.submit(self._host_job, self.kernels[plan.threads], xh, jobs, oh)
 
         y = None
