@@ -100,7 +100,7 @@ def run_policy(trace: np.ndarray, experts: int, slots: int, policy: str, half_li
     shared pool of the same total). Returns its summary."""
     steps, layers = trace.shape[:2]
     ec = ExpertCache(_SimCache(layers, experts), _CountingEngine(), "cpu", capacity_experts=slots * layers,
-                     policy=policy, half_life_steps=half_life, shared=shared)
+                     policy=policy, half_life_steps=half_life, shared=shared, verify_first_use=False)
     rng = np.random.default_rng(seed)
     for t in range(steps):
         for li in range(layers):

@@ -7,6 +7,8 @@ FORMAT_VERSION when the bytes on disk change meaning.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,8 @@ import torch
 import xxhash
 
 FORMAT_NAME = "mmap-offload-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checkpoint.shards (size, mtime, content hash of what warm-up read) + layers[].source
+SOURCE_HASH_NAME = "xxh3-128-sum"
 ALIGNMENT = 4096
 CHECKSUM_NAME = "xxh3-64"
 MANIFEST_NAME = "manifest.json"
@@ -48,6 +51,50 @@ def rank_dir_name(tp_rank: int, tp_size: int) -> str:
 
 def layer_file_name(layer: int) -> str:
     return f"layer-{layer:05d}.bin"
+
+
+_RANK_DIR_RE = re.compile(r"^rank-(\d+)-of-(\d+)$")
+
+
+def parse_rank_dir_name(name: str) -> tuple[int, int] | None:
+    """(rank, size) of a ``rank-R-of-N`` directory name, else None."""
+    m = _RANK_DIR_RE.match(name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def cache_root(rank_directory: str | Path) -> Path:
+    """The ``--cache-dir`` that holds ``rank_directory`` (its parent when it is named rank-R-of-N)."""
+    d = Path(rank_directory)
+    return d.parent if parse_rank_dir_name(d.name) else d
+
+
+def warmup_command(rank_directory: str | Path, checkpoint: str | None = None, *, tp_size: int | None = None,
+                   repair: bool = False) -> str:
+    """The `mmap-offload warmup ...` command line that (re)builds the cache in ``rank_directory``:
+    its --cache-dir is the directory above the rank directory (never the rank directory itself)."""
+    d = Path(rank_directory)
+    parsed = parse_rank_dir_name(d.name)
+    size = tp_size if tp_size is not None else (parsed[1] if parsed else 1)
+    cmd = f"mmap-offload warmup {shlex.quote(str(checkpoint)) if checkpoint else 'CHECKPOINT'} " \
+          f"--cache-dir {shlex.quote(str(cache_root(d)))}"
+    if size != 1:
+        cmd += f" --tp-size {size}"
+    if repair:
+        cmd += " --repair"
+    return f"`{cmd}`"
+
+
+def source_hash_add(total: int, name: str, data) -> int:
+    """Add one checkpoint tensor (its name and raw bytes) to a source hash: the sum modulo 2**128 of
+    xxh3-128(name NUL bytes) over the tensors, so it does not depend on the order they were read in."""
+    h = xxhash.xxh3_128()
+    h.update(name.encode() + b"\0")
+    h.update(data)
+    return (total + h.intdigest()) & ((1 << 128) - 1)
+
+
+def source_hash_hex(total: int) -> str:
+    return f"{total:032x}"
 
 
 @dataclass(frozen=True)
@@ -147,13 +194,15 @@ class Manifest:
     layers: list[dict]  # {"layer", "file", "nbytes"}
     tensors: list[list] = field(default_factory=list)  # rows of TENSOR_COLUMNS
     created_by: str = ""
+    shards: list[dict] = field(default_factory=list)  # {"name", "size", "mtime_ns", "hash"} per source shard
 
     def to_obj(self) -> dict:
         obj = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "created_by": self.created_by,
-            "checkpoint": {"path": self.checkpoint_path, "fingerprint": self.identity.fingerprint},
+            "checkpoint": {"path": self.checkpoint_path, "fingerprint": self.identity.fingerprint,
+                           "source_hash": SOURCE_HASH_NAME, "shards": self.shards},
             "quantization": self.identity.quantization,
             "layout": {"name": self.identity.layout_name, "version": self.identity.layout_version},
             "tp": {"rank": self.identity.tp_rank, "size": self.identity.tp_size},
@@ -183,18 +232,23 @@ class Manifest:
         """Parse and check a manifest; raises CorruptCacheError / StaleCacheError (one line each)."""
         from .errors import CorruptCacheError, StaleCacheError
 
-        fix = "delete it and rerun `mmap-offload warmup`"
+        rank_directory = Path(where).parent
+        ckpt_path = None
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptCacheError(f"{where} is not valid JSON ({e.__class__.__name__})", fix) from None
+            raise CorruptCacheError(f"{where} is not valid JSON ({e.__class__.__name__})",
+                                    f"rebuild it with {warmup_command(rank_directory)}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("checkpoint"), dict):
+            ckpt_path = obj["checkpoint"].get("path") if isinstance(obj["checkpoint"].get("path"), str) else None
+        fix = f"rebuild it with {warmup_command(rank_directory, ckpt_path)}"
         if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
             raise CorruptCacheError(f"{where} is not an mmap-offload cache manifest", fix)
         if obj.get("format_version") != FORMAT_VERSION:
             raise StaleCacheError(
                 f"{where} has cache format version {obj.get('format_version')}, this mmap-offload reads "
                 f"version {FORMAT_VERSION}",
-                "rebuild it with `mmap-offload warmup`",
+                fix,
             )
         stored = obj.pop("manifest_checksum", None)
         if stored != checksum(_canonical(obj)):
@@ -220,6 +274,7 @@ class Manifest:
                 layers=obj["layers"],
                 tensors=obj["tensors"],
                 created_by=obj.get("created_by", ""),
+                shards=list(obj["checkpoint"].get("shards") or []),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCacheError(f"{where} lacks or mangles a field ({e})", fix) from None

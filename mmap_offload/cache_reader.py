@@ -28,8 +28,10 @@ from .cache_format import (
     Extent,
     Manifest,
     TensorSpec,
+    cache_root,
     checksum,
     rank_dir_name,
+    warmup_command,
 )
 from .errors import CacheError, CorruptCacheError, StaleCacheError
 
@@ -156,7 +158,7 @@ class Cache:
             for e in range(self.num_experts):
                 n = os.preadv(fd, [buf], e * self.record_nbytes)
                 if n != self.record_nbytes:
-                    raise CorruptCacheError(f"{path} is truncated", "rerun `mmap-offload warmup` to rebuild it")
+                    raise CorruptCacheError(f"{path} is truncated", f"rewrite it with {self.repair_command()}")
                 for spec, want in zip(self.expert_specs, self.expected_checksums(layer, e)):
                     if checksum(buf[spec.offset : spec.offset + spec.nbytes]) != want:
                         bad.append((layer, e, spec.name))
@@ -193,8 +195,12 @@ class Cache:
             raise CorruptCacheError(
                 f"{len(state)} tensor(s) of {self.layer_file(layer)} fail their checksum (first: layer {l} "
                 f"expert {e} {name})",
-                "rerun `mmap-offload warmup` to rebuild the cache",
+                f"rewrite the bad layers with {self.repair_command()}",
             )
+
+    def repair_command(self) -> str:
+        """The command that re-checks this cache and rewrites exactly its bad layers."""
+        return warmup_command(self.dir, self.manifest.checkpoint_path, tp_size=self.identity.tp_size, repair=True)
 
 
 def open_cache(
@@ -206,10 +212,13 @@ def open_cache(
     """Open one rank's cache; raise a one-line CacheError subtype if it cannot be served."""
     directory = rank_dir(cache_dir, tp_rank, tp_size)
     manifest_path = directory / MANIFEST_NAME
-    fix_build = f"run `mmap-offload warmup CHECKPOINT --cache-dir {cache_dir} --tp-size {tp_size}`"
+    # the --cache-dir to give warm-up is the directory above rank-R-of-N, even when a rank dir was passed
+    fix_build = f"run {warmup_command(directory, tp_size=tp_size)}"
     if not manifest_path.exists():
         if (directory / JOURNAL_NAME).exists():
-            raise CacheError(f"the cache in {directory} is incomplete (a warm-up was interrupted)", f"{fix_build} to resume it")
+            ckpt = _journal_checkpoint(directory / JOURNAL_NAME)
+            raise CacheError(f"the cache in {directory} is incomplete (a warm-up was interrupted)",
+                             f"run {warmup_command(directory, ckpt, tp_size=tp_size)} to resume it")
         if Path(cache_dir).exists() and not directory.exists():
             present = sorted(p.name for p in Path(cache_dir).glob("rank-*-of-*"))
             if present:
@@ -247,8 +256,20 @@ def open_cache(
     return Cache(directory, manifest)
 
 
+def _journal_checkpoint(path: Path) -> str | None:
+    """The checkpoint path an interrupted warm-up recorded in its journal's first line (None if unreadable)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            head = json.loads(f.readline())
+        return head.get("checkpoint_path") if isinstance(head.get("checkpoint_path"), str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _check_consistency(directory: Path, m: Manifest) -> None:
-    fix = "rerun `mmap-offload warmup` to rebuild the cache"
+    fix = f"rewrite it with {warmup_command(directory, m.checkpoint_path, tp_size=m.identity.tp_size)}"
     E = int(m.moe["num_experts"])
     if m.record_nbytes % ALIGNMENT or any(s.offset % ALIGNMENT for s in m.record):
         raise CorruptCacheError(f"{directory / MANIFEST_NAME} has unaligned offsets", fix)

@@ -33,6 +33,7 @@ from .cache_format import (
     Manifest,
     checksum,
     layer_file_name,
+    source_hash_hex,
 )
 from .errors import CacheLockedError, MmapOffloadError, StorageError
 
@@ -105,13 +106,22 @@ class RankWriter:
     layer (``{"layer", "file", "nbytes"}``) before the writer is entered.
     """
 
-    def __init__(self, rank_dir: Path, manifest: Manifest, *, wait: bool = False, fsync: bool = True):
+    def __init__(self, rank_dir: Path, manifest: Manifest, *, wait: bool = False, fsync: bool = True,
+                 shard_stats: dict[str, tuple[int, int]] | None = None, recheck=None):
         self.dir = Path(rank_dir)
         self.manifest = manifest
         self.wait = wait
         self.fsync = fsync
+        # source shard name -> (size, mtime_ns) now; a journaled layer read from a shard that has changed
+        # since is not trusted on resume. None: sources are not tracked (tests writing raw caches).
+        self.shard_stats = shard_stats
+        # recheck(old_manifest) -> set of layers to rewrite, or None when the published cache is up to
+        # date; an empty set republishes the manifest (e.g. to record a touched shard's new mtime).
+        self.recheck = recheck
         self.done_layers: dict[int, list] = {}  # layer -> its rows of the tensor table
+        self.done_sources: dict[int, dict] = {}  # layer -> {shard name: source hash of its bytes read}
         self.complete = False
+        self.rewritten: set[int] = set()  # layers of a published cache found bad and rewritten
         self._lock_fd: int | None = None
 
     # -- lock -----------------------------------------------------------------------------------
@@ -165,23 +175,35 @@ class RankWriter:
             "moe": m.moe,
             "record": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in m.record],
             "record_nbytes": m.record_nbytes,
+            "checkpoint_path": m.checkpoint_path,  # informative (named in the resume hint), not compared
         }
 
     def _prepare(self) -> None:
         """Decide what is already done; remove everything that cannot be trusted."""
         manifest_path = self.dir / MANIFEST_NAME
-        if manifest_path.exists():
-            if self._existing_manifest_matches(manifest_path):
-                self.complete = True
-                (self.dir / JOURNAL_NAME).unlink(missing_ok=True)  # a crash right after publish
-                return
-            manifest_path.unlink()  # stale: stop it being valid before touching any data file
-            fsync_dir(self.dir)
-
         header = json.loads(json.dumps(self._journal_header()))  # normalise tuples -> lists
         journal = self.dir / JOURNAL_NAME
         expected_sizes = {l["layer"]: l["nbytes"] for l in self.manifest.layers}
-        if journal.exists():
+        old = None
+        if manifest_path.exists():
+            old = self._existing_manifest(manifest_path)
+            if old is not None:
+                bad = {l["layer"] for l in old.layers if not self._file_ok(l)}
+                more = self.recheck(old) if self.recheck is not None else None
+                if not bad and more is None:
+                    self.complete = True
+                    journal.unlink(missing_ok=True)  # a crash right after publish
+                    return
+                bad |= set(more or ())
+                self.rewritten = bad
+                per_layer = len(old.record) * int(old.moe["num_experts"])
+                for i, l in enumerate(old.layers):
+                    if l["layer"] not in bad:
+                        self.done_layers[l["layer"]] = old.tensors[i * per_layer : (i + 1) * per_layer]
+                        self.done_sources[l["layer"]] = dict(l.get("source") or {})
+            manifest_path.unlink()  # stale: stop it being valid before touching any data file
+            fsync_dir(self.dir)
+        if old is None and journal.exists():
             lines = journal.read_bytes().split(b"\n")
             entries = []
             for raw in lines:
@@ -189,7 +211,11 @@ class RankWriter:
                     entries.append(json.loads(raw))
                 except ValueError:
                     break  # torn last line (or garbage): everything after it is ignored
-            if entries and entries[0] == header:
+            def same(h) -> bool:
+                return isinstance(h, dict) and {k: v for k, v in h.items() if k != "checkpoint_path"} == {
+                    k: v for k, v in header.items() if k != "checkpoint_path"}
+
+            if entries and same(entries[0]):
                 for entry in entries[1:]:
                     layer = entry.get("layer")
                     path = self.dir / layer_file_name(layer) if isinstance(layer, int) else None
@@ -198,8 +224,10 @@ class RankWriter:
                         and layer in expected_sizes
                         and path.exists()
                         and path.stat().st_size == expected_sizes[layer]
+                        and self._sources_unchanged(entry.get("stat"))
                     ):
                         self.done_layers[layer] = entry["rows"]
+                        self.done_sources[layer] = dict(entry.get("src") or {})
         # Rewrite the journal with exactly what is trusted (drops torn or stale lines).
         self._journal_rewrite(header)
         keep = {layer_file_name(l) for l in self.done_layers}
@@ -207,30 +235,51 @@ class RankWriter:
             if p.name not in keep:
                 p.unlink(missing_ok=True)
 
-    def _existing_manifest_matches(self, path: Path) -> bool:
+    def _existing_manifest(self, path: Path) -> Manifest | None:
+        """The published manifest if it describes what is being built (its layer files may still be
+        bad: the caller checks them), else None."""
         try:
             old = Manifest.loads(path.read_bytes(), str(path))
         except MmapOffloadError:
-            return False
+            return None
         m = self.manifest
-        if (old.identity, old.moe, old.record, old.record_nbytes, old.layers) != (
+
+        def files(layers):
+            return [(l["layer"], l["file"], l["nbytes"]) for l in layers]
+
+        if (old.identity, old.moe, old.record, old.record_nbytes, files(old.layers)) != (
             m.identity,
             m.moe,
             m.record,
             m.record_nbytes,
-            m.layers,
+            files(m.layers),
         ):
+            return None
+        return old
+
+    def _file_ok(self, layer: dict) -> bool:
+        p = self.dir / layer["file"]
+        try:
+            return p.stat().st_size == layer["nbytes"]
+        except OSError:
             return False
-        for l in old.layers:
-            p = self.dir / l["file"]
-            if not p.exists() or p.stat().st_size != l["nbytes"]:
-                return False
-        return True
+
+    def _sources_unchanged(self, stat: dict | None) -> bool:
+        if self.shard_stats is None or not stat:
+            return True
+        return all(tuple(self.shard_stats.get(name, ())) == tuple(v) for name, v in stat.items())
+
+    def _layer_stat(self, layer: int) -> dict:
+        if self.shard_stats is None:
+            return {}
+        return {name: list(self.shard_stats[name]) for name in self.done_sources.get(layer, {})
+                if name in self.shard_stats}
 
     def _journal_rewrite(self, header: dict) -> None:
         path = self.dir / JOURNAL_NAME
         tmp = path.with_name(path.name + ".partial")
-        lines = [header] + [{"layer": l, "rows": r} for l, r in sorted(self.done_layers.items())]
+        lines = [header] + [{"layer": l, "rows": r, "src": self.done_sources.get(l, {}), "stat": self._layer_stat(l)}
+                            for l, r in sorted(self.done_layers.items())]
         try:
             with open(tmp, "wb") as f:
                 f.write(b"".join(json.dumps(x, separators=(",", ":")).encode() + b"\n" for x in lines))
@@ -261,8 +310,10 @@ class RankWriter:
     def begin_layer(self, layer: int) -> "LayerWriter":
         return LayerWriter(self, layer)
 
-    def _layer_done(self, layer: int, rows: list) -> None:
-        self._journal_append({"layer": layer, "rows": rows})
+    def _layer_done(self, layer: int, rows: list, source: dict | None = None) -> None:
+        self.done_sources[layer] = dict(source or {})
+        self._journal_append({"layer": layer, "rows": rows, "src": self.done_sources[layer],
+                              "stat": self._layer_stat(layer)})
         self.done_layers[layer] = rows
 
     def publish(self) -> Manifest:
@@ -274,6 +325,15 @@ class RankWriter:
         if missing:
             raise RuntimeError(f"publish with layers not written: {missing}")
         m.tensors = [row for l in m.layers for row in self.done_layers[l["layer"]]]
+        m.layers = [{**l, "source": self.done_sources.get(l["layer"], {})} for l in m.layers]
+        totals: dict[str, int] = {}
+        for l in m.layers:
+            for name, hexsum in l["source"].items():
+                totals[name] = (totals.get(name, 0) + int(hexsum, 16)) & ((1 << 128) - 1)
+        stats = self.shard_stats or {}
+        m.shards = [{"name": name, "size": stats[name][0] if name in stats else None,
+                     "mtime_ns": stats[name][1] if name in stats else None, "hash": source_hash_hex(total)}
+                    for name, total in sorted(totals.items())]
         path = self.dir / MANIFEST_NAME
         tmp = path.with_name(path.name + ".partial")
         try:
@@ -305,6 +365,7 @@ class LayerWriter:
         self.path = owner.dir / self.file
         self.partial = self.path.with_name(self.file + ".partial")
         self.rows: list = []
+        self.source: dict[str, str] = {}  # {shard name: source hash} of the checkpoint bytes this layer was made of
         self.next_expert = 0
         self.bytes_written = 0
         m = owner.manifest
@@ -362,7 +423,7 @@ class LayerWriter:
         except BaseException:
             self.abort()
             raise
-        owner._layer_done(self.layer, self.rows)
+        owner._layer_done(self.layer, self.rows, self.source)
         fault_point("layer-journaled")
 
     def abort(self) -> None:

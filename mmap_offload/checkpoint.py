@@ -166,8 +166,14 @@ class Checkpoint:
         self._fds: dict[Path, int] = {}
         self._refs: dict[str, TensorRef] = {}
         self.open_bytes_read = 0  # headers + fingerprint samples read by open_checkpoint
+        self.shard_stats: dict[str, tuple[int, int]] = {}  # shard name -> (size, mtime_ns) when opened
         digest = hashlib.sha256()
         for shard in sorted(shard_paths, key=lambda p: p.name):
+            try:
+                st = shard.stat()
+            except OSError as e:
+                raise CheckpointError(f"cannot read shard {shard} ({e.strerror})", "check file permissions") from None
+            self.shard_stats[shard.name] = (int(st.st_size), int(st.st_mtime_ns))
             raw, refs, size = _parse_header(shard)
             sample = _data_sample(shard, len(raw), size)
             digest.update(f"{shard.name}\0{size}\0{len(raw)}\0".encode())
@@ -509,11 +515,29 @@ def _discover(refs: dict[str, TensorRef], config: dict, path: Path):
         if isinstance(tc.get(key), int) and tc[key] != num_experts:
             raise CheckpointError(f"config.json says {key}={tc[key]} but the shards hold {num_experts} experts "
                                   f"per layer", "the checkpoint is incomplete or its config is from another model")
+    _check_config_shapes(tc, hidden, intermediate, num_experts, top_k, prefixes[ref_layer], path)
     expert_nbytes = sum(r.nbytes for sufs in first.values() for r in sufs.values())
     moe = MoEInfo(num_experts=num_experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
                   layers=layers, prefixes={L: prefixes[L] for L in layers}, proj_names=dict(proj_names),
                   expert_nbytes=expert_nbytes)
     return experts, expert_names, moe
+
+
+def _check_config_shapes(tc: dict, hidden: int, intermediate: int, num_experts: int, top_k: int, prefix: str,
+                         path: Path) -> None:
+    """config.json must describe the tensors it ships with: hidden size, the experts' intermediate size
+    (``moe_intermediate_size`` where the model has one, else ``intermediate_size``) and top-k."""
+    fix = "the config.json is from another model or size; use the checkpoint's own config.json"
+    if isinstance(tc.get("hidden_size"), int) and tc["hidden_size"] != hidden:
+        raise CheckpointError(f"config.json says hidden_size={tc['hidden_size']} but the experts under {prefix} "
+                              f"have hidden size {hidden}", fix)
+    key = "moe_intermediate_size" if "moe_intermediate_size" in tc else "intermediate_size"
+    if isinstance(tc.get(key), int) and tc[key] != intermediate:
+        raise CheckpointError(f"config.json says {key}={tc[key]} but the experts under {prefix} have "
+                              f"intermediate size {intermediate}", fix)
+    if top_k > num_experts:
+        raise CheckpointError(f"config.json routes each token to {top_k} experts but layers hold {num_experts}",
+                              fix)
 
 
 def _fmt(sig) -> str:

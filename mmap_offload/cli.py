@@ -46,11 +46,19 @@ def cmd_warmup(args) -> int:
     ranks = None if args.tp_rank is None else [args.tp_rank]
     report = warmup(
         args.checkpoint, args.cache_dir, tp_size=args.tp_size, tp_ranks=ranks, device=args.device,
-        progress=not args.quiet, wait=args.wait,
+        progress=not args.quiet, wait=args.wait, repair=args.repair,
     )
     dirs = ", ".join(str(d) for d in report.rank_dirs)
+    if report.shards_rechecked:
+        print(
+            f"checkpoint shard(s) {', '.join(report.shards_rechecked)} changed since the warm-up: re-hashed "
+            f"{_gib(report.recheck_bytes)} in {report.recheck_seconds:.1f} s; {report.layers_stale} layer(s) stale"
+        )
+    if args.repair:
+        print(f"repair: {report.layers_corrupt} bad layer(s) found" + (", rewritten" if report.layers_corrupt else ""))
     if report.layers_written == 0:
-        print(f"cache up to date: {dirs}")
+        print(f"cache up to date: {dirs}" + (" (manifest refreshed)" if report.republished else "")
+              + ("" if args.repair else "; layer checksums were not re-read (`--repair` re-reads them)"))
     else:
         print(
             f"wrote {report.layers_written} layer(s), {_gib(report.bytes_written)} in {report.seconds:.1f} s "
@@ -93,6 +101,7 @@ def _rank_of(d: Path) -> tuple[int, int]:
 
 def cmd_verify(args) -> int:
     bad = 0
+    fixes = []
     for d in _rank_dirs(args.cache_dir):
         cache = _open(d)
         t0 = time.perf_counter()
@@ -106,8 +115,11 @@ def cmd_verify(args) -> int:
         for layer, expert, name in report.mismatches[:20]:
             print(f"  checksum mismatch: layer {layer} expert {expert} {name}")
         bad += len(report.mismatches)
+        if report.mismatches and cache.repair_command() not in fixes:
+            fixes.append(cache.repair_command())
     if bad:
-        print(f"verify failed: {bad} tensor(s) do not match their checksum; rebuild with `mmap-offload warmup`")
+        print(f"verify failed: {bad} tensor(s) do not match their checksum; rewrite the bad layers with "
+              + " and ".join(fixes))
         return 1
     return 0
 
@@ -129,7 +141,7 @@ def cmd_info(args) -> int:
         print(f"  checkpoint   {m.checkpoint_path} ({ident.fingerprint[:23]}...)")
         print(f"  quantization {q['kind']}" + (f", group {q['group_size']}, act-order {q['actorder']}" if q["kind"] != "unquantized" else f", {q.get('weight_dtype')}"))
         print(f"  layout       {ident.layout_name} v{ident.layout_version}; TP rank {ident.tp_rank} of {ident.tp_size}")
-        print(f"  model        {len(cache.layers)} MoE layers x {cache.num_experts} experts, hidden {m.moe['hidden']}, intermediate {m.moe['intermediate']}, top-{m.moe['top_k']}")
+        print(f"  model        {len(cache.layers)} MoE layers x {cache.num_experts} experts, hidden {m.moe['hidden']}, intermediate {m.moe['intermediate']}, " + (f"top-{m.moe['top_k']}" if m.moe.get("top_k") else "top-k unknown (no num_experts_per_tok in config.json)"))
         print(f"  expert       {_gib(cache.record_nbytes)} per record: " + ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in cache.expert_specs))
         print(f"  size         {_gib(total)} in {len(m.layers)} files, {_gib(m.layers[0]['nbytes']) if m.layers else 0} per layer")
     return 0
@@ -222,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tp-rank", type=int, help="build only this rank (default: all)")
     w.add_argument("--device", default="auto", help="where to repack: auto (CUDA if present), cpu, cuda")
     w.add_argument("--wait", action="store_true", help="wait for another warm-up of the same cache instead of failing")
+    w.add_argument("--repair", action="store_true",
+                   help="read every layer of an existing cache, check its checksums and rewrite exactly the bad layers")
     w.add_argument("--quiet", action="store_true")
     w.set_defaults(func=cmd_warmup)
 
@@ -250,13 +264,23 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "vllm":
             return cmd_vllm(None, argv[1:])
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe raises here, inside the handler below, not at interpreter exit
+        return rc
     except MmapOffloadError as e:
         print(f"mmap-offload: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("mmap-offload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (`mmap-offload info | head`): not an error. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

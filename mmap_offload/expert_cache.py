@@ -135,7 +135,7 @@ class ExpertCache:
         hint_budget: float = 0.25,
         shared: bool = False,
         layers: Sequence[int] | None = None,
-        verify_first_use: bool = False,
+        verify_first_use: bool = True,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -143,7 +143,9 @@ class ExpertCache:
             raise ValueError("give exactly one of capacity_bytes and capacity_experts")
         self.cache = cache
         self.engine = engine
-        self.verify_first_use = verify_first_use  # cache.check_layer_once before a layer's first fill
+        # cache.check_layer_once before a layer's first fill (default on: a flipped bit is refused, never
+        # served; costs one read of each layer per process; verify_first_use=False opts out)
+        self.verify_first_use = verify_first_use
         self.device = torch.device(device)
         self.policy = policy
         self.hint_budget = float(hint_budget)

@@ -101,13 +101,15 @@ class LayerPrefetcher:
         *,
         layers: Sequence[int] | None = None,
         as_parameters: bool = False,
-        verify_first_use: bool = False,
+        verify_first_use: bool = True,
     ):
         if lookahead < 0:
             raise ValueError(f"lookahead={lookahead} must be >= 0")
         self.cache = cache
         self.engine = engine
-        self.verify_first_use = verify_first_use  # cache.check_layer_once before a layer's first copy
+        # cache.check_layer_once before a layer's first copy (default on: a flipped bit is refused, never
+        # served; costs one read of each layer per process; verify_first_use=False opts out)
+        self.verify_first_use = verify_first_use
         self.device = torch.device(device)
         self.layers: list[int] = list(cache.layers if layers is None else layers)
         if not self.layers:

@@ -22,11 +22,22 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .cache_format import CacheIdentity, Manifest, layer_file_name, layout_specs, rank_dir_name
-from .cache_reader import Cache, open_cache
+from .cache_format import (
+    CacheIdentity,
+    Manifest,
+    cache_root,
+    layer_file_name,
+    layout_specs,
+    parse_rank_dir_name,
+    rank_dir_name,
+    source_hash_add,
+    source_hash_hex,
+    warmup_command,
+)
+from .cache_reader import Cache, is_rank_dir, open_cache
 from .cache_writer import RankWriter, make_dir
 from .checkpoint import Checkpoint, open_checkpoint
-from .errors import CacheError, StorageError, UnsupportedError
+from .errors import CacheError, CorruptCacheError, StaleCacheError, StorageError, UnsupportedError
 from .layout import Layout, layout_for
 
 
@@ -38,6 +49,12 @@ class WarmupReport:
     bytes_written: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    layers_corrupt: int = 0  # layers of a published cache that failed their checksums (--repair) or size
+    layers_stale: int = 0  # layers whose source shard changed (content hash differs): rewritten
+    shards_rechecked: list[str] = field(default_factory=list)  # shards whose size/mtime changed: re-hashed
+    recheck_bytes: int = 0  # checkpoint bytes read to re-hash them
+    recheck_seconds: float = 0.0
+    republished: int = 0  # rank caches whose manifest was rewritten without rewriting a layer
 
     @property
     def gbps(self) -> float:
@@ -82,9 +99,84 @@ def plan_manifest(ckpt: Checkpoint, layout: Layout, tp_rank: int, tp_size: int) 
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``auto`` (CUDA if this torch sees a GPU, else CPU), ``cpu`` or ``cuda[:N]``; anything else, or CUDA
+    where there is none, is refused with one line."""
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UnsupportedError(f"unknown --device {device!r}", "use auto, cpu or cuda") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise UnsupportedError(f"--device {device} is not supported for the warm-up", "use auto, cpu or cuda")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise UnsupportedError(f"--device {device} but {why}", "use --device cpu (or auto)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UnsupportedError(f"--device {device} but only {torch.cuda.device_count()} CUDA device(s) are visible",
+                               "pick a visible GPU, or --device auto")
+    return dev
+
+
+class SourceCheck:
+    """Is the checkpoint still what a cache was made of? Shards whose size or mtime differ from the
+    manifest's record are re-hashed (every expert tensor in them is read again: the cost of a re-check,
+    docs/RELIABILITY.md); a layer is stale when its source hash of a changed shard differs. Results are
+    memoised per shard, so several rank caches of one checkpoint cost one re-read."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._partials: dict[str, dict[int, str]] = {}  # shard -> {layer: source hash now}
+        self.bytes_read = 0
+        self.seconds = 0.0
+
+    def changed_shards(self, m: Manifest) -> list[str]:
+        now = self.ckpt.shard_stats
+        return [s["name"] for s in m.shards
+                if s["name"] not in now or (s.get("size"), s.get("mtime_ns")) != tuple(now[s["name"]])]
+
+    def partials(self, shard: str) -> dict[int, str]:
+        got = self._partials.get(shard)
+        if got is None:
+            t0 = time.perf_counter()
+            got = {}
+            ckpt = self.ckpt
+            for layer in ckpt.moe.layers:
+                total, seen = 0, False
+                for e in range(int(ckpt.moe.num_experts)):
+                    for sufs in ckpt.expert_refs(layer, e).values():
+                        for ref in sufs.values():
+                            if ref.path.name != shard:
+                                continue
+                            t = ckpt.read(ref)
+                            total = source_hash_add(total, ref.name, _raw(t))
+                            self.bytes_read += ref.nbytes
+                            seen = True
+                if seen:
+                    got[int(layer)] = source_hash_hex(total)
+            self._partials[shard] = got
+            self.seconds += time.perf_counter() - t0
+        return got
+
+    def stale_layers(self, m: Manifest) -> tuple[list[str], set[int]]:
+        """(shards whose size/mtime changed, layers whose source bytes changed)."""
+        changed = self.changed_shards(m)
+        stale: set[int] = set()
+        for shard in changed:
+            if shard not in self.ckpt.shard_stats:
+                stale |= {int(l["layer"]) for l in m.layers if shard in (l.get("source") or {})}
+                continue
+            now = self.partials(shard)
+            for l in m.layers:
+                if (l.get("source") or {}).get(shard) != now.get(int(l["layer"])):
+                    stale.add(int(l["layer"]))
+        return changed, stale
+
+
+def _raw(t: torch.Tensor):
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def warmup(
@@ -97,8 +189,13 @@ def warmup(
     progress: bool = False,
     wait: bool = False,
     fsync: bool = True,
+    repair: bool = False,
 ) -> WarmupReport:
-    """Build (or resume, or confirm) the cache of ``checkpoint`` for the given TP ranks."""
+    """Build (or resume, or confirm) the cache of ``checkpoint`` for the given TP ranks.
+
+    A published cache is kept layer by layer: a layer file of the wrong size, or one read from a source
+    shard whose content changed since (size/mtime differ and the shard's content hash too), is rewritten;
+    ``repair=True`` also reads every layer file and rewrites exactly those failing a checksum."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     if tp_size < 1:
         raise UnsupportedError(f"--tp-size must be >= 1, got {tp_size}", "pass a positive TP size")
@@ -112,15 +209,44 @@ def warmup(
     plans = {r: plan_manifest(ckpt, layout, r, tp_size) for r in ranks}
 
     root = Path(cache_dir)
+    if parse_rank_dir_name(root.name) and is_rank_dir(root):
+        root = root.parent  # given one rank's directory (as `verify` prints it): its cache is the parent
     make_dir(root)
     report = WarmupReport()
     t0 = time.perf_counter()
+    sources = SourceCheck(ckpt)
+
+    def recheck_for(d: Path):
+        def recheck(old: Manifest):
+            changed, stale = sources.stale_layers(old)
+            report.shards_rechecked = sorted(set(report.shards_rechecked) | set(changed))
+            bad = set(stale)
+            report.layers_stale += len(stale)
+            if repair:
+                cache = Cache(d, old)
+                for layer in cache.layers:
+                    if layer in bad:
+                        continue
+                    try:
+                        if cache.verify_layer(layer):
+                            bad.add(layer)
+                    except (CorruptCacheError, OSError):
+                        bad.add(layer)
+            if not bad and not changed:
+                return None
+            if not bad:
+                report.republished += 1
+            return bad
+        return recheck
+
     with ExitStack() as stack:
         writers = {}
         for r in ranks:
             d = root / rank_dir_name(r, tp_size)
-            writers[r] = stack.enter_context(RankWriter(d, plans[r], wait=wait, fsync=fsync))
+            writers[r] = stack.enter_context(RankWriter(d, plans[r], wait=wait, fsync=fsync,
+                                                        shard_stats=ckpt.shard_stats, recheck=recheck_for(d)))
             report.rank_dirs.append(d)
+        report.layers_corrupt = sum(len(w.rewritten) for w in writers.values()) - report.layers_stale
         todo_bytes = sum(
             l["nbytes"] for r, w in writers.items() if not w.complete for l in plans[r].layers if l["layer"] not in w.done_layers
         )
@@ -167,16 +293,23 @@ def warmup(
         for w in writers.values():
             w.publish()
     report.seconds = time.perf_counter() - t0
+    report.recheck_bytes, report.recheck_seconds = sources.bytes_read, sources.seconds
     return report
 
 
-def _prepare_expert(ckpt, layout, layer, expert, ranks, tp_size, dev) -> tuple[int, dict]:
-    """Read one expert and transform it for every rank: (bytes read, {rank: cache tensors})."""
-    tensors = ckpt.read_expert(layer, expert)
+def _prepare_expert(ckpt, layout, layer, expert, ranks, tp_size, dev) -> tuple[int, dict, dict]:
+    """Read one expert and transform it for every rank: (bytes read, {rank: cache tensors}, {shard: source
+    hash of the tensors read from it})."""
+    refs = ckpt.expert_refs(layer, expert)
+    tensors = {p: {k: ckpt.read(r) for k, r in sufs.items()} for p, sufs in refs.items()}
     nread = sum(t.numel() * t.element_size() for parts in tensors.values() for t in parts.values())
+    src: dict[str, int] = {}
+    for p, sufs in refs.items():
+        for k, r in sufs.items():
+            src[r.path.name] = source_hash_add(src.get(r.path.name, 0), r.name, _raw(tensors[p][k]))
     if dev.type != "cpu":
         tensors = {p: {k: t.to(dev, non_blocking=True) for k, t in parts.items()} for p, parts in tensors.items()}
-    return nread, {r: layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev) for r in ranks}
+    return nread, {r: layout.transform_expert(tensors, ckpt.quant, r, tp_size, dev) for r in ranks}, src
 
 
 def transform_workers(dev: torch.device) -> int:
@@ -196,12 +329,15 @@ def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, d
     E = int(ckpt.moe.num_experts)
     preps: list = []
     writes: list = []
+    src: dict[str, int] = {}
     try:
         preps = [prep_pool.submit(_prepare_expert, ckpt, layout, layer, e, ranks, tp_size, dev)
                  for e in range(min(n_workers, E))]
         for e in range(E):
-            nread, outs = preps[e].result()
+            nread, outs, part = preps[e].result()
             preps[e] = None
+            for shard, h in part.items():
+                src[shard] = (src.get(shard, 0) + h) & ((1 << 128) - 1)
             if e + n_workers < E:
                 preps.append(prep_pool.submit(_prepare_expert, ckpt, layout, layer, e + n_workers, ranks, tp_size, dev))
             report.bytes_read += nread
@@ -211,6 +347,8 @@ def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, d
             del outs
         while writes:
             writes.pop(0).result()
+        for lw in layer_writers.values():
+            lw.source = {shard: source_hash_hex(h) for shard, h in sorted(src.items())}
     except BaseException:
         for f in [*preps, *writes]:
             if f is not None:
@@ -287,9 +425,22 @@ def ensure_cache(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     expect = cache_identity(ckpt, layout_for(ckpt.quant), tp_rank, tp_size)
     try:
-        return open_cache(cache_dir, tp_rank, tp_size, expect=expect)
+        cache = open_cache(cache_dir, tp_rank, tp_size, expect=expect)
     except CacheError:
         if not rebuild:
             raise
+    else:
+        changed, stale = SourceCheck(ckpt).stale_layers(cache.manifest)
+        if not changed:
+            return cache
+        if not rebuild:
+            if not stale:
+                return cache  # touched, same content (re-hashed on every open until a warm-up records it)
+            raise StaleCacheError(
+                f"checkpoint shard {changed[0]} changed since the warm-up of {cache.dir} ({len(stale)} layer(s) "
+                f"hold its old bytes)",
+                f"rewrite them with {warmup_command(cache.dir, str(ckpt.path))}",
+            )
+        cache.close()
     warmup(ckpt, cache_dir, tp_size=tp_size, tp_ranks=[tp_rank], device=device, progress=progress, wait=True)
     return open_cache(cache_dir, tp_rank, tp_size, expect=expect)

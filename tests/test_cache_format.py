@@ -115,7 +115,7 @@ def test_views_are_zero_copy(tmp_path):
 def test_manifest_table_lists_every_tensor(tmp_path):
     write(tmp_path)
     obj = json.loads((tmp_path / MANIFEST_NAME).read_bytes())
-    assert obj["format"] == "mmap-offload-cache" and obj["format_version"] == 1
+    assert obj["format"] == "mmap-offload-cache" and obj["format_version"] == 2
     assert len(obj["tensors"]) == len(LAYERS) * E * len(SPECS)
     row = dict(zip(obj["tensor_columns"], obj["tensors"][len(SPECS) + 1]))
     assert (row["layer"], row["expert"], row["name"]) == (0, 1, "w2")
