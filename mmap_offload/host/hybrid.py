@@ -434,6 +434,8 @@ class HybridMoE:
         slot already read by this call, so no extra expert bytes are read)."""
         mask = keep[ids]
         slot_ids = slot_of[ids]
+        if mask.all():  # every pair runs here: weights as they are
+            return slot_ids, route_w
         slot_ids[~mask] = slot_of[ids[mask][0]] if mask.any() else 0
         m = torch.from_numpy(mask.astype(np.float32))
         if route_w.device.type == "cuda":
