@@ -42,7 +42,7 @@ owns: vLLM workers run with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 #define MO_HOST_ABI 1
 
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -64,6 +64,8 @@ int mo_host_abi(void) { return MO_HOST_ABI; }
 int mo_host_isa_available(int isa) {
 #if MO_X86
     __builtin_cpu_init();
+    if (isa == ISA_AVX512BF16) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
+                                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                                   __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -160,9 +162,10 @@ typedef struct {
     int M;
 } act_t;
 
+/* k per block: one scale group at most, 128 at most (the expanded x of a block stays in L1). */
 static inline int block_k(const mat_t *A) {
-    if (A->gs >= A->K || A->gs % 64 == 0) return 64;
-    return A->gs % 32 == 0 ? 32 : 16;
+    if (A->gs >= A->K || A->gs % 128 == 0) return 128;
+    return A->gs % 64 == 0 ? 64 : (A->gs % 32 == 0 ? 32 : 16);
 }
 
 /* scv[(b*2 + g)*4 + j] = scale of column 16j + 8g + b of tile nt, group grp (b in [b0, b1)). */
@@ -225,6 +228,21 @@ T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* scv[(b*2 + g)*4 + j] for all 8 b: the tile's 64 scales of group grp converted once (sraw), then gathered
+   through spos (spos[(b*2+g)*4 + j] = scale_pos(16j + 8g + b)). */
+T512 static inline void tile_scales512(const mat_t *A, int64_t nt, int64_t grp, const int *spos, float *scv, float *sraw) {
+    const int64_t base = grp * A->N + nt * 64;
+    for (int i = 0; i < 4; i++) _mm512_store_ps(sraw + 16 * i, load16_512(A->s, base + 16 * i, A->sdt));
+    for (int i = 0; i < 4; i++)
+        _mm512_store_ps(scv + 16 * i, _mm512_i32gather_ps(_mm512_loadu_si512((const void *)(spos + 16 * i)), sraw, 4));
+}
+
+static inline void make_spos(int grouped, int *spos) {
+    for (int b = 0; b < 8; b++)
+        for (int g = 0; g < 2; g++)
+            for (int j = 0; j < 4; j++) spos[(b * 2 + g) * 4 + j] = scale_pos(16 * j + 8 * g + b, grouped);
+}
+
 /* One line b over the block's nkt tiles, MB rows: acc per (g, m, NA-way split), then T += s (acc - 8 xs). */
 T512 static inline __attribute__((always_inline)) void
 blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs, __m512 *T,
@@ -268,8 +286,8 @@ blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, con
 T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
-    __m512 *xe = (__m512 *)scratch;       /* [4 kt][4 lh][M] */
-    __m512 *xs = xe + 16 * M;             /* [M] */
+    __m512 *xe = (__m512 *)scratch;       /* [8 kt][4 lh][M] */
+    __m512 *xs = xe + 32 * M;             /* [M] */
     __m512 *T = xs + M;                   /* [8 b][2 g][M] */
     float *scv = (float *)(T + 16 * M);   /* [8][2][4] */
     const int BK = block_k(A);
@@ -281,12 +299,14 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
         idx[lh] = _mm512_loadu_si512((const void *)v);
     }
     for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
+    int spos[64];
+    make_spos(A->grouped, spos);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
-        if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
+        if (grp != cur) { tile_scales512(A, nt, grp, spos, scv, scv + 64); cur = grp; }
         if (k1 < A->K) { /* the next block's lines of this tile column */
             int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
             for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
@@ -326,6 +346,152 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
         }
     }
     /* lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a */
+    for (int b = b0; b < b1; b++)
+        for (int g = 0; g < 2; g++)
+            for (int m = 0; m < M; m++) {
+                __m512 v = T[(b * 2 + g) * M + m];
+                __m128 r = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v, 0), _mm512_extractf32x4_ps(v, 1)),
+                                      _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
+                float o[4];
+                _mm_storeu_ps(o, r);
+                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
+            }
+}
+
+/* ------------------------------------------------------------------ AVX-512 + BF16 dot products */
+/* The same tiles with vdpbf16ps: a 32-bit lane of a word shifted so that nibbles t and t + 4 (same g, h;
+   l = 0, 1: consecutive k) sit in bits 3..6 and 19..22, OR 0x3F80 gives two bf16 values 1 + u/16, exact;
+   the x pair (k, k + 1) is one 32-bit lane of bf16 x. So one shift, one ternary-logic op and one dot
+   product per pair of nibbles: sum_k x_k (1 + u_k/16) = sx + (1/16) sum_k x_k u_k, and
+   sum_k x_k (u_k - 8) = 16 acc - 24 sx. x that is not bf16 (fp16 rows, the fp32 intermediate) is split
+   into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
+#define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
+
+/* LB consecutive lines (b .. b + LB - 1) x MB rows over the block's nkt k-tiles, k-tile rows read in order
+   (LB * 64 contiguous bytes each); one accumulator per (line, g, row): LB * MB <= 8 keeps them in registers. */
+T512BF static inline __attribute__((always_inline)) void
+blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs, __m512 *T,
+         const float *scv, const int LB, const int MB, const int NS) {
+    const __m512i mask = _mm512_set1_epi32(0x00780078), magic = _mm512_set1_epi32(0x3F803F80);
+    __m512 acc[8][2][8];
+#pragma GCC unroll 8
+    for (int lb = 0; lb < LB; lb++)
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++)
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_setzero_ps();
+    for (int kt = 0; kt < nkt; kt++) {
+        const uint32_t *wk = wb + kt * stride;
+        const __m512i *xk = xe + kt * 2 * NS * M;
+#pragma GCC unroll 8
+        for (int lb = 0; lb < LB; lb++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const int g = t >> 1, h = t & 1;
+                __m512i v = t == 0 ? _mm512_slli_epi32(wv, 3) : _mm512_srli_epi32(wv, 4 * t - 3);
+                __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(v, mask, magic, 0xEA); /* (v & mask) | magic */
+#pragma GCC unroll 8
+                for (int m = 0; m < MB; m++)
+#pragma GCC unroll 2
+                    for (int p = 0; p < NS; p++)
+                        acc[lb][g][m] = _mm512_dpbf16_ps(acc[lb][g][m], w, (__m512bh)xk[(h * NS + p) * M + m]);
+            }
+        }
+    }
+    const __m512 c16 = _mm512_set1_ps(16.f), c24 = _mm512_set1_ps(24.f);
+#pragma GCC unroll 8
+    for (int lb = 0; lb < LB; lb++)
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++) {
+            __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; m++) {
+                __m512 r = _mm512_fmsub_ps(c16, acc[lb][g][m], _mm512_mul_ps(c24, xs[m]));
+                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, r, T[(lb * 2 + g) * M + m]);
+            }
+        }
+}
+
+/* Lines per pass for MB rows (LB * MB <= 8), at most the unit's width. */
+static inline int lines_per_pass(int mb, int width) {
+    int lb = mb == 1 ? 8 : (mb == 2 ? 4 : (mb <= 4 ? 2 : 1));
+    return lb < width ? lb : width;
+}
+
+#define MO_BLK_CASES(F)                                                                                        \
+    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
+    F(7, 1) F(8, 1)
+
+T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe,
+                            int M, const __m512 *xs, __m512 *T, const float *scv) {
+#define F(MBV, LBV)                                                                                            \
+    if (mb == MBV && lb == LBV) {                                                                              \
+        if (ns == 1) blk512bf(wb, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 1);                                 \
+        else blk512bf(wb, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 2);                                         \
+        return;                                                                                                \
+    }
+    MO_BLK_CASES(F)
+#undef F
+}
+
+T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+    const int M = X->M, NS = X->xdt == DT_BF16 ? 1 : 2;
+    const int64_t NT = A->N / 64, stride = NT * 128;
+    __m512i *xe = (__m512i *)scratch;     /* [8 kt][2 h][NS][M] */
+    __m512 *xs = (__m512 *)(xe + 32 * M); /* [M] */
+    __m512 *T = xs + M;                   /* [8 b][2 g][M] */
+    float *scv = (float *)(T + 16 * M);
+    const int BK = block_k(A);
+    const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb; /* rows per pass: at most 4 (measured: 8 is slower) */
+    __m512i idx[2];
+    for (int h = 0; h < 2; h++) {
+        int v[16];
+        for (int p = 0; p < 16; p++) v[p] = 4 * h + (p >> 2);
+        idx[h] = _mm512_loadu_si512((const void *)v);
+    }
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80);
+    for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
+    int spos[64];
+    make_spos(A->grouped, spos);
+    int64_t cur = -1;
+    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
+        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
+        const int nkt = (int)((k1 - k0) / 16);
+        const int64_t grp = k0 / A->gs;
+        if (grp != cur) { tile_scales512(A, nt, grp, spos, scv, scv + 64); cur = grp; }
+        if (k1 < A->K) {
+            int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
+            for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
+                for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
+        }
+        for (int m = 0; m < M; m++) {
+            __m512 s = _mm512_setzero_ps();
+            for (int kt = 0; kt < nkt; kt++) {
+                __m512 xf = load16_512(X->xrow[m], k0 + 16 * kt, X->xdt);
+                __m256bh hi = _mm512_cvtneps_pbh(xf);
+                __m512i parts[2];
+                parts[0] = _mm512_castsi256_si512((__m256i)hi);
+                if (NS == 2) {
+                    __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+                    parts[1] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(xf, back)));
+                }
+                for (int h = 0; h < 2; h++)
+                    for (int p = 0; p < NS; p++) {
+                        __m512i e = _mm512_permutexvar_epi32(idx[h], parts[p]);
+                        xe[((kt * 2 + h) * NS + p) * M + m] = e;
+                        s = _mm512_dpbf16_ps(s, (__m512bh)e, ones);
+                    }
+            }
+            xs[m] = s;
+        }
+        const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB, lb = lines_per_pass(mb, b1 - b0);
+            for (int b = b0; b < b1; b += lb)
+                run512bf(mb, lb, NS, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
+        }
+    }
     for (int b = b0; b < b1; b++)
         for (int g = 0; g < 2; g++)
             for (int m = 0; m < M; m++) {
@@ -390,8 +556,8 @@ T256 static inline __m256 load8_256(const void *p, int64_t i, int dt) {
 T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
-    __m256 *xe = (__m256 *)scratch;      /* [4 kt][2 c][4 lh][M] */
-    __m256 *xs = xe + 32 * M;            /* [2 c][M] */
+    __m256 *xe = (__m256 *)scratch;      /* [8 kt][2 c][4 lh][M] */
+    __m256 *xs = xe + 64 * M;            /* [2 c][M] */
     __m256 *T = xs + 2 * M;              /* [8 b][2 c][2 g][M] */
     float *scv = (float *)(T + 32 * M);
     const int BK = block_k(A);
@@ -468,6 +634,7 @@ typedef void (*tile_fn)(const mat_t *, int64_t, int, int, const act_t *, float *
 
 static tile_fn pick_tile(int isa) {
 #if MO_X86
+    if (isa == ISA_AVX512BF16) return tile512bf;
     if (isa == ISA_AVX512) return tile512;
     if (isa == ISA_AVX2) return tile256;
 #endif
@@ -477,7 +644,7 @@ static tile_fn pick_tile(int isa) {
 
 /* Scratch floats one thread needs for rows M (any path): the largest of the three layouts, + 2 ytiles. */
 static size_t scratch_floats(int M) {
-    size_t simd = (size_t)16 * (16 * M + M + 16 * M) + 64; /* avx512: xe, xs, T in 16-float vectors; avx2 the same */
+    size_t simd = (size_t)16 * (32 * M + M + 16 * M) + 128; /* xe, xs, T in 16-float vectors (avx2: the same bytes) */
     size_t plain = (size_t)64 * M + 64;
     return (simd > plain ? simd : plain) + (size_t)2 * 64 * M + 16;
 }

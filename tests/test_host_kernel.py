@@ -191,12 +191,14 @@ def test_experts_mlp_equals_a_loop_of_expert_mlp(isa):
 
 
 def test_isas_agree_closely():
-    """Every available path gives the same result up to the accumulation order (1 bf16 ulp)."""
+    """Every available path gives the same result up to the accumulation order: a bf16 ulp either way
+    (2^-7 relative), or 2^-11 of the largest output near zero."""
     cache, _ = expert(384, 256, 128)
     x = rand_x(8, 384, torch.bfloat16, seed=31)
     ys = {isa: kernel(2, isa).expert_mlp(x, *args(cache), group=128).float() for isa in AVAILABLE}
     for isa, y in ys.items():
-        assert ((y - ys["plain"]).abs() <= 2.0**-7 * ys["plain"].abs() + 1e-3).all(), isa
+        p = ys["plain"]
+        assert ((y - p).abs() <= 2.0**-7 * p.abs() + 2.0**-11 * p.abs().max()).all(), isa
 
 
 def test_views_of_a_dropped_mapping(tmp_path):

@@ -1,6 +1,6 @@
 """W4A16 expert MLPs on the host, straight from the Marlin words of the cache (csrc/host_kernel.c).
 
-    k = HostKernel(threads=0, isa="auto")     # its own pthread pool; isa auto | avx512 | avx2 | plain
+    k = HostKernel(threads=0, isa="auto")     # its own pthread pool; isa auto|avx512bf16|avx512|avx2|plain
     y = k.expert_mlp(x, w13, s13, w2, s2, group=128)            # [M, H] = down(silu(gate(x)) * up(x))
     k.expert_mlp(x, w13, s13, w2, s2, group=128, out=y, accumulate_weight=0.3)   # y += 0.3 * ...
     k.experts_mlp(x, [(rows, w13, s13, w2, s2, group, weights), ...], out)       # one call per layer
@@ -20,9 +20,11 @@ Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in 
 to x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding).
 
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
-this object's; its workers spin briefly after a call, then sleep. ISA: ``auto`` takes the widest the CPU
-has; ``MMAP_OFFLOAD_HOST_ISA=avx512|avx2|plain`` (or ``isa=``) forces one, and a forced one the CPU
-lacks raises UnsupportedError.
+this object's; its workers spin briefly after a call, then sleep. ISA paths, fastest first:
+``avx512bf16`` (AVX-512 with vdpbf16ps: two nibbles per dot-product lane, exact bf16 products; x that
+is not bf16 is split into two bf16 parts), ``avx512`` and ``avx2`` (fp32 FMA per nibble), ``plain`` (C).
+``auto`` takes the fastest the CPU has; ``MMAP_OFFLOAD_HOST_ISA=avx512bf16|avx512|avx2|plain`` (or
+``isa=``) forces one, and a forced one the CPU lacks raises UnsupportedError.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from ..errors import UnsupportedError
 
 __all__ = ["HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
-ISAS = ("avx512", "avx2", "plain")  # widest first
-_ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2}
+ISAS = ("avx512bf16", "avx512", "avx2", "plain")  # fastest first
+_ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 1
 
@@ -114,7 +116,7 @@ class HostKernel:
             want = available_isas()[0]
         elif want not in _ISA_CODE:
             raise UnsupportedError(f"unknown host kernel ISA {want!r}",
-                                   "use auto, avx512, avx2 or plain (isa= or MMAP_OFFLOAD_HOST_ISA)")
+                                   "use auto, avx512bf16, avx512, avx2 or plain (isa= or MMAP_OFFLOAD_HOST_ISA)")
         elif not lib.mo_host_isa_available(_ISA_CODE[want]):
             raise UnsupportedError(f"the host kernel's {want} path needs CPU features this CPU lacks "
                                    f"(it has: {', '.join(available_isas())})",
