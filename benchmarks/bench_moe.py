@@ -418,7 +418,7 @@ class CacheVariant(EngineVariant):
 # ----------------------------------------------------------------------------------------------
 
 
-def _host_kernels(ctx: Ctx) -> tuple[dict, str, int, int]:
+def _host_kernels(ctx: Ctx, one_pool: bool | None = None) -> tuple[dict, str, int, int]:
     """{threads: host kernel} for the split and the all-cores thread counts; (kernels, name, split, all)."""
     from mmap_offload.host import hybrid
 
@@ -427,6 +427,8 @@ def _host_kernels(ctx: Ctx) -> tuple[dict, str, int, int]:
     # one core stays with the Python thread that launches the GPU work while the host computes
     t_all = int(h.get("threads") or (max(1, cores - 1) if ctx.device.type == "cuda" else cores))
     t_split = max(1, t_all - ctx.engine_threads)
+    if h.get("one_pool") if one_pool is None else one_pool:  # one pool that never oversubscribes the cores beside the copy engine
+        t_all = t_split
     kernels, name = {}, ""
     for t in sorted({t_split, t_all}):
         kernels[t], name = hybrid.make_host_kernel(h.get("kernel", "auto"), threads=t,
@@ -454,6 +456,7 @@ class HybridVariant(EngineVariant):
 
         c = self.ctx
         self._open_engine("experts")
+        self._pattern = "experts"
         self.kernels, kname, self.t_split, self.t_all = _host_kernels(c)
         self.notes["host_kernel"] = kname
         self.notes["populate"] = hybrid.populate(c.cache, c.layers)
@@ -477,8 +480,9 @@ class HybridVariant(EngineVariant):
         self.planner = hybrid.Planner(self.rates)
         self.hy.planner = self.planner
         self.notes["rates"] = self.rates.to_dict()
-        self.notes["crossover"] = hybrid.crossover_table(self.rates, c.cache.num_experts, k,
-                                                         min(1.0, self.ec.slots_per_pool / (len(c.layers) * c.cache.num_experts)))
+        self.resident_frac = min(1.0, self.ec.capacity_bytes / (len(c.layers) * c.layer_nbytes))
+        self.notes["resident_frac"] = self.resident_frac
+        self.notes["crossover"] = hybrid.crossover_table(self.rates, c.cache.num_experts, k, self.resident_frac)
         print(f"{self.name}: host kernel {kname}; " + describe_rates(self.rates), flush=True)
         self._moved0 = 0
         self.calls: dict = {}
@@ -506,6 +510,13 @@ class HybridVariant(EngineVariant):
             torch.cuda.empty_cache()
         self._moved_base = moved
         self.w_cache = {}
+        pattern = "experts" if mode == "experts" else "layer"
+        if self.mode and c.engine_opts.get(pattern) != c.engine_opts.get(self._pattern):  # the tuned options
+            pinned = self.pinned_bytes
+            self._close_engine()
+            self._open_engine(pattern)
+            self.pinned_bytes = max(pinned, self.pinned_bytes)
+            self._pattern = pattern
         if mode == "experts":
             self.ec = ExpertCache(c.cache, self.engine, c.device, capacity_bytes=c.budget_bytes, shared=True,
                                   verify_first_use=False)
@@ -536,7 +547,7 @@ class HybridVariant(EngineVariant):
 
         c = self.ctx
         E, k = c.cache.num_experts, c.top_k
-        row = hybrid.crossover_table(self.rates, E, k, 0.25, tokens=(batch,))[0]
+        row = hybrid.crossover_table(self.rates, E, k, self.resident_frac, tokens=(batch,))[0]
         stream = row["host"] == 0 and hybrid.expected_distinct(batch, E, k) >= 0.9 * E
         self._set_mode("layer" if stream else "experts")
         self.notes.setdefault("modes", {})[f"{kind}-{batch}"] = self.mode
@@ -608,7 +619,9 @@ class HostOnlyVariant(Variant):
         from mmap_offload.host import hybrid
 
         c = self.ctx
-        self.kernels, kname, _, t_all = _host_kernels(c)
+        self.kernels, kname, _, t_all = _host_kernels(c, one_pool=False)
+        _close_kernels({t: k for t, k in self.kernels.items() if t != t_all})  # only the all-cores pool
+        self.kernels = {t_all: self.kernels[t_all]}
         self.kernel = self.kernels[t_all]
         self.notes["host_kernel"] = kname
         self.notes["populate"] = hybrid.populate(c.cache, c.layers)
@@ -1186,7 +1199,8 @@ def hybrid_lines(meta: dict, rows: list[dict], variants: list[dict], model: dict
                   f"Host kernel: {hv['notes'].get('host_kernel')}; populate: {hv['notes'].get('populate')}.  ",
                   f"Calibrated at start ({hv['notes']['rates']['notes'].get('seconds', 0):.1f} s): {describe_rates(r)}.  ",
                   f"Copy paths chosen per batch: {hv['notes'].get('modes')}", "",
-                  "Crossover (cost model on uniform routing, 25% resident; host = misses computed on the host):", "",
+                  f"Crossover (cost model on uniform routing, {100 * hv['notes'].get('resident_frac', 0.25):.0f}% of experts "
+                  "resident; host = misses computed on the host):", "",
                   "| tokens/step | rows/expert | routed | misses | host | copied | est ms/layer | copy-all ms/layer |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for c in hv["notes"].get("crossover", []):
@@ -1358,6 +1372,9 @@ def parse_args(argv=None):
     p.add_argument("--host-kernel", choices=("auto", "native", "torch"), default="auto")
     p.add_argument("--host-max-rows", type=int, default=64, help="experts with more token rows stay on the GPU")
     p.add_argument("--host-prefill", action="store_true", help="run host-only at prefill too (slow)")
+    p.add_argument("--host-one-pool", action="store_true",
+                   help="mmap-hybrid: one host pool of --host-threads - --engine-threads threads, also when nothing "
+                        "is copied (default: a second pool of --host-threads for layers computed wholly on the host)")
     p.add_argument("--model-h2d-gbps", type=float, default=25.0,
                    help="the modelled machine's H2D (PCIe Gen4 x16 ~25 GB/s: the user's 2x RTX 3090)")
     p.add_argument("--model-cores", type=int, default=32)
@@ -1426,7 +1443,7 @@ def main(argv=None) -> int:
               budget_bytes=int(args.budget_layers * layer_nbytes), engine_threads=args.engine_threads,
               pinned_ring=args.pinned_ring_mib << 20, group=shp["group"], top_k=shp["top_k"],
               host=dict(threads=args.host_threads, kernel=args.host_kernel, max_rows=args.host_max_rows,
-                        prefill=args.host_prefill))
+                        prefill=args.host_prefill, one_pool=args.host_one_pool))
     cache_files = [cache.layer_file(l) for l in cache.layers]
     warm_page_cache(cache_files)
     tuning = {}
