@@ -427,8 +427,8 @@ def _host_kernels(ctx: Ctx, one_pool: bool | None = None) -> tuple[dict, str, in
     # one core stays with the Python thread that launches the GPU work while the host computes
     t_all = int(h.get("threads") or (max(1, cores - 1) if ctx.device.type == "cuda" else cores))
     t_split = max(1, t_all - ctx.engine_threads)
-    if h.get("one_pool") if one_pool is None else one_pool:  # one pool that never oversubscribes the cores beside the copy engine
-        t_all = t_split
+    if h.get("one_pool") if one_pool is None else one_pool:
+        t_all = t_split  # one pool, never more threads than the cores beside the copy engine
     kernels, name = {}, ""
     for t in sorted({t_split, t_all}):
         kernels[t], name = hybrid.make_host_kernel(h.get("kernel", "auto"), threads=t,
