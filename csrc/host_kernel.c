@@ -243,44 +243,65 @@ static inline void make_spos(int grouped, int *spos) {
             for (int j = 0; j < 4; j++) spos[(b * 2 + g) * 4 + j] = scale_pos(16 * j + 8 * g + b, grouped);
 }
 
-/* One line b over the block's nkt tiles, MB rows: acc per (g, m, NA-way split), then T += s (acc - 8 xs). */
+/* LB consecutive lines x MB rows over the block's nkt k-tiles (rows read in order), fp32 FMA per nibble:
+   one accumulator per (line, g, row), LB * MB <= 8; then T += s (acc - 8 xs). */
 T512 static inline __attribute__((always_inline)) void
 blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs, __m512 *T,
-       __m512 sv0, __m512 sv1, const int MB) {
-    const int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-    __m512 acc[2][8][4];
+       const float *scv, const int LB, const int MB) {
+    __m512 acc[8][2][8];
 #pragma GCC unroll 8
-    for (int g = 0; g < 2; g++)
+    for (int lb = 0; lb < LB; lb++)
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++)
 #pragma GCC unroll 8
-        for (int m = 0; m < MB; m++)
-#pragma GCC unroll 4
-            for (int q = 0; q < NA; q++) acc[g][m][q] = _mm512_setzero_ps();
+            for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_setzero_ps();
     const __m512i m15 = _mm512_set1_epi32(15);
     for (int kt = 0; kt < nkt; kt++) {
-        __m512i wv = _mm512_loadu_si512((const void *)(wb + kt * stride));
+        const uint32_t *wk = wb + kt * stride;
         const __m512 *xk = xe + kt * 4 * M;
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
-            __m512i u = t == 7 ? _mm512_srli_epi32(wv, 28) : _mm512_and_si512(_mm512_srli_epi32(wv, 4 * t), m15);
-            __m512 f = _mm512_cvtepi32_ps(u);
+        for (int lb = 0; lb < LB; lb++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
 #pragma GCC unroll 8
-            for (int m = 0; m < MB; m++)
-                acc[g][m][lh % NA] = _mm512_fmadd_ps(f, xk[lh * M + m], acc[g][m][lh % NA]);
+            for (int t = 0; t < 8; t++) {
+                const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
+                __m512i u = t == 7 ? _mm512_srli_epi32(wv, 28) : _mm512_and_si512(_mm512_srli_epi32(wv, 4 * t), m15);
+                __m512 f = _mm512_cvtepi32_ps(u);
+#pragma GCC unroll 8
+                for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_fmadd_ps(f, xk[lh * M + m], acc[lb][g][m]);
+            }
         }
     }
     const __m512 eight = _mm512_set1_ps(8.f);
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; m++) {
+    for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
         for (int g = 0; g < 2; g++) {
-            __m512 r = acc[g][m][0];
-#pragma GCC unroll 4
-            for (int q = 1; q < NA; q++) r = _mm512_add_ps(r, acc[g][m][q]);
-            r = _mm512_fnmadd_ps(eight, xs[m], r);
-            T[g * M + m] = _mm512_fmadd_ps(g ? sv1 : sv0, r, T[g * M + m]);
+            __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
+#pragma GCC unroll 8
+            for (int m = 0; m < MB; m++) {
+                __m512 r = _mm512_fnmadd_ps(eight, xs[m], acc[lb][g][m]);
+                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, r, T[(lb * 2 + g) * M + m]);
+            }
         }
-    }
+}
+
+/* Lines per pass for MB rows (LB * MB <= 8), at most the unit's width. */
+static inline int lines_per_pass(int mb, int width) {
+    int lb = mb == 1 ? 8 : (mb == 2 ? 4 : (mb <= 4 ? 2 : 1));
+    return lb < width ? lb : width;
+}
+
+#define MO_BLK_CASES(F)                                                                                        \
+    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
+    F(7, 1) F(8, 1)
+
+T512 static void run512(int mb, int lb, const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M,
+                        const __m512 *xs, __m512 *T, const float *scv) {
+#define F(MBV, LBV)                                                                                            \
+    if (mb == MBV && lb == LBV) { blk512(wb, stride, nkt, xe, M, xs, T, scv, LBV, MBV); return; }
+    MO_BLK_CASES(F)
+#undef F
 }
 
 T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
@@ -291,7 +312,7 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
     __m512 *T = xs + M;                   /* [8 b][2 g][M] */
     float *scv = (float *)(T + 16 * M);   /* [8][2][4] */
     const int BK = block_k(A);
-    const int nb = (M + 7) / 8, MB = (M + nb - 1) / nb;
+    const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb;
     __m512i idx[4];
     for (int lh = 0; lh < 4; lh++) {
         int l = lh & 1, h = lh >> 1, v[16];
@@ -325,24 +346,10 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
             xs[m] = s;
         }
         const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
-        for (int b = b0; b < b1; b++) {
-            __m512 sv0 = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (b * 2) * 4));
-            __m512 sv1 = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (b * 2 + 1) * 4));
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                int mb = M - m0 < MB ? M - m0 : MB;
-                const uint32_t *wb = w0 + 16 * b;
-                __m512 *Tb = T + b * 2 * M + m0;
-                switch (mb) {
-                case 1: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 1); break;
-                case 2: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 2); break;
-                case 3: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 3); break;
-                case 4: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 4); break;
-                case 5: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 5); break;
-                case 6: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 6); break;
-                case 7: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 7); break;
-                default: blk512(wb, stride, nkt, xe + m0, M, xs + m0, Tb, sv0, sv1, 8); break;
-                }
-            }
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB, lb = lines_per_pass(mb, b1 - b0);
+            for (int b = b0; b < b1; b += lb)
+                run512(mb, lb, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
         }
     }
     /* lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a */
@@ -412,16 +419,6 @@ blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, 
             }
         }
 }
-
-/* Lines per pass for MB rows (LB * MB <= 8), at most the unit's width. */
-static inline int lines_per_pass(int mb, int width) {
-    int lb = mb == 1 ? 8 : (mb == 2 ? 4 : (mb <= 4 ? 2 : 1));
-    return lb < width ? lb : width;
-}
-
-#define MO_BLK_CASES(F)                                                                                        \
-    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
-    F(7, 1) F(8, 1)
 
 T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe,
                             int M, const __m512 *xs, __m512 *T, const float *scv) {
@@ -507,42 +504,50 @@ T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const a
 /* ------------------------------------------------------------------ AVX2 (+FMA, F16C) */
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
-/* Half c of line b: words 16b + 8c + p, lanes p = 4(a - 2c) + j; acc per (g, m, NA). */
+/* LB lines (both halves c: words 16b + 8c + p, lanes p = 4(a - 2c) + j) x MB rows, k-tile rows read in
+   order; one accumulator per (line, c, g, row): LB * MB <= 2 (16 ymm registers). */
 T256 static inline __attribute__((always_inline)) void
 blk256(const uint32_t *wb, int64_t stride, int nkt, const __m256 *xe, int M, const __m256 *xs, __m256 *T,
-       __m256 sv0, __m256 sv1, const int MB) {
-    const int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-    __m256 acc[2][4][4];
+       const float *scv, const int LB, const int MB) {
+    __m256 acc[2][2][2][2];
 #pragma GCC unroll 2
-    for (int g = 0; g < 2; g++)
-#pragma GCC unroll 4
-        for (int m = 0; m < MB; m++)
-#pragma GCC unroll 4
-            for (int q = 0; q < NA; q++) acc[g][m][q] = _mm256_setzero_ps();
+    for (int lb = 0; lb < LB; lb++)
+        for (int c = 0; c < 2; c++)
+            for (int g = 0; g < 2; g++)
+#pragma GCC unroll 2
+                for (int m = 0; m < MB; m++) acc[lb][c][g][m] = _mm256_setzero_ps();
     const __m256i m15 = _mm256_set1_epi32(15);
     for (int kt = 0; kt < nkt; kt++) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + kt * stride));
-        const __m256 *xk = xe + kt * 8 * M; /* [c][lh][M]: the caller offsets by c */
+        const uint32_t *wk = wb + kt * stride;
+        const __m256 *xk = xe + kt * 8 * M; /* [c][lh][M] */
+#pragma GCC unroll 2
+        for (int lb = 0; lb < LB; lb++)
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; c++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(wk + 16 * lb + 8 * c));
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
-            __m256i u = t == 7 ? _mm256_srli_epi32(wv, 28) : _mm256_and_si256(_mm256_srli_epi32(wv, 4 * t), m15);
-            __m256 f = _mm256_cvtepi32_ps(u);
-#pragma GCC unroll 4
-            for (int m = 0; m < MB; m++)
-                acc[g][m][lh % NA] = _mm256_fmadd_ps(f, xk[lh * M + m], acc[g][m][lh % NA]);
-        }
+                for (int t = 0; t < 8; t++) {
+                    const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
+                    __m256i u = t == 7 ? _mm256_srli_epi32(wv, 28) : _mm256_and_si256(_mm256_srli_epi32(wv, 4 * t), m15);
+                    __m256 f = _mm256_cvtepi32_ps(u);
+#pragma GCC unroll 2
+                    for (int m = 0; m < MB; m++)
+                        acc[lb][c][g][m] = _mm256_fmadd_ps(f, xk[(c * 4 + lh) * M + m], acc[lb][c][g][m]);
+                }
+            }
     }
     const __m256 eight = _mm256_set1_ps(8.f);
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++)
 #pragma GCC unroll 2
+    for (int lb = 0; lb < LB; lb++)
         for (int g = 0; g < 2; g++) {
-            __m256 r = acc[g][m][0];
-#pragma GCC unroll 4
-            for (int q = 1; q < NA; q++) r = _mm256_add_ps(r, acc[g][m][q]);
-            r = _mm256_fnmadd_ps(eight, xs[m], r);
-            T[g * M + m] = _mm256_fmadd_ps(g ? sv1 : sv0, r, T[g * M + m]);
+            __m256 sv = _mm256_broadcast_ps((const __m128 *)(scv + (lb * 2 + g) * 4));
+            for (int c = 0; c < 2; c++)
+#pragma GCC unroll 2
+                for (int m = 0; m < MB; m++) {
+                    __m256 r = _mm256_fnmadd_ps(eight, xs[c * M + m], acc[lb][c][g][m]);
+                    __m256 *Tp = T + ((lb * 2 + c) * 2 + g) * M + m;
+                    *Tp = _mm256_fmadd_ps(sv, r, *Tp);
+                }
         }
 }
 
@@ -561,7 +566,7 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
     __m256 *T = xs + 2 * M;              /* [8 b][2 c][2 g][M] */
     float *scv = (float *)(T + 32 * M);
     const int BK = block_k(A);
-    const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb;
+    const int nb = (M + 1) / 2, MB = (M + nb - 1) / nb;
     __m256i idx[2][2]; /* [c][l]: lane p -> element 4c + 2(p >> 2) + l of the 8 x of half h */
     for (int c = 0; c < 2; c++)
         for (int l = 0; l < 2; l++) {
@@ -598,23 +603,16 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
             xs[M + m] = s1;
         }
         const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
-        for (int b = b0; b < b1; b++) {
-            __m256 sv0 = _mm256_broadcast_ps((const __m128 *)(scv + (b * 2) * 4));
-            __m256 sv1 = _mm256_broadcast_ps((const __m128 *)(scv + (b * 2 + 1) * 4));
-            for (int c = 0; c < 2; c++) {
-                const uint32_t *wb = w0 + 16 * b + 8 * c;
-                for (int m0 = 0; m0 < M; m0 += MB) {
-                    int mb = M - m0 < MB ? M - m0 : MB;
-                    const __m256 *xec = xe + c * 4 * M + m0;
-                    const __m256 *xsc = xs + c * M + m0;
-                    __m256 *Tb = T + (b * 2 + c) * 2 * M + m0;
-                    switch (mb) {
-                    case 1: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 1); break;
-                    case 2: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 2); break;
-                    case 3: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 3); break;
-                    default: blk256(wb, stride, nkt, xec, M, xsc, Tb, sv0, sv1, 4); break;
-                    }
-                }
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB, lb = mb == 1 && b1 - b0 >= 2 ? 2 : 1;
+            for (int b = b0; b < b1; b += lb) {
+                const uint32_t *wb = w0 + 16 * b;
+                const __m256 *xem = xe + m0, *xsm = xs + m0;
+                __m256 *Tb = T + b * 4 * M + m0;
+                const float *sb = scv + b * 8;
+                if (mb == 1 && lb == 2) blk256(wb, stride, nkt, xem, M, xsm, Tb, sb, 2, 1);
+                else if (mb == 1) blk256(wb, stride, nkt, xem, M, xsm, Tb, sb, 1, 1);
+                else blk256(wb, stride, nkt, xem, M, xsm, Tb, sb, 1, 2);
             }
         }
     }
