@@ -268,7 +268,9 @@ def test_crossover_table_moves_from_host_to_copy():
 def test_pcie_model_caps_the_link():
     rates = synthetic_rates(expert_bytes=9 << 20, copy_gbps=30)
     gen4 = hybrid.pcie_model_rates(rates, h2d_gbps=25.0, measured_h2d_gbps=55.0, cores=32, label="model")
-    assert gen4.copy_bw <= 25e9 * (30 / 55) + 1 and gen4.label == "model"
+    assert gen4.copy_bw == pytest.approx(0.9 * 25e9) and gen4.label == "model"
+    slow = hybrid.pcie_model_rates(synthetic_rates(copy_gbps=10), 25.0, 55.0, 32, "m")
+    assert slow.copy_bw == pytest.approx(10e9)  # the CPU side stays the limit where it was
     assert gen4.host_base_s == rates.host_base_s and gen4.threads_all == 16
 
 

@@ -345,21 +345,23 @@ def crossover_table(rates: Rates, experts: int, top_k: int, resident_frac: float
 
 
 def pcie_model_rates(rates: Rates, h2d_gbps: float, measured_h2d_gbps: float | None, cores: int,
-                     label: str) -> Rates:
+                     label: str, link_efficiency: float = 0.9) -> Rates:
     """The same split on another machine, from this one's per-byte rates (a model, labelled as such):
-    copies at min(this run's copy rate, the other link x this run's copy/H2D efficiency); host
-    rates at the thread counts the other machine can give (capped at this machine's: the other host's
-    DRAM bandwidth is assumed equal to this one's); GPU call and activation costs as measured here."""
-    eff = min(1.0, rates.copy_bw / (measured_h2d_gbps * 1e9)) if measured_h2d_gbps else 0.9
-    copy_bw = min(rates.copy_bw, eff * h2d_gbps * 1e9)
+    copies at min(this run's copy rate, the other link x ``link_efficiency``: the copy engine streams at
+    90-93% of pinned H2D once the CPU side is not the limit, TRANSFER.md); host rates at the thread
+    counts the other machine can give (capped at this machine's: the other host's DRAM bandwidth is
+    assumed equal to this one's); GPU call and activation costs as measured here.
+    ``measured_h2d_gbps`` (this run's pinned H2D) is recorded beside it."""
+    copy_bw = min(rates.copy_bw, link_efficiency * h2d_gbps * 1e9)
     threads = sorted(rates.host_base_s)
     t_all = max(t for t in threads if t <= max(cores, min(threads)))
     return Rates(
         expert_bytes=rates.expert_bytes, host_base_s=dict(rates.host_base_s), host_row_s=dict(rates.host_row_s),
         threads_split=rates.threads_split, threads_all=t_all, copy_bw=copy_bw,
-        copy_lat_s=rates.copy_lat_s * rates.copy_bw / copy_bw, gpu_call_s=rates.gpu_call_s, xfer_s=rates.xfer_s,
+        copy_lat_s=rates.copy_lat_s, gpu_call_s=rates.gpu_call_s, xfer_s=rates.xfer_s,
         slow_host=rates.slow_host, slow_copy=rates.slow_copy, max_host_rows=rates.max_host_rows,
-        label=label, notes=dict(h2d_gbps=h2d_gbps, copy_efficiency=eff),
+        label=label, notes=dict(h2d_gbps=h2d_gbps, link_efficiency=link_efficiency,
+                                measured_h2d_gbps=measured_h2d_gbps),
     )
 
 
