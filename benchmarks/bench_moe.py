@@ -624,6 +624,10 @@ class HostOnlyVariant(Variant):
         self.kernels = {t_all: self.kernels[t_all]}
         self.kernel = self.kernels[t_all]
         self.notes["host_kernel"] = kname
+        if c.device.type == "cuda" and "stand-in" in kname and c.host.get("kernel") != "torch":
+            _close_kernels(self.kernels)
+            raise RuntimeError(f"host-only: {kname}; the torch stand-in needs minutes per step at these sizes "
+                               "(pass --host-kernel torch to run it anyway)")
         self.notes["populate"] = hybrid.populate(c.cache, c.layers)
         self.bufs: dict = {}
         self.vram_weight_bytes = 0
