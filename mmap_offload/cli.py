@@ -69,6 +69,7 @@ def cmd_warmup(args) -> int:
 
 # -- verify / info --------------------------------------------------------------------------------
 def _rank_dirs(cache_dir: str) -> list[Path]:
+    from .cache_format import warmup_command
     from .cache_reader import is_rank_dir
 
     root = Path(cache_dir)
@@ -78,7 +79,7 @@ def _rank_dirs(cache_dir: str) -> list[Path]:
         return [root]
     dirs = sorted(p for p in root.glob("rank-*-of-*") if p.is_dir())
     if not dirs:
-        raise MmapOffloadError(f"no cache in {cache_dir}", "run `mmap-offload warmup CHECKPOINT --cache-dir DIR` first")
+        raise MmapOffloadError(f"no cache in {cache_dir}", f"build one with {warmup_command(root)}")
     return dirs
 
 

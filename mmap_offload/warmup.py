@@ -190,6 +190,7 @@ def warmup(
     wait: bool = False,
     fsync: bool = True,
     repair: bool = False,
+    sources: "SourceCheck | None" = None,
 ) -> WarmupReport:
     """Build (or resume, or confirm) the cache of ``checkpoint`` for the given TP ranks.
 
@@ -214,7 +215,7 @@ def warmup(
     make_dir(root)
     report = WarmupReport()
     t0 = time.perf_counter()
-    sources = SourceCheck(ckpt)
+    sources = sources if sources is not None and sources.ckpt is ckpt else SourceCheck(ckpt)  # re-hash once
 
     def recheck_for(d: Path):
         def recheck(old: Manifest):
@@ -424,13 +425,15 @@ def ensure_cache(
     """Open this rank's cache if it is valid for ``checkpoint``; else build it (``rebuild``) or refuse."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     expect = cache_identity(ckpt, layout_for(ckpt.quant), tp_rank, tp_size)
+    sources = None
     try:
         cache = open_cache(cache_dir, tp_rank, tp_size, expect=expect)
     except CacheError:
         if not rebuild:
             raise
     else:
-        changed, stale = SourceCheck(ckpt).stale_layers(cache.manifest)
+        sources = SourceCheck(ckpt)
+        changed, stale = sources.stale_layers(cache.manifest)
         if not changed:
             return cache
         if not rebuild:
@@ -442,5 +445,6 @@ def ensure_cache(
                 f"rewrite them with {warmup_command(cache.dir, str(ckpt.path))}",
             )
         cache.close()
-    warmup(ckpt, cache_dir, tp_size=tp_size, tp_ranks=[tp_rank], device=device, progress=progress, wait=True)
+    warmup(ckpt, cache_dir, tp_size=tp_size, tp_ranks=[tp_rank], device=device, progress=progress, wait=True,
+           sources=sources)
     return open_cache(cache_dir, tp_rank, tp_size, expect=expect)

@@ -334,3 +334,35 @@ def test_no_config_json_gives_no_top_0(ckpt, tmp_path):
     warmup(bf16, tmp_path / "c", device="cpu")
     info = cli("info", tmp_path / "c")
     assert info.returncode == 0 and "top-0" not in info.stdout and "top-k unknown" in info.stdout
+
+
+def test_ensure_cache_rebuilds_a_stale_layer_reading_the_changed_shard_once(ckpt, tmp_path, monkeypatch):
+    ck_dir = _copy_ckpt(ckpt, tmp_path / "ck")
+    cache_dir = tmp_path / "c"
+    warmup(ck_dir, cache_dir, device="cpu")
+    ck = open_checkpoint(ck_dir)
+    path, off = _unsampled_byte_of(ck, ck.moe.layers[2])
+    st = path.stat()
+    flip(path, off)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    import mmap_offload.warmup as w
+
+    calls = []
+    real = w.SourceCheck.partials
+    def counting(self, shard):
+        if shard not in self._partials:  # a real re-read, not a memoised answer
+            calls.append(shard)
+        return real(self, shard)
+
+    monkeypatch.setattr(w.SourceCheck, "partials", counting)
+    cache = ensure_cache(open_checkpoint(ck_dir), cache_dir, device="cpu")  # rebuild=True: rewritten
+    assert len(calls) == 1 and cache.verify().ok
+    warmup(ck_dir, tmp_path / "fresh", device="cpu")
+    fresh = open_cache(tmp_path / "fresh")
+    assert all(cache.layer_file(l).read_bytes() == fresh.layer_file(l).read_bytes() for l in cache.layers)
+
+
+def test_no_cache_hint_names_the_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    msg = one_line(cli("verify", tmp_path / "empty"))
+    assert f"--cache-dir {tmp_path / 'empty'}`" in msg
