@@ -1114,6 +1114,9 @@ def hybrid_bars(rows: list[dict]) -> list[dict]:
             a, b = tps("host-only", trace, wl), tps("uva", trace, wl)
             if a and b:
                 out.append(dict(bar=f"{wl} {trace}: host-only / uva (reported)", value=a / b, need=None))
+    for b_ in out:
+        if b_["need"] is not None and b_["value"] is not None:
+            b_["ok"] = b_["value"] <= b_["need"] if b_.get("lower_is_better") else b_["value"] >= b_["need"]
     return out
 
 
