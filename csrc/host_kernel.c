@@ -219,6 +219,10 @@ static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *
 
 #if MO_X86
 /* ------------------------------------------------------------------ AVX-512 */
+/* Software prefetch distance in k-tile rows: a tile row of a unit is 64-512 contiguous bytes, the next row
+   N/64 tiles further, which hardware prefetchers do not follow. Prefetching past the end is harmless. */
+#define PF_ROWS 12
+
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
@@ -259,6 +263,8 @@ blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, con
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m512 *xk = xe + kt * 4 * M;
+#pragma GCC unroll 8
+        for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(wk + PF_ROWS * stride + 16 * lb), _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
@@ -328,11 +334,6 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
         if (grp != cur) { tile_scales512(A, nt, grp, spos, scv, scv + 64); cur = grp; }
-        if (k1 < A->K) { /* the next block's lines of this tile column */
-            int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
-            for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
-                for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
-        }
         for (int m = 0; m < M; m++) {
             __m512 s = _mm512_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -390,6 +391,8 @@ blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, 
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m512i *xk = xe + kt * 2 * NS * M;
+#pragma GCC unroll 8
+        for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(wk + PF_ROWS * stride + 16 * lb), _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
@@ -457,11 +460,6 @@ T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const a
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
         if (grp != cur) { tile_scales512(A, nt, grp, spos, scv, scv + 64); cur = grp; }
-        if (k1 < A->K) {
-            int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
-            for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
-                for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
-        }
         for (int m = 0; m < M; m++) {
             __m512 s = _mm512_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -520,6 +518,8 @@ blk256(const uint32_t *wb, int64_t stride, int nkt, const __m256 *xe, int M, con
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m256 *xk = xe + kt * 8 * M; /* [c][lh][M] */
+#pragma GCC unroll 2
+        for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(wk + PF_ROWS * stride + 16 * lb), _MM_HINT_T0);
 #pragma GCC unroll 2
         for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
@@ -581,11 +581,6 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
         if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
-        if (k1 < A->K) {
-            int64_t k2 = k1 + BK < A->K ? k1 + BK : A->K;
-            for (int64_t kt = k1 / 16; kt < k2 / 16; kt++)
-                for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
-        }
         for (int m = 0; m < M; m++) {
             __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {

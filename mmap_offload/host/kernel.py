@@ -30,7 +30,9 @@ is not bf16 is split into two bf16 parts), ``avx512`` and ``avx2`` (fp32 FMA per
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import sys
 import threading
 from typing import Any, Sequence
 
@@ -46,7 +48,11 @@ _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 1
 
 
-class _Job(ctypes.Structure):
+if sys.byteorder != "little":  # pragma: no cover - the job words pack int32 pairs little-endian
+    raise ImportError("mmap_offload.host.kernel packs its job records little-endian")
+
+
+class _Job(ctypes.Structure):  # mo_job_t; _run writes it as 10 int64 words
     _fields_ = [("rows", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("m", ctypes.c_int64),
                 ("w13", ctypes.c_void_p), ("s13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
                 ("s2", ctypes.c_void_p), ("gs13", ctypes.c_int32), ("gs2", ctypes.c_int32),
@@ -124,6 +130,7 @@ class HostKernel:
         self.isa: str = want
         self.threads: int = int(threads) if threads and threads > 0 else _default_threads()
         self._lib = lib
+        self._geo: dict[tuple, tuple] = {}  # tensor geometry checked once per (shapes, dtypes, group)
         self._pool = lib.mo_host_create(self.threads)
         if not self._pool:
             raise MemoryError(f"mo_host_create({self.threads}) failed (threads or memory)")
@@ -174,40 +181,52 @@ class HostKernel:
             raise ValueError(f"out must be a contiguous CPU {x.dtype} tensor of shape {tuple(x.shape)}, got "
                              f"{out.dtype} {tuple(out.shape)} on {out.device}")
         n, hidden = x.shape
-        arr = (_Job * max(1, len(jobs)))()
+        vals: list[int] = []  # _Job fields as int64 words (little-endian: the int32 pairs packed), one array
         keep: list[Any] = []
         inter = None
+        geo_cache = self._geo
         for i, job in enumerate(jobs):
             if len(job) != 7:
                 raise ValueError(f"job {i}: expected (rows, w13, s13, w2, s2, group, weights), got {len(job)} items")
             rows, w13, s13, w2, s2, group, weights = job
-            rows_t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).contiguous()
-            if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= n):
-                raise ValueError(f"job {i}: rows must index x's {n} rows")
+            if isinstance(rows, torch.Tensor) and rows.dtype == torch.int64 and rows.is_contiguous():
+                rows_t = rows  # the usual case: no conversion (C checks every row against x's rows)
+            else:
+                rows_t = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).contiguous()
+            m = rows_t.numel()
             if weights is None:
                 w_t = None
             else:
-                w_t = torch.as_tensor(weights).to(torch.float32).reshape(-1).contiguous()
-                if w_t.numel() != rows_t.numel():
-                    raise ValueError(f"job {i}: {w_t.numel()} weights for {rows_t.numel()} rows")
-            geo = _geometry(w13, s13, w2, s2, int(group), hidden, f"job {i}")
+                w_t = weights if (isinstance(weights, torch.Tensor) and weights.dtype == torch.float32
+                                  and weights.is_contiguous()) else torch.as_tensor(weights).to(torch.float32).reshape(-1).contiguous()
+                if w_t.numel() != m:
+                    raise ValueError(f"job {i}: {w_t.numel()} weights for {m} rows")
+            if not (w13.is_cpu and s13.is_cpu and w2.is_cpu and s2.is_cpu and w13.is_contiguous()
+                    and s13.is_contiguous() and w2.is_contiguous() and s2.is_contiguous()):
+                raise ValueError(f"job {i}: w13, s13, w2, s2 must be contiguous CPU tensors (views of the cache are)")
+            key = (w13.shape, s13.shape, w2.shape, s2.shape, w13.dtype, s13.dtype, w2.dtype, s2.dtype, group, hidden)
+            geo = geo_cache.get(key)
+            if geo is None:
+                geo = _geometry(w13, s13, w2, s2, int(group), hidden, f"job {i}")
+                if len(geo_cache) > 64:
+                    geo_cache.clear()
+                geo_cache[key] = geo
             if inter is None:
-                inter = geo["I"]
-            elif geo["I"] != inter:
-                raise ValueError(f"job {i}: intermediate size {geo['I']} differs from job 0's {inter}")
-            keep += [rows_t, w_t, w13, s13, w2, s2]
-            j = arr[i]
-            j.rows, j.m = rows_t.data_ptr(), rows_t.numel()
-            j.weights = 0 if w_t is None else w_t.data_ptr()
-            j.w13, j.s13, j.w2, j.s2 = w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr()
-            j.gs13, j.gs2, j.grouped13, j.grouped2 = geo["gs13"], geo["gs2"], geo["grouped13"], geo["grouped2"]
-            j.sdtype = geo["sdtype"]
+                inter = geo[0]
+            elif geo[0] != inter:
+                raise ValueError(f"job {i}: intermediate size {geo[0]} differs from job 0's {inter}")
+            keep.append((rows_t, w_t))
+            vals += (rows_t.data_ptr(), 0 if w_t is None else w_t.data_ptr(), m, w13.data_ptr(), s13.data_ptr(),
+                     w2.data_ptr(), s2.data_ptr(), geo[1] | geo[2] << 32, geo[3] | geo[4] << 32, geo[5])
         if not jobs:
             if mode == 0:
                 out.zero_()
             return
+        arr = (ctypes.c_int64 * len(vals))(*vals)
         rc = self._lib.mo_host_mlp(self._pool, _ISA_CODE[self.isa], x.data_ptr(), _DT_CODE[x.dtype], n, hidden,
-                                   inter, arr, len(jobs), out.data_ptr(), mode)
+                                   inter, ctypes.cast(arr, ctypes.POINTER(_Job)), len(jobs), out.data_ptr(), mode)
+        if rc == -errno.EINVAL:
+            raise ValueError(f"a job's rows must index x's {n} rows (or its group sizes are invalid)")
         if rc != 0:
             raise RuntimeError(f"mo_host_mlp failed ({os.strerror(-rc) if rc < 0 else rc})")
         del keep
@@ -221,7 +240,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _geometry(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, group: int,
-              hidden: int, what: str) -> dict[str, int]:
+              hidden: int, what: str) -> tuple[int, int, int, int, int, int]:
     """Check one expert's tensors against x's H; return I, the k per scale group of each matrix and
     vLLM's scale permutation of each (grouped = 64-chunks)."""
     for name, t in (("w13", w13), ("w2", w2)):
@@ -258,8 +277,9 @@ def _geometry(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.
                                    "scales whole): act-order is not supported by the host kernel",
                                    "use the copy path for act-order caches (hybrid=false)")
         raise ValueError(f"{what}: s2 {tuple(s2.shape)} is not {(g2, hidden)} for group {group}")
-    return {"I": inter, "gs13": hidden // g13, "gs2": inter // g2, "grouped13": int(not channelwise),
-            "grouped2": int(not channelwise and group < inter), "sdtype": _DT_CODE[s13.dtype]}
+    # (I, gs13, gs2, grouped13, grouped2, sdtype)
+    return (inter, hidden // g13, inter // g2, int(not channelwise), int(not channelwise and group < inter),
+            _DT_CODE[s13.dtype])
 
 
 # ------------------------------------------------------------------------------- reference
