@@ -252,7 +252,7 @@ static inline void make_spos(int grouped, int *spos) {
 T512 static inline __attribute__((always_inline)) void
 blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs, __m512 *T,
        const float *scv, const int LB, const int MB) {
-    __m512 acc[8][2][8];
+    __m512 acc[8][2][8]; /* [LB][g][MB] used */
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
@@ -292,14 +292,14 @@ blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, con
         }
 }
 
-/* Lines per pass for MB rows (LB * MB <= 8), at most the unit's width. */
+/* Lines per pass for MB rows (LB * MB <= 12: 2 * LB * MB accumulators), at most the unit's width. */
 static inline int lines_per_pass(int mb, int width) {
-    int lb = mb == 1 ? 8 : (mb == 2 ? 4 : (mb <= 4 ? 2 : 1));
+    int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
     return lb < width ? lb : width;
 }
 
 #define MO_BLK_CASES(F)                                                                                        \
-    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
+    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
     F(7, 1) F(8, 1)
 
 T512 static void run512(int mb, int lb, const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M,
@@ -381,7 +381,7 @@ T512BF static inline __attribute__((always_inline)) void
 blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs, __m512 *T,
          const float *scv, const int LB, const int MB, const int NS) {
     const __m512i mask = _mm512_set1_epi32(0x00780078), magic = _mm512_set1_epi32(0x3F803F80);
-    __m512 acc[8][2][8];
+    __m512 acc[8][2][8]; /* [LB][g][MB] used */
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
