@@ -802,9 +802,28 @@ typedef struct {
     int64_t units1, units2;
     int split1, split2;   /* lines b per unit: 8 / split */
     int64_t nuniq;
-    int next1, next2;     /* unit counters (atomics) */
+    int next1, next2;     /* chunk counters (atomics) */
+    int chunk1, chunk2;   /* units per chunk: consecutive tile columns share the 4 KiB pages of each row */
     int maxm;
 } mlp_task;
+
+/* The next unit of this thread: units are taken in chunks of consecutive ones (adjacent tile columns lie
+   in the same pages of every k-tile row, so a thread walks each page once per chunk, not per unit). */
+static inline int64_t next_unit(int *ctr, int64_t units, int chunk, int64_t *cur, int64_t *end) {
+    if (*cur >= *end) {
+        int64_t c = __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED);
+        *cur = c * chunk;
+        *end = *cur + chunk < units ? *cur + chunk : units;
+        if (*cur >= units) return -1;
+    }
+    return (*cur)++;
+}
+
+static int pick_chunk(int64_t units, int split, int nthreads) {
+    int64_t c = units / (4 * (int64_t)nthreads); /* >= 4 chunks per thread: balance */
+    if (c > 8 * split) c = 8 * split;           /* 8 tile columns: one 4 KiB page of a row */
+    return c < 1 ? 1 : (int)c;
+}
 
 static void mlp_run(pool_t *P, int tid, void *vp) {
     mlp_task *T = vp;
@@ -816,10 +835,11 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     const void **xrow = T->maxm <= 1024 ? rowp : NULL;
     if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
     const int esz = T->xdt == DT_FP32 ? 4 : 2;
+    int64_t cur = 0, end = 0;
     /* phase 1: w13, silu(gate) * up */
     for (;;) {
-        int64_t u = __atomic_fetch_add(&T->next1, 1, __ATOMIC_RELAXED);
-        if (u >= T->units1) break;
+        int64_t u = next_unit(&T->next1, T->units1, T->chunk1, &cur, &end);
+        if (u < 0) break;
         int j = 0;
         while (j + 1 < T->njobs && T->units1_pre[j + 1] <= u) j++;
         const mo_job_t *J = &T->jobs[j];
@@ -842,9 +862,10 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     }
     pool_barrier(P, &sense);
     /* phase 2: w2 of every job for this unit's columns, summed per out row, rounded once */
+    cur = end = 0;
     for (;;) {
-        int64_t u = __atomic_fetch_add(&T->next2, 1, __ATOMIC_RELAXED);
-        if (u >= T->units2) break;
+        int64_t u = next_unit(&T->next2, T->units2, T->chunk2, &cur, &end);
+        if (u < 0) break;
         int64_t nt = u / T->split2;
         int part = (int)(u % T->split2), bw = 8 / T->split2, b0 = part * bw, b1 = b0 + bw;
         for (int64_t i = 0; i < T->nuniq; i++) {
@@ -960,6 +981,8 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
     }
     T.units1 = u1;
     T.units2 = (H / 64) * T.split2;
+    T.chunk1 = pick_chunk(T.units1, T.split1, P->nthreads);
+    T.chunk2 = pick_chunk(T.units2, T.split2, P->nthreads);
     T.nuniq = nu;
     /* jobs without rows: no units (the job search in phase 1 skips them by units1_pre) */
     pool_run(P, mlp_run, &T);
