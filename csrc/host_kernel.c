@@ -703,7 +703,7 @@ static void *worker_main(void *vp) {
         int64_t g;
         int spins = 0;
         while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) {
-            if (++spins < 20000) { CPU_RELAX(); continue; }
+            if (++spins < 4000) { CPU_RELAX(); continue; } /* ~0.1-0.5 ms, then sleep */
             pthread_mutex_lock(&P->mu);
             while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) pthread_cond_wait(&P->cv, &P->mu);
             pthread_mutex_unlock(&P->mu);
