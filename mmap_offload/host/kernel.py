@@ -12,12 +12,14 @@ Marlin matrix with K = H, N = 2I), ``s13`` ``[H/g, 2I]`` (``[1, 2I]`` channelwis
 or fp32. ``group`` is the quantization group size (32, 64, 128) or -1 (channelwise), as in the
 manifest's ``group_size``; the scale permutation follows vLLM's choice for each matrix (w13 always the
 grouped one unless channelwise: vLLM passes size_k = 4I; w2 the grouped one iff group < I). Act-order
-caches are refused (the words would need x gathered by ``w13_g_idx_sort_indices`` and w2's scales are
-whole-I there). x and out: bf16 / fp16 (fp32 also accepted), C-contiguous rows of H. The weights are
+caches are not supported (their words would need x gathered by ``w13_g_idx_sort_indices``): callers
+must not pass them (``HostExperts`` refuses them from the manifest); the kernel refuses the case its
+tensors show (w2 scales whole-I, act-order with TP > 1). x and out: bf16 / fp16 (fp32 also accepted), C-contiguous rows of H. The weights are
 read in place (zero-copy views of a mapping are fine), never copied; the C call releases the GIL.
 
-Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2), one rounding
-to x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding).
+Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2; the
+``avx512bf16`` path feeds it to the dot products as hi + lo bf16, ~16 significant bits), one rounding to
+x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding).
 
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
 this object's; its workers spin briefly after a call, then sleep. ISA paths, fastest first:
