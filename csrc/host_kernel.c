@@ -223,6 +223,13 @@ static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *
    N/64 tiles further, which hardware prefetchers do not follow. Prefetching past the end is harmless. */
 #define PF_ROWS 12
 
+/* The first PF_ROWS k-tile rows of a unit's lines (the row loops prefetch PF_ROWS ahead from there on). */
+static inline void prefetch_head(const mat_t *A, int64_t nt, int b0, int b1) {
+    const int64_t rows = A->K / 16 < PF_ROWS ? A->K / 16 : PF_ROWS, stride = A->N / 64 * 128;
+    for (int64_t kt = 0; kt < rows; kt++)
+        for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
+}
+
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
@@ -328,6 +335,7 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
     for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
     int spos[64];
     make_spos(A->grouped, spos);
+    prefetch_head(A, nt, b0, b1);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
@@ -454,6 +462,7 @@ T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const a
     for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
     int spos[64];
     make_spos(A->grouped, spos);
+    prefetch_head(A, nt, b0, b1);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
@@ -575,6 +584,7 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
             idx[c][l] = _mm256_loadu_si256((const __m256i *)v);
         }
     for (int i = b0 * 4 * M; i < b1 * 4 * M; i++) T[i] = _mm256_setzero_ps();
+    prefetch_head(A, nt, b0, b1);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
