@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# dram read ({t} threads): {dram[t] / 1e9:.1f} GB/s")
 
     rows = []
-    hdr = f"{'shape':>10} {'thr':>4} {'M':>3} {'host GB/s':>10} {'torch GB/s':>10} {'dram GB/s':>9} {'host/dram':>9} {'host/torch':>10}"
+    hdr = (f"{'shape':>10} {'thr':>4} {'M':>3} {'host GB/s':>10} {'torch GB/s':>10} {'dram GB/s':>9} "
+           f"{'host/dram':>9} {'host/torch':>10}")
     print(hdr)
     for name, h, i in shapes:
         eb = weight_nbytes(h, i)
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
         bars[name] = {
             "host_over_dram_m1_all_threads": m1[0]["host_over_dram"] if m1 else None,
             "dram_bar_met": bool(m1 and m1[0]["host_over_dram"] >= 0.8),
-            "ahead_of_torch_every_m": None if a.no_torch else all(r["host_over_torch"] > 1.0 for r in sel if r["threads"] == top),
+            "ahead_of_torch_every_m": None if a.no_torch else all(
+                r["host_over_torch"] > 1.0 for r in sel if r["threads"] == top),
         }
     print("# bars:", json.dumps(bars))
     result = {"info": info, "dram_gbs": {str(t): dram[t] / 1e9 for t in threads}, "rows": rows, "bars": bars}

@@ -14,8 +14,9 @@ manifest's ``group_size``; the scale permutation follows vLLM's choice for each 
 grouped one unless channelwise: vLLM passes size_k = 4I; w2 the grouped one iff group < I). Act-order
 caches are not supported (their words would need x gathered by ``w13_g_idx_sort_indices``): callers
 must not pass them (``HostExperts`` refuses them from the manifest); the kernel refuses the case its
-tensors show (w2 scales whole-I, act-order with TP > 1). x and out: bf16 / fp16 (fp32 also accepted), C-contiguous rows of H. The weights are
-read in place (zero-copy views of a mapping are fine), never copied; the C call releases the GIL.
+tensors show (w2 scales whole-I, act-order with TP > 1). x and out: bf16 / fp16 (fp32 also
+accepted), C-contiguous rows of H. The weights are read in place (zero-copy views of a mapping are
+fine), never copied; the C call releases the GIL.
 
 Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2; the
 ``avx512bf16`` path feeds it to the dot products as hi + lo bf16, ~16 significant bits), one rounding to
@@ -199,8 +200,10 @@ class HostKernel:
             if weights is None:
                 w_t = None
             else:
-                w_t = weights if (isinstance(weights, torch.Tensor) and weights.dtype == torch.float32
-                                  and weights.is_contiguous()) else torch.as_tensor(weights).to(torch.float32).reshape(-1).contiguous()
+                if isinstance(weights, torch.Tensor) and weights.dtype == torch.float32 and weights.is_contiguous():
+                    w_t = weights
+                else:
+                    w_t = torch.as_tensor(weights).to(torch.float32).reshape(-1).contiguous()
                 if w_t.numel() != m:
                     raise ValueError(f"job {i}: {w_t.numel()} weights for {m} rows")
             if not (w13.is_cpu and s13.is_cpu and w2.is_cpu and s2.is_cpu and w13.is_contiguous()
