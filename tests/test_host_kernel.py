@@ -294,3 +294,29 @@ def test_refusals(monkeypatch):
     assert HostKernel(threads=1).isa == "plain"
     monkeypatch.delenv("MMAP_OFFLOAD_HOST_ISA")
     assert HostKernel(threads=1).isa == "plain"  # auto: the widest this "CPU" has
+
+
+def test_calls_from_several_python_threads():
+    """One kernel shared by Python threads: calls are serialised inside (one pool), each result right;
+    the GIL is released during a call (the other threads' Python runs meanwhile)."""
+    import threading
+
+    cache, weights = expert(384, 256, 128)
+    k = HostKernel(threads=3, isa=AVAILABLE[0])
+    xs = [rand_x(m, 384, torch.bfloat16, seed=50 + m) for m in (1, 2, 3, 4)]
+    got: dict[int, torch.Tensor] = {}
+
+    def work(i):
+        for _ in range(5):
+            got[i] = k.expert_mlp(xs[i], *args(cache), group=128)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, x in enumerate(xs):
+        assert_close(got[i], ref_mlp(x, weights), torch.bfloat16)
+    k.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        k.expert_mlp(xs[0], *args(cache), group=128)
