@@ -297,8 +297,7 @@ def test_refusals(monkeypatch):
 
 
 def test_calls_from_several_python_threads():
-    """One kernel shared by Python threads: calls are serialised inside (one pool), each result right;
-    the GIL is released during a call (the other threads' Python runs meanwhile)."""
+    """One kernel shared by Python threads: calls are serialised inside (one pool), each result right."""
     import threading
 
     cache, weights = expert(384, 256, 128)
