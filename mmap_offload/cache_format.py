@@ -68,6 +68,19 @@ def cache_root(rank_directory: str | Path) -> Path:
     return d.parent if parse_rank_dir_name(d.name) else d
 
 
+def repair_command_for(path: str | Path) -> str:
+    """The repair command for a cache file (its rank directory's manifest names the checkpoint; best
+    effort, for errors raised where only a file path is known, as in the transfer engines)."""
+    d = Path(path).parent
+    ckpt = None
+    try:
+        obj = json.loads((d / MANIFEST_NAME).read_bytes())
+        ckpt = obj["checkpoint"]["path"] if isinstance(obj["checkpoint"]["path"], str) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return warmup_command(d, ckpt, repair=True)
+
+
 def warmup_command(rank_directory: str | Path, checkpoint: str | None = None, *, tp_size: int | None = None,
                    repair: bool = False) -> str:
     """The `mmap-offload warmup ...` command line that (re)builds the cache in ``rank_directory``:

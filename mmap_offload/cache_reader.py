@@ -87,6 +87,7 @@ class Cache:
         self._arrays: dict[int, np.ndarray] = {}
         self._map_lock = threading.Lock()
         self._checked: dict[int, list] = {}  # layer -> mismatches found by check_layer_once
+        self._checked_experts: dict[int, dict[int, list]] = {}  # layer -> expert -> mismatches
         self._check_lock = threading.Lock()
 
     # -- where bytes are ------------------------------------------------------------------------
@@ -151,11 +152,17 @@ class Cache:
         (layer, expert, tensor) that do not match."""
         if buf is None:
             buf = np.empty(self.record_nbytes, dtype=np.uint8)
+        return self._verify_records(layer, range(self.num_experts), buf)
+
+    def _verify_records(self, layer: int, experts, buf: np.ndarray | None = None) -> list[tuple[int, int, str]]:
+        """pread each expert record of ``layer`` in ``experts`` and check its checksums."""
+        if buf is None:
+            buf = np.empty(self.record_nbytes, dtype=np.uint8)
         path = self.layer_file(layer)
         bad = []
         fd = os.open(path, os.O_RDONLY)
         try:
-            for e in range(self.num_experts):
+            for e in experts:
                 n = os.preadv(fd, [buf], e * self.record_nbytes)
                 if n != self.record_nbytes:
                     raise CorruptCacheError(f"{path} is truncated", f"rewrite it with {self.repair_command()}")
@@ -191,12 +198,32 @@ class Cache:
                     bad = self.verify_layer(layer)
                     state = self._checked[layer] = bad
         if state:
-            l, e, name = state[0]
-            raise CorruptCacheError(
-                f"{len(state)} tensor(s) of {self.layer_file(layer)} fail their checksum (first: layer {l} "
-                f"expert {e} {name})",
-                f"rewrite the bad layers with {self.repair_command()}",
-            )
+            self._raise_corrupt(layer, state)
+
+    def check_experts_once(self, layer: int, experts) -> None:
+        """Verify these experts of ``layer`` the first time this process serves each of them (the
+        expert cache's first-use check: it reads only the experts it fetches, not the whole layer;
+        a layer already checked whole is not read again). Raises CorruptCacheError on a mismatch."""
+        if layer in self._checked:
+            return self.check_layer_once(layer)
+        done = self._checked_experts.setdefault(layer, {})
+        todo = [int(e) for e in experts if int(e) not in done]
+        if todo:
+            with self._check_lock:
+                todo = [e for e in todo if e not in done]
+                for e in todo:
+                    done[e] = self._verify_records(layer, [e])
+        bad = [m for e in experts for m in done.get(int(e), ())]
+        if bad:
+            self._raise_corrupt(layer, bad)
+
+    def _raise_corrupt(self, layer: int, bad: list) -> None:
+        l, e, name = bad[0]
+        raise CorruptCacheError(
+            f"{len(bad)} tensor(s) of {self.layer_file(layer)} fail their checksum (first: layer {l} "
+            f"expert {e} {name})",
+            f"rewrite the bad layers with {self.repair_command()}",
+        )
 
     def repair_command(self) -> str:
         """The command that re-checks this cache and rewrites exactly its bad layers."""

@@ -143,8 +143,8 @@ class ExpertCache:
             raise ValueError("give exactly one of capacity_bytes and capacity_experts")
         self.cache = cache
         self.engine = engine
-        # cache.check_layer_once before a layer's first fill (default on: a flipped bit is refused, never
-        # served; costs one read of each layer per process; verify_first_use=False opts out)
+        # cache.check_experts_once before an expert's first fill (default on: a flipped bit is refused,
+        # never served; costs one extra read of each fetched expert per process; False opts out)
         self.verify_first_use = verify_first_use
         self.device = torch.device(device)
         self.policy = policy
@@ -341,8 +341,8 @@ class ExpertCache:
     def _refill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], fence) -> _Pending:
         """Evict the slots of ``pairs`` and fill them; a refill of a slot a kernel may still read
         is ordered after ``fence`` (the copy stream waits on it: no host sync)."""
-        if self.verify_first_use:
-            self.cache.check_layer_once(self.layers[li])  # before any slot is emptied
+        if self.verify_first_use:  # the experts it fetches, each once per process, before any slot is emptied
+            self.cache.check_experts_once(self.layers[li], [e for e, _ in pairs])
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None

@@ -51,6 +51,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .cache_format import warmup_command
 from .errors import CacheError
 from .transfer import Copy
 
@@ -172,7 +173,8 @@ class LayerPrefetcher:
                     raise CacheError(
                         f"layer {layer}: {attr} is {tuple(old.shape)} {old.dtype} in the model but "
                         f"{tuple(t.shape)} {t.dtype} in the cache",
-                        "rebuild the cache for this model (`mmap-offload warmup`)",
+                        f"rebuild the cache for this model: "
+                        f"{warmup_command(self.cache.dir, self.cache.manifest.checkpoint_path)}",
                     )
                 old.data = t.data if isinstance(t, torch.nn.Parameter) else t
             else:

@@ -275,3 +275,24 @@ def test_verify_first_use_refuses_a_corrupt_layer_before_evicting_anything(tmp_p
     hits = ec.metrics["hits"]
     assert resident_right(ec.ensure(0, [0, 1]))  # still resident (hits), still right
     assert ec.metrics["hits"] == hits + 2
+
+
+def test_verify_first_use_checks_only_the_experts_it_fetches(tmp_path):
+    """The first-use check reads the experts being fetched, not the whole layer (a seed-size layer is
+    ~680 MiB: checking it whole at a decode step's first miss would stall the first tokens)."""
+    cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
+    spec = cache.expert_specs[0]
+    with open(cache.layer_file(1), "r+b") as f:
+        f.seek(3 * cache.record_nbytes + spec.offset)
+        b = f.read(1)
+        f.seek(3 * cache.record_nbytes + spec.offset)
+        f.write(bytes([b[0] ^ 1]))
+    from mmap_offload.errors import CorruptCacheError
+
+    ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=8, verify_first_use=True)
+    ids = ec.ensure(1, [0, 2])  # expert 3 is corrupt but not routed: served
+    assert all(expert_matches(cache, 1, e, ec.slots(1), int(s)) for e, s in zip([0, 2], ids))
+    assert sorted(cache._checked_experts[1]) == [0, 2] and 1 not in cache._checked
+    for _ in range(2):  # and stays refused
+        with pytest.raises(CorruptCacheError, match="layer 1 expert 3"):
+            ec.ensure(1, [3])

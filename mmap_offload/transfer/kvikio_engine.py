@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..cache_format import repair_command_for
 from ..errors import CacheError, MmapOffloadError
 from .ticket import Copy, Ticket, TransferEngine
 
@@ -40,7 +41,7 @@ class KvikioEngine(TransferEngine):
 
     def _open(self, path: str) -> Any:
         if not os.path.exists(path):
-            raise CacheError(f"cache file {path} is missing", "rebuild the cache (mmap-offload warmup)")
+            raise CacheError(f"cache file {path} is missing", f"rewrite it with {repair_command_for(path)}")
         return self.kvikio.CuFile(path, "r")
 
     def _submit(self, copies: list[Copy], after: Any) -> Ticket:

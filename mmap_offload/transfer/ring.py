@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..cache_format import ALIGNMENT
+from ..cache_format import ALIGNMENT, repair_command_for
 from ..errors import CacheError, MmapOffloadError
 from ..pinned import PinnedRing, RingClosedError, Slot, page_align_up
 from .streams import _CpuCopyStream, _CudaCopyStream
@@ -95,7 +95,7 @@ class _RingEngine(TransferEngine):
                     sizes[path] = self._file_size(path)
                 except FileNotFoundError as e:
                     raise CacheError(f"cache file {path} is missing",
-                                     "rebuild the cache (mmap-offload warmup)") from e
+                                     f"rewrite it with {repair_command_for(path)}") from e
             if start + n > sizes[path]:
                 raise CacheError(f"cache file {path} ends at {sizes[path]} bytes, a read needs "
                                  f"{start + n} (truncated?)", "run mmap-offload verify DIR")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..cache_format import warmup_command
 from ..errors import CacheError, UnsupportedError
 from .options import CONFIG_KEY, MmapOptions
 from .patches import (
@@ -252,7 +253,7 @@ class MmapOffloader(_OffloaderBase):
         if layer not in cache.layers:
             raise CacheError(
                 f"layer {layer} of the model has experts but the cache has MoE layers {cache.layers}",
-                "rebuild the cache for this checkpoint",
+                f"rebuild the cache for this checkpoint: {warmup_command(cache.dir, str(self.checkpoint_path))}",
             )
         own = dict(sub.named_parameters(recurse=False))
         missing = [n for n in served_names if n not in sel]
@@ -265,7 +266,7 @@ class MmapOffloader(_OffloaderBase):
         if num_experts != cache.num_experts:
             raise CacheError(
                 f"layer {layer} has {num_experts} local experts, the cache {cache.num_experts}",
-                "rebuild the cache for this model and TP size",
+                f"rebuild the cache for this model and TP size: {warmup_command(cache.dir, str(self.checkpoint_path))}",
             )
         flagged = set()
         for e in range(num_experts):
@@ -301,15 +302,16 @@ class MmapOffloader(_OffloaderBase):
                     layer, expert, name = report.mismatches[0]
                     err = CorruptCacheError(
                         f"{len(report.mismatches)} tensor(s) of {cache.dir} fail their checksum (first: layer {layer} expert {expert} {name})",
-                        "the cache was rebuilt" if opts.rebuild else "rerun `mmap-offload warmup` to rebuild it",
+                        "the bad layers are being rewritten" if opts.rebuild else f"rewrite them with {cache.repair_command()}",
                     )
                     if not opts.rebuild or attempt:
                         raise err
-                    import shutil
+                    from ..warmup import warmup
 
-                    log.warning("mmap-offload: %s; rebuilding", err)
-                    cache.close()
-                    shutil.rmtree(cache.dir)
+                    log.warning("mmap-offload: %s", err)
+                    cache.close()  # rewrite exactly the layers that fail (warm-up --repair), then reopen
+                    warmup(ckpt, opts.cache_dir, tp_size=self.tp_size, tp_ranks=[self.tp_rank],
+                           device=self._warmup_device(), repair=True, progress=self.tp_rank == 0)
                     continue
             self.cache = cache
             return cache

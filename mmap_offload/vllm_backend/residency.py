@@ -212,12 +212,12 @@ class Residency:
     def _sparse_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
         self.metrics["sparse_calls"] += 1
         off, ec = self.off, self.ec
-        if off.options.verify_first_use:
-            self.cache.check_layer_once(t.layer)
-        tensors, after = off.prefetcher.claim(t.layer)
         row = ec.slot_map(t.layer)
         slots = row[used]
         misses, hits = used[slots < 0], used[slots >= 0]
+        if off.options.verify_first_use:  # the experts read from the cache, each once per process
+            self.cache.check_experts_once(t.layer, misses)
+        tensors, after = off.prefetcher.claim(t.layer)
         if len(misses):
             cache, specs = self.cache, self.ec.specs
             copies = [Copy(src=cache.expert_extent(t.layer, int(e)),
