@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     print(f"{'open_cache (best of 3)':<28} {best:.3f} s   bar < 2 s: {'met' if best < 2 else 'MISSED'}")
     result = {"tensors": len(m.tensors), "manifest_bytes": size, "expert_bytes": expert_bytes, "open_seconds": times}
     if args.verify_first_use:
+        if args.dir:
+            os.makedirs(args.dir, exist_ok=True)  # the H200 run gave a path that did not exist yet
         with tempfile.TemporaryDirectory(dir=args.dir) as d:
             v = verify_cost(Path(d), args.verify_layers, args.experts, args.hidden, args.inter)
         result["verify_first_use"] = v
