@@ -533,10 +533,10 @@ class MmapOffloader(_OffloaderBase):
             self.prefetcher.sync()
         if self.residency is not None:
             self.residency.close()
+        self.metrics = self.summary()  # what summary() reported (engine counters too) stays readable
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self.metrics = self.summary()  # what summary() reported stays readable after close
         self.prefetcher = self.residency = None
         self.targets, self._kernel_buffers, self._probe = [], [], {}
         if self.cache is not None:
