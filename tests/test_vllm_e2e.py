@@ -338,7 +338,15 @@ TP2_CHILD = textwrap.dedent(
         ref = run(ckpt, prompts, max_tokens)
         off = run(ckpt, prompts, max_tokens, offload_backend="mmap",
                   additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 0}})
-        open(out, "w").write(json.dumps({"ref": ref, "mmap": off}))
+        # the expert cache on each rank's shard: 3 of 4 experts per layer (tiny-mixtral, 2 layers)
+        from mmap_offload.cache_reader import open_cache
+        c = open_cache(cache, tp_rank=0, tp_size=2)
+        gib = 3 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
+        c.close()
+        experts = run(ckpt, prompts, max_tokens, offload_backend="mmap",
+                      additional_config={"mmap_offload": {"cache_dir": cache, "expert_cache_gib": gib,
+                                                         "layer_stream_fraction": 1.0}})
+        open(out, "w").write(json.dumps({"ref": ref, "mmap": off, "experts": experts}))
     '''
 )
 
@@ -347,7 +355,8 @@ TP2_CHILD = textwrap.dedent(
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="binds one core per TP rank")
 def test_tensor_parallel_2_each_rank_builds_and_serves_its_shard(tmp_path):
     """TP=2 (two CPU worker processes, one core each): each rank builds rank-r-of-2 while loading,
-    and the tokens equal TP=2 without offload. ~2 minutes on a 2-core machine."""
+    and the tokens equal TP=2 without offload, with layer streaming and with the expert cache (the
+    two-GPU run of the same is tests/test_vllm_gpu.py). ~3 minutes on a 2-core machine."""
     from mmap_offload.synth import PRESETS, make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", **PRESETS["tiny-mixtral"])
@@ -360,6 +369,7 @@ def test_tensor_parallel_2_each_rank_builds_and_serves_its_shard(tmp_path):
         pytest.fail(f"TP=2 child failed with {proc.returncode}:\n{proc.stderr[-8000:]}")
     res = json.loads(out.read_text())
     assert res["mmap"] == res["ref"]
+    assert res["experts"] == res["ref"]  # routing-aware residency on each rank's shard
     assert sorted(p.name for p in cache.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
     for r in range(2):
         assert (cache / f"rank-{r}-of-2" / "manifest.json").exists()
