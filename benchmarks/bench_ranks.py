@@ -84,8 +84,8 @@ def check_every_expert(cache, engine, dsts) -> dict:
     """Serve every expert of ``cache`` once more and check each tensor against the manifest (untimed)."""
     import torch
 
-    from mmap_offload.cache_format import checksum
     from mmap_offload.transfer import Copy
+    from soak_pressure import check_served
 
     rec = cache.record_nbytes
     host = torch.empty(rec, dtype=torch.uint8)
@@ -94,13 +94,7 @@ def check_every_expert(cache, engine, dsts) -> dict:
         engine.wait(engine.submit([Copy(src=cache.expert_extent(layer, e), dst=[(0, rec, dsts[e])])
                                    for e in range(cache.num_experts)]))
         for e in range(cache.num_experts):
-            host.copy_(dsts[e])
-            buf = host.numpy()
-            for spec, want in zip(cache.expert_specs, cache.expected_checksums(layer, e)):
-                if checksum(buf[spec.offset : spec.offset + spec.nbytes]) != want:
-                    out["mismatches"] += 1
-                    if len(out["first_mismatches"]) < 5:
-                        out["first_mismatches"].append(f"layer {layer} expert {e} {spec.name}")
+            check_served(cache, layer, e, dsts[e], host, out)
             out["distinct_bytes"] += rec
     return out
 

@@ -74,7 +74,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from vllm_runner import _make_cgroup  # noqa: E402  (one cgroup discovery for both modes)
+from vllm_runner import _make_cgroup, remove_cgroup  # noqa: E402  (one cgroup discovery for both modes)
 
 MIB = 1 << 20
 
@@ -150,14 +150,7 @@ class MemCap:
         return None
 
     def remove(self) -> None:
-        if self.path is None:
-            return
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(self.path)
 
 
 # ----------------------------------------------------------------------------------------------

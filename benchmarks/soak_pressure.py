@@ -84,6 +84,21 @@ def evict(paths) -> None:
 
 
 # ---------------------------------------------------------------------------------------- serving
+def check_served(cache, layer: int, expert: int, served, host, out: dict) -> None:
+    """Check one served expert record (``served``, on any device, copied through the CPU tensor ``host``)
+    against the manifest's checksums: each tensor that differs adds 1 to ``out["mismatches"]``, the first
+    five are named in ``out["first_mismatches"]``."""
+    from mmap_offload.cache_format import checksum
+
+    host.copy_(served)
+    buf = host.numpy()
+    for spec, want in zip(cache.expert_specs, cache.expected_checksums(layer, expert)):
+        if checksum(buf[spec.offset : spec.offset + spec.nbytes]) != want:
+            out["mismatches"] += 1
+            if len(out["first_mismatches"]) < 5:
+                out["first_mismatches"].append(f"layer {layer} expert {expert} {spec.name}")
+
+
 def serve_and_check(cache, engine, device, *, top_k: int, max_bytes: int, seconds: float, seed: int,
                     events=None) -> dict:
     """Random routing over ``cache`` through ``engine``; every served tensor checked against its checksum.
@@ -92,7 +107,6 @@ def serve_and_check(cache, engine, device, *, top_k: int, max_bytes: int, second
     import numpy as np
     import torch
 
-    from mmap_offload.cache_format import checksum
     from mmap_offload.transfer import Copy
 
     rng = np.random.default_rng(seed)
@@ -117,13 +131,7 @@ def serve_and_check(cache, engine, device, *, top_k: int, max_bytes: int, second
             torch.cuda.synchronize(device)
         out["copy_seconds"] += time.perf_counter() - t1
         for e, d in zip(experts, dsts):
-            host.copy_(d)
-            buf = host.numpy()
-            for spec, want in zip(cache.expert_specs, cache.expected_checksums(layer, e)):
-                if checksum(buf[spec.offset : spec.offset + spec.nbytes]) != want:
-                    out["mismatches"] += 1
-                    if len(out["first_mismatches"]) < 5:
-                        out["first_mismatches"].append(f"layer {layer} expert {e} {spec.name}")
+            check_served(cache, layer, e, d, host, out)
             seen.add((layer, e))
         out["steps"] += 1
         out["bytes"] += k * rec

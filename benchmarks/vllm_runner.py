@@ -154,18 +154,37 @@ class Cgroup:
         return out
 
     def remove(self) -> None:
-        if self.path is None:
-            return
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(self.path)
 
     def describe(self) -> dict:
         return {"kind": self.kind, "mem_max": self.mem_max, "path": str(self.path) if self.path else None,
                 "reason": self.reason}
+
+
+def proc_status() -> dict[str, int]:
+    """This process's VmHWM / VmRSS / RssAnon / RssFile / RssShmem in bytes (Linux; {} elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def remove_cgroup(path: Path | None) -> None:
+    """Remove a child cgroup's folder (None: nothing), retrying for 5 s while its last process exits."""
+    if path is None:
+        return
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def _write(path: Path, text: str, missing_ok: bool = False) -> None:
@@ -443,15 +462,7 @@ class _Child:
     def mem(self, cuda: bool = True) -> dict:
         """This process's memory (/proc/self/status) and, once vLLM is up (``cuda``), CUDA's and
         torch's pinned allocator's counters (not before: no CUDA context ahead of vLLM's own)."""
-        out = {}
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    k, _, v = line.partition(":")
-                    if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                        out[k] = int(v.split()[0]) * 1024
-        except OSError:
-            pass
+        out = proc_status()
         torch = self.torch
         if cuda and torch is not None and torch.cuda.is_available():
             out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated())
