@@ -2,6 +2,7 @@
 
 - ``make_cache``: writes a real cache (cache_writer.RankWriter) of random bytes and opens it with
   cache_reader.open_cache, so tests run against the real reader.
+- ``flip_byte``: flips bits of one byte of a file in place (a corrupt layer file or shard).
 - ``SyncEngine``: a trivially synchronous engine (pread + copy in ``submit``); strict about tickets.
 - ``DeferredEngine``: models an asynchronous engine. ``submit`` poisons every destination at once
   and performs the copy only later: when its ticket is waited for, or at random on later calls.
@@ -34,10 +35,22 @@ DEFAULT_SPECS = [
 ]
 
 
-def make_cache(directory: Path, layers=(0, 1, 2), num_experts: int = 6, specs=None, seed: int = 0):
-    """Write and open a cache of random bytes; returns the real ``cache_reader.Cache``."""
+def make_cache(directory: Path, layers=(0, 1, 2), num_experts: int = 6, specs=None, seed: int = 0,
+               identity: CacheIdentity | None = None, fill=None):
+    """Write and open a cache of random bytes; returns the real ``cache_reader.Cache``.
+
+    ``identity``: the manifest's CacheIdentity (a test one by default). ``fill(spec) -> tensor``: each
+    tensor's values, called layer by layer, expert by expert, in record order (default: random bytes
+    from ``seed``)."""
     placed, record_nbytes = layout_specs(list(specs or DEFAULT_SPECS))
-    ident = CacheIdentity("sha256:test", {"kind": "test"}, "test-raw", 1, 0, 1)
+    ident = identity or CacheIdentity("sha256:test", {"kind": "test"}, "test-raw", 1, 0, 1)
+    if fill is None:
+        rng = np.random.default_rng(seed)
+
+        def fill(s):
+            raw = torch.from_numpy(rng.integers(0, 256, size=s.nbytes, dtype=np.uint8))
+            return raw.view(s.torch_dtype).view(s.shape)
+
     manifest = Manifest(
         checkpoint_path="synthetic",
         identity=ident,
@@ -46,16 +59,11 @@ def make_cache(directory: Path, layers=(0, 1, 2), num_experts: int = 6, specs=No
         record=placed,
         layers=[{"layer": l, "file": layer_file_name(l), "nbytes": num_experts * record_nbytes} for l in layers],
     )
-    rng = np.random.default_rng(seed)
     with RankWriter(Path(directory), manifest, fsync=False) as w:
         for l in layers:
             lw = w.begin_layer(l)
             for e in range(num_experts):
-                tensors = {}
-                for s in placed:
-                    raw = torch.from_numpy(rng.integers(0, 256, size=s.nbytes, dtype=np.uint8))
-                    tensors[s.name] = raw.view(s.torch_dtype).view(s.shape)
-                lw.write_expert(e, tensors)
+                lw.write_expert(e, {s.name: fill(s) for s in placed})
             lw.commit()
         w.publish()
     return open_cache(directory)
@@ -75,6 +83,15 @@ def expert_matches(cache, layer: int, expert: int, tensors: dict[str, torch.Tens
 
 def layer_matches(cache, layer: int, tensors: dict[str, torch.Tensor]) -> bool:
     return all(expert_matches(cache, layer, e, tensors, e) for e in range(cache.num_experts))
+
+
+def flip_byte(path: Path, offset: int, mask: int = 0x01) -> None:
+    """XOR the byte at ``offset`` of the file ``path`` with ``mask``, in place (a corrupt cache or shard)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def _do_copy(copy) -> None:

@@ -23,6 +23,8 @@ from mmap_offload.cache_reader import open_cache
 from mmap_offload.cache_writer import RankWriter
 from mmap_offload.errors import CacheError, CacheLockedError, CorruptCacheError, StaleCacheError, StorageError
 
+from fakes import flip_byte
+
 E = 3
 LAYERS = [0, 2, 5]
 SPECS = [("w13", "bfloat16", (8, 96)), ("w2", "int32", (5, 7)), ("scale", "float16", (3,))]
@@ -194,12 +196,7 @@ def test_flipped_byte_is_caught_by_verify(tmp_path):
     cache = open_cache(tmp_path)
     spec = cache.spec("w2")
     path = cache.layer_file(LAYERS[2])
-    pos = 2 * cache.record_nbytes + spec.offset + 5
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, 2 * cache.record_nbytes + spec.offset + 5, 0x10)
     report = open_cache(tmp_path).verify()
     assert report.mismatches == [(LAYERS[2], 2, "w2")]
 
@@ -292,12 +289,7 @@ def test_buffer_bytes_equal_numpy_of_file(tmp_path):
 
 def _flip(cache, layer, expert, name, delta=5):
     spec = cache.spec(name)
-    pos = expert * cache.record_nbytes + spec.offset + delta
-    with open(cache.layer_file(layer), "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(cache.layer_file(layer), expert * cache.record_nbytes + spec.offset + delta, 0x40)
 
 
 def test_check_layer_once_raises_for_a_flipped_bit_and_passes_clean_layers(tmp_path):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fakes import (
-    DeferredEngine, FailingEngine, SyncEngine, cuda_engine, engine_factories, expert_matches, make_cache, real_engines,
+    DeferredEngine, FailingEngine, SyncEngine, cuda_engine, engine_factories, expert_matches, flip_byte, make_cache,
+    real_engines,
 )
 from mmap_offload.errors import CacheError, UnsupportedError
 from mmap_offload.expert_cache import POLICIES, ExpertCache
@@ -257,12 +258,7 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
 
 def test_verify_first_use_refuses_a_corrupt_layer_before_evicting_anything(tmp_path):
     cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
-    spec = cache.expert_specs[-1]
-    with open(cache.layer_file(1), "r+b") as f:
-        f.seek(3 * cache.record_nbytes + spec.offset)
-        b = f.read(1)
-        f.seek(3 * cache.record_nbytes + spec.offset)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(cache.layer_file(1), 3 * cache.record_nbytes + cache.expert_specs[-1].offset)
     from mmap_offload.errors import CorruptCacheError
 
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=4, shared=True, verify_first_use=True)
@@ -281,12 +277,7 @@ def test_verify_first_use_checks_only_the_experts_it_fetches(tmp_path):
     """The first-use check reads the experts being fetched, not the whole layer (a seed-size layer is
     ~680 MiB: checking it whole at a decode step's first miss would stall the first tokens)."""
     cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
-    spec = cache.expert_specs[0]
-    with open(cache.layer_file(1), "r+b") as f:
-        f.seek(3 * cache.record_nbytes + spec.offset)
-        b = f.read(1)
-        f.seek(3 * cache.record_nbytes + spec.offset)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(cache.layer_file(1), 3 * cache.record_nbytes + cache.expert_specs[0].offset)
     from mmap_offload.errors import CorruptCacheError
 
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=8, verify_first_use=True)

@@ -23,16 +23,14 @@ import pytest
 import torch
 
 from mmap_offload import traces
-from mmap_offload.cache_format import CacheIdentity, Manifest, layer_file_name, layout_specs
-from mmap_offload.cache_reader import open_cache
-from mmap_offload.cache_writer import RankWriter
+from mmap_offload.cache_format import CacheIdentity
 from mmap_offload.errors import UnsupportedError
 from mmap_offload.expert_cache import ExpertCache
 from mmap_offload.host import hybrid
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import marlin_reference as mr  # noqa: E402
-from fakes import SyncEngine  # noqa: E402
+from fakes import SyncEngine, make_cache  # noqa: E402
 
 TOL = 2e-2
 
@@ -47,29 +45,16 @@ def make_marlin_cache(directory: Path, hidden=256, inter=128, group=64, experts=
              ("w2_weight_packed", "int32", (inter // 16, 2 * hidden)),
              ("w13_weight_scale", "bfloat16", (g13, 2 * inter)),
              ("w2_weight_scale", "bfloat16", (g2, hidden))]
-    placed, record_nbytes = layout_specs(specs)
     ident = CacheIdentity("sha256:hybrid-test", {"kind": "w4a16", "group_size": group}, "test-raw", 1, 0, 1)
-    manifest = Manifest(checkpoint_path="synthetic", identity=ident,
-                        moe={"num_experts": experts, "layers": list(layers)}, record_nbytes=record_nbytes,
-                        record=placed,
-                        layers=[{"layer": l, "file": layer_file_name(l), "nbytes": experts * record_nbytes}
-                                for l in layers])
     gen = torch.Generator().manual_seed(seed)
-    with RankWriter(Path(directory), manifest, fsync=False) as w:
-        for l in layers:
-            lw = w.begin_layer(l)
-            for e in range(experts):
-                t = {}
-                for s in placed:
-                    if s.name.endswith("packed"):
-                        t[s.name] = torch.randint(-2**31, 2**31, s.shape, generator=gen, dtype=torch.int64).to(torch.int32)
-                    else:
-                        k = hidden if s.name.startswith("w13") else inter
-                        t[s.name] = ((torch.rand(s.shape, generator=gen) * 0.5 + 0.75) / (4.6 * k**0.5)).to(torch.bfloat16)
-                lw.write_expert(e, t)
-            lw.commit()
-        w.publish()
-    return open_cache(directory)
+
+    def fill(s):
+        if s.name.endswith("packed"):
+            return torch.randint(-2**31, 2**31, s.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+        k = hidden if s.name.startswith("w13") else inter
+        return ((torch.rand(s.shape, generator=gen) * 0.5 + 0.75) / (4.6 * k**0.5)).to(torch.bfloat16)
+
+    return make_cache(directory, layers, experts, specs, identity=ident, fill=fill)
 
 
 def ref_weight(words, scales, K, N, group, grouped):

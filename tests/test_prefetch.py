@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from fakes import (DeferredEngine, cuda_engine, FailingEngine, SyncEngine, as_bytes, engine_factories, layer_matches, make_cache,
-                   real_engines)
+from fakes import (DeferredEngine, cuda_engine, FailingEngine, SyncEngine, as_bytes, engine_factories, flip_byte,
+                   layer_matches, make_cache, real_engines)
 from mmap_offload.errors import CacheError
 from mmap_offload.prefetch import LayerPrefetcher, assign_buffers
 
@@ -209,12 +209,7 @@ def test_verify_first_use_never_serves_a_flipped_bit(tmp_path):
     from mmap_offload.errors import CorruptCacheError
 
     cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
-    spec = cache.expert_specs[0]
-    with open(cache.layer_file(1), "r+b") as f:
-        f.seek(2 * cache.record_nbytes + spec.offset)
-        b = f.read(1)
-        f.seek(2 * cache.record_nbytes + spec.offset)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(cache.layer_file(1), 2 * cache.record_nbytes + cache.expert_specs[0].offset)
     eng = SyncEngine()
     pf = LayerPrefetcher(cache, eng, "cpu", lookahead=0, verify_first_use=True)
     assert layer_matches(cache, 0, pf.wait_for_layer(0))

@@ -27,7 +27,7 @@ from mmap_offload.prefetch import LayerPrefetcher
 from mmap_offload.synth import make_checkpoint
 from mmap_offload.warmup import ensure_cache, warmup
 
-from fakes import SyncEngine, layer_matches, make_cache
+from fakes import SyncEngine, flip_byte, layer_matches, make_cache
 
 SMALL = dict(arch="mixtral", num_layers=3, num_experts=4, hidden=128, intermediate=512, top_k=2,
              vocab_size=256, num_heads=4, num_kv_heads=2)
@@ -54,14 +54,6 @@ def run_advised(text: str, cwd=None) -> subprocess.CompletedProcess:
     return cli(*argv[1:], "--quiet", "--device", "cpu", cwd=cwd)
 
 
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def inodes(d: Path) -> dict[str, int]:
     return {p.name: (p.stat().st_ino, p.stat().st_ctime_ns) for p in sorted(d.glob("layer-*.bin"))}
 
@@ -75,7 +67,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 def test_prefetcher_and_expert_cache_refuse_a_flipped_bit_by_default_and_can_opt_out(tmp_path):
     cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
-    flip(cache.layer_file(1), 3 * cache.record_nbytes + cache.expert_specs[1].offset + 5)
+    flip_byte(cache.layer_file(1), 3 * cache.record_nbytes + cache.expert_specs[1].offset + 5)
     pf = LayerPrefetcher(cache, SyncEngine(), "cpu", lookahead=0)
     assert layer_matches(cache, 0, pf.wait_for_layer(0))
     with pytest.raises(CorruptCacheError, match="layer 1 expert 3") as e:
@@ -96,7 +88,7 @@ def test_verify_names_a_repair_command_that_rewrites_exactly_the_bad_layer(ckpt,
     assert cli("warmup", ckpt, "--cache-dir", cache_dir, "--tp-size", "2", "--quiet", "--device", "cpu").returncode == 0
     cache = open_cache(cache_dir, 1, 2)
     bad_layer = cache.layers[1]
-    flip(cache.layer_file(bad_layer), 2 * cache.record_nbytes + cache.expert_specs[0].offset + 17)
+    flip_byte(cache.layer_file(bad_layer), 2 * cache.record_nbytes + cache.expert_specs[0].offset + 17)
     before = {r: inodes(cache_dir / f"rank-{r}-of-2") for r in (0, 1)}
 
     plain = cli("warmup", ckpt, "--cache-dir", cache_dir, "--tp-size", "2", "--quiet", "--device", "cpu")
@@ -120,7 +112,7 @@ def test_first_use_refusal_and_a_truncated_layer_name_working_commands(ckpt, tmp
     cache_dir = tmp_path / "c"
     warmup(ckpt, cache_dir, device="cpu")
     cache = open_cache(cache_dir)
-    flip(cache.layer_file(cache.layers[0]), 100)
+    flip_byte(cache.layer_file(cache.layers[0]), 100)
     with pytest.raises(CorruptCacheError) as e:
         cache.check_layer_once(cache.layers[0])
     assert run_advised(str(e.value)).returncode == 0
@@ -197,9 +189,9 @@ def _unsampled_byte_of(ck, layer: int) -> tuple[Path, int]:
     ref = ck.expert_refs(layer, 1)["down"]["weight_packed"]
     fp_before = ck.fingerprint
     for off in range(ref.offset + 7, ref.offset + ref.nbytes, 997):
-        flip(ref.path, off)
+        flip_byte(ref.path, off)
         same = open_checkpoint(ck.path).fingerprint == fp_before
-        flip(ref.path, off)
+        flip_byte(ref.path, off)
         if same:
             return ref.path, off
     raise AssertionError("every tried byte is sampled")
@@ -213,7 +205,7 @@ def test_a_changed_byte_outside_the_fingerprint_samples_is_stale_and_only_its_la
     layer = ck.moe.layers[1]
     path, off = _unsampled_byte_of(ck, layer)
     st = path.stat()
-    flip(path, off)
+    flip_byte(path, off)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     ck2 = open_checkpoint(ck_dir)
     assert ck2.fingerprint == ck.fingerprint  # the sampled fingerprint does not see it
@@ -261,7 +253,7 @@ def test_a_shard_changed_between_an_interrupted_warmup_and_its_resume_is_not_tru
     ck = open_checkpoint(ck_dir)
     path, off = _unsampled_byte_of(ck, ck.moe.layers[0])
     st = path.stat()
-    flip(path, off)
+    flip_byte(path, off)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     report = warmup(ck_dir, cache_dir, device="cpu")
     assert report.layers_reused == 0 and report.layers_written == len(ck.moe.layers)
@@ -343,7 +335,7 @@ def test_ensure_cache_rebuilds_a_stale_layer_reading_the_changed_shard_once(ckpt
     ck = open_checkpoint(ck_dir)
     path, off = _unsampled_byte_of(ck, ck.moe.layers[2])
     st = path.stat()
-    flip(path, off)
+    flip_byte(path, off)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     import mmap_offload.warmup as w
 

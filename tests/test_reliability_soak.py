@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+from fakes import flip_byte  # noqa: E402
+
 
 def _cgroup_reason() -> str | None:
     """Why no memory cgroup can be made here (None: one can)."""
@@ -82,11 +84,7 @@ def test_the_soaks_checker_catches_a_flipped_byte(tmp_path):
 
     d = build_random_cache(tmp_path / "rank-0-of-1", 8 << 20, experts=4, record_mib=0.5)
     cache = open_cache(d)
-    with open(cache.layer_file(cache.layers[1]), "r+b") as f:
-        f.seek(2 * cache.record_nbytes + 9)
-        b = f.read(1)
-        f.seek(2 * cache.record_nbytes + 9)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(cache.layer_file(cache.layers[1]), 2 * cache.record_nbytes + 9, 0x10)
     eng = make_engine("auto", "cpu", pinned_bytes=8 << 20, threads=2)
     try:
         r = serve_and_check(cache, eng, torch.device("cpu"), top_k=4, max_bytes=1, seconds=60, seed=0)
@@ -120,10 +118,7 @@ def test_two_ranks_serve_one_cache_at_once_with_the_right_bytes(tmp_path):
     assert a.layer_file(a.layers[0]).read_bytes() != b.layer_file(b.layers[0]).read_bytes()
 
     # a flipped byte in rank 1's shard fails the run (the check is real)
-    path = b.layer_file(b.layers[1])
-    data = bytearray(path.read_bytes())
-    data[b.record_nbytes + 3] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_byte(b.layer_file(b.layers[1]), b.record_nbytes + 3)
     proc = _driver("bench_ranks.py", "--cache-dir", tmp_path / "cache", "--device", "cpu", "--passes", 1,
                    "--threads", 2, "--workdir", tmp_path / "w2")
     assert proc.returncode == 1, proc.stdout + proc.stderr
