@@ -40,6 +40,7 @@ results.md and PNG plots under ``--out``; every number in docs/BENCHMARKS.md com
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -59,6 +60,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import moe_kernel as mk  # noqa: E402
+from vllm_runner import proc_status  # noqa: E402  (one /proc/self/status reader for the benchmarks)
 
 SHAPES = {
     # per-expert shapes of real model classes; layers/experts scaled to fit the machine and the time
@@ -75,20 +77,6 @@ TINY_WORKLOADS = {"decode-1": (1, "decode"), "decode-8": (8, "decode"), "decode-
 # ----------------------------------------------------------------------------------------------
 # process memory
 # ----------------------------------------------------------------------------------------------
-
-
-def proc_status() -> dict[str, int]:
-    """VmHWM / VmRSS / RssAnon / RssFile / RssShmem in bytes (Linux)."""
-    out = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def reset_peak_rss() -> bool:
@@ -1051,15 +1039,17 @@ def gib(n) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def tokens_per_s(rows: list[dict], variant: str, trace: str, wl: str) -> float | None:
+    """The tokens/s of the first row of ``variant`` x ``trace`` x workload ``wl`` that has one (None: no such row)."""
+    for r in rows:
+        if r["variant"] == variant and r["trace"] == trace and r["workload"] == wl and "tokens_per_s" in r:
+            return r["tokens_per_s"]
+    return None
+
+
 def bars(rows: list[dict]) -> list[dict]:
     """The issue's bars as ratios of this run."""
-
-    def tps(variant, trace, wl):
-        for r in rows:
-            if r["variant"] == variant and r["trace"] == trace and r["workload"] == wl and "tokens_per_s" in r:
-                return r["tokens_per_s"]
-        return None
-
+    tps = functools.partial(tokens_per_s, rows)
     out = []
     for trace, need in (("uniform", 1.0), ("skewed", 1.5)):
         for wl in ("decode-1", "decode-8"):
@@ -1084,13 +1074,7 @@ def bars(rows: list[dict]) -> list[dict]:
 def hybrid_bars(rows: list[dict]) -> list[dict]:
     """Issue 15's bars for mmap-hybrid (ratios of this run): decode 1 and 8 against uva, prefill against
     the best copy variant, pinned bytes."""
-
-    def tps(variant, trace, wl):
-        for r in rows:
-            if r["variant"] == variant and r["trace"] == trace and r["workload"] == wl and "tokens_per_s" in r:
-                return r["tokens_per_s"]
-        return None
-
+    tps = functools.partial(tokens_per_s, rows)
     if not any(r["variant"] == "mmap-hybrid" for r in rows):
         return []
     out = []

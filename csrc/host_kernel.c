@@ -248,6 +248,21 @@ T512 static inline void tile_scales512(const mat_t *A, int64_t nt, int64_t grp, 
         _mm512_store_ps(scv + 16 * i, _mm512_i32gather_ps(_mm512_loadu_si512((const void *)(spos + 16 * i)), sraw, 4));
 }
 
+/* The tile's accumulators to ytile (once per tile, after its last k block; the AVX-512 paths share it):
+   lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a. */
+T512 static inline void store_tile512(const __m512 *T, int M, int b0, int b1, float *ytile) {
+    for (int b = b0; b < b1; b++)
+        for (int g = 0; g < 2; g++)
+            for (int m = 0; m < M; m++) {
+                __m512 v = T[(b * 2 + g) * M + m];
+                __m128 r = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v, 0), _mm512_extractf32x4_ps(v, 1)),
+                                      _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
+                float o[4];
+                _mm_storeu_ps(o, r);
+                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
+            }
+}
+
 static inline void make_spos(int grouped, int *spos) {
     for (int b = 0; b < 8; b++)
         for (int g = 0; g < 2; g++)
@@ -361,17 +376,7 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
                 run512(mb, lb, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
         }
     }
-    /* lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a */
-    for (int b = b0; b < b1; b++)
-        for (int g = 0; g < 2; g++)
-            for (int m = 0; m < M; m++) {
-                __m512 v = T[(b * 2 + g) * M + m];
-                __m128 r = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v, 0), _mm512_extractf32x4_ps(v, 1)),
-                                      _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
-                float o[4];
-                _mm_storeu_ps(o, r);
-                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
-            }
+    store_tile512(T, M, b0, b1, ytile);
 }
 
 /* ------------------------------------------------------------------ AVX-512 + BF16 dot products */
@@ -496,16 +501,7 @@ T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const a
                 run512bf(mb, lb, NS, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
         }
     }
-    for (int b = b0; b < b1; b++)
-        for (int g = 0; g < 2; g++)
-            for (int m = 0; m < M; m++) {
-                __m512 v = T[(b * 2 + g) * M + m];
-                __m128 r = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v, 0), _mm512_extractf32x4_ps(v, 1)),
-                                      _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
-                float o[4];
-                _mm_storeu_ps(o, r);
-                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
-            }
+    store_tile512(T, M, b0, b1, ytile);
 }
 
 /* ------------------------------------------------------------------ AVX2 (+FMA, F16C) */
