@@ -1047,15 +1047,22 @@ def tokens_per_s(rows: list[dict], variant: str, trace: str, wl: str) -> float |
     return None
 
 
-def bars(rows: list[dict]) -> list[dict]:
-    """The issue's bars as ratios of this run."""
-    tps = functools.partial(tokens_per_s, rows)
+def decode_bars(rows: list[dict], variant: str) -> list[dict]:
+    """The decode bars of ``variant``: its decode-1 and decode-8 tokens/s over uva's, >= 1.0 on the uniform
+    trace and >= 1.5 on the skewed one (value None where a row is missing)."""
     out = []
     for trace, need in (("uniform", 1.0), ("skewed", 1.5)):
         for wl in ("decode-1", "decode-8"):
-            a, b = tps("mmap-cache", trace, wl), tps("uva", trace, wl)
-            out.append(dict(bar=f"{wl} {trace}: mmap-cache / uva >= {need}", value=(a / b) if a and b else None,
+            a, b = tokens_per_s(rows, variant, trace, wl), tokens_per_s(rows, "uva", trace, wl)
+            out.append(dict(bar=f"{wl} {trace}: {variant} / uva >= {need}", value=(a / b) if a and b else None,
                             need=need))
+    return out
+
+
+def bars(rows: list[dict]) -> list[dict]:
+    """The issue's bars as ratios of this run."""
+    tps = functools.partial(tokens_per_s, rows)
+    out = decode_bars(rows, "mmap-cache")
     a = max([v for v in (tps("mmap-prefetch", "uniform", "prefill-2k"), tps("mmap-cache", "uniform", "prefill-2k")) if v] or [0])
     b = tps("uva", "uniform", "prefill-2k")
     out.append(dict(bar="prefill-2k uniform: mmap / uva >= 1.0", value=(a / b) if a and b else None, need=1.0))
@@ -1077,12 +1084,7 @@ def hybrid_bars(rows: list[dict]) -> list[dict]:
     tps = functools.partial(tokens_per_s, rows)
     if not any(r["variant"] == "mmap-hybrid" for r in rows):
         return []
-    out = []
-    for trace, need in (("uniform", 1.0), ("skewed", 1.5)):
-        for wl in ("decode-1", "decode-8"):
-            a, b = tps("mmap-hybrid", trace, wl), tps("uva", trace, wl)
-            out.append(dict(bar=f"{wl} {trace}: mmap-hybrid / uva >= {need}", value=(a / b) if a and b else None,
-                            need=need))
+    out = decode_bars(rows, "mmap-hybrid")
     for trace in ("uniform", "skewed"):
         best = max([v for v in (tps(n, trace, "prefill-2k") for n in ("mmap-cache", "mmap-prefetch", "kvikio-cache"))
                     if v] or [0])
