@@ -230,3 +230,26 @@ def test_probe_expectation_reads_vllms_wna16_placeholders(tmp_path, transposed):
     assert sorted(got) == sorted(placeholders)
     for name, v in got.items():
         assert torch.equal(v, want[name]), name
+
+
+def test_default_pool_is_half_of_what_vllms_budget_leaves(monkeypatch):
+    """expert_cache_gib unset: half of (gpu_memory_utilization x total - used - the layer buffers),
+    capped at the rank's expert bytes; 0 on CPU (layer streaming)."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.residency import auto_capacity_bytes
+
+    gib = 1 << 30
+    spec = SimpleNamespace(nbytes=gib // 64)  # 16 MiB experts, 64 per layer: 1 GiB layers
+    off = SimpleNamespace(device=torch.device("cuda", 0), options=SimpleNamespace(lookahead=1),
+                          cache=SimpleNamespace(num_experts=64, expert_specs=[spec]), targets=[0] * 40)
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.9))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 100 * gib))  # 30 GiB used
+    # budget 90 - 30 = 60 GiB, minus 2 layer buffers = 58, half = 29 GiB (< 40 GiB of experts)
+    assert auto_capacity_bytes(off, vcfg) == 29 * gib
+    off.targets = [0] * 10  # 10 GiB of experts: the cap
+    assert auto_capacity_bytes(off, vcfg) == 10 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 100 * gib))  # nothing left
+    assert auto_capacity_bytes(off, vcfg) == 0
+    off.device = torch.device("cpu")
+    assert auto_capacity_bytes(off, vcfg) == 0
