@@ -25,7 +25,6 @@ greedy tokens of a model agree unless two logits are within that rounding (tests
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -42,7 +41,6 @@ class HostExperts:
     MAX_TOKENS = 64  # beyond this the GPU wins (prefill, large batches): no host compute
 
     def __init__(self, off, threads: int = 0):
-        self.off = off
         self.cache = off.cache
         self.device = off.device
         q = self.cache.manifest.identity.quantization
@@ -66,7 +64,6 @@ class HostExperts:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmap-offload-host")
         self._pending: dict[int, tuple[Future, int]] = {}  # target index -> (job, rows)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._lock = threading.Lock()
         # calibrated rates (bytes/s), updated from every host job and every copy: EMA
         self.host_rate = 0.0
         self.copy_rate = 0.0

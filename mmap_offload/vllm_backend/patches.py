@@ -49,6 +49,17 @@ _SKIP_NAMES: frozenset[str] = frozenset()  # checkpoint tensor names the active 
 SERVED_FLAG = "_mmap_offload_served"  # set on parameters whose checkpoint tensors are skipped
 
 
+def _mark(wrapper: Callable, orig: Callable) -> None:
+    """Mark ``wrapper`` as mmap-offload's, keeping vLLM's original (so a patch is applied once)."""
+    wrapper._mmap_offload = True  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+
+
+def _original(fn: Callable) -> Callable:
+    """vLLM's own function behind one of our wrappers (``fn`` itself if it is not ours)."""
+    return fn.__wrapped__ if getattr(fn, "_mmap_offload", False) else fn
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``offload_backend="mmap"`` work in this process."""
     global _registered
@@ -112,7 +123,7 @@ def _patch_create_offloader() -> None:
     orig = getattr(base, "create_offloader", None)
     if orig is None:
         raise _missing("vllm.model_executor.offloader.base.create_offloader")
-    if getattr(orig, "_mmap_offload", False):
+    if _original(orig) is not orig:  # ours already
         return
 
     def create_offloader(offload_config):
@@ -122,8 +133,7 @@ def _patch_create_offloader() -> None:
             return MmapOffloader.from_offload_config(offload_config)
         return orig(offload_config)
 
-    create_offloader._mmap_offload = True  # type: ignore[attr-defined]
-    create_offloader.__wrapped__ = orig  # type: ignore[attr-defined]
+    _mark(create_offloader, orig)
     create_offloader.__doc__ = orig.__doc__
     # the defining module, the package, and every module that did `from ... import create_offloader`
     for name, mod in list(sys.modules.items()):
@@ -140,21 +150,20 @@ def _patch_weight_loading() -> None:
     orig_skip = getattr(wu, "should_skip_weight", None)
     if orig_skip is None:
         raise _missing("weight_utils.should_skip_weight")
-    if not getattr(orig_skip, "_mmap_offload", False):
+    if _original(orig_skip) is orig_skip:
 
         def should_skip_weight(weight_name, *args, **kwargs):
             if weight_name in _SKIP_NAMES:
                 return True
             return orig_skip(weight_name, *args, **kwargs)
 
-        should_skip_weight._mmap_offload = True  # type: ignore[attr-defined]
-        should_skip_weight.__wrapped__ = orig_skip  # type: ignore[attr-defined]
+        _mark(should_skip_weight, orig_skip)
         wu.should_skip_weight = should_skip_weight
 
     orig_track = getattr(DefaultModelLoader, "track_weights_loading", None)
     if orig_track is None:
         raise _missing("DefaultModelLoader.track_weights_loading")
-    if not getattr(orig_track, "_mmap_offload", False):
+    if _original(orig_track) is orig_track:
 
         def track_weights_loading(self, model, loaded_weights, *args, **kwargs):
             if loaded_weights is not None:
@@ -162,8 +171,7 @@ def _patch_weight_loading() -> None:
                 loaded_weights = set(loaded_weights) | served
             return orig_track(self, model, loaded_weights, *args, **kwargs)
 
-        track_weights_loading._mmap_offload = True  # type: ignore[attr-defined]
-        track_weights_loading.__wrapped__ = orig_track  # type: ignore[attr-defined]
+        _mark(track_weights_loading, orig_track)
         DefaultModelLoader.track_weights_loading = track_weights_loading
 
 
@@ -201,15 +209,13 @@ def route_through(router, fn: Callable) -> None:
     ``fn`` sees the router's choice before the expert kernel and returns the (weights, ids) the
     kernel gets: the offloader makes those experts resident and hands back slot ids."""
     orig = router.select_experts
-    if getattr(orig, "_mmap_offload", False):
-        orig = orig.__wrapped__
+    orig = _original(orig)
 
     def select_experts(*args, **kwargs):
         topk_weights, topk_ids = orig(*args, **kwargs)
         return fn(topk_weights, topk_ids, kwargs.get("hidden_states", args[0] if args else None))
 
-    select_experts._mmap_offload = True  # type: ignore[attr-defined]
-    select_experts.__wrapped__ = orig  # type: ignore[attr-defined]
+    _mark(select_experts, orig)
     router.select_experts = select_experts
 
 
@@ -222,14 +228,12 @@ def add_after_experts(experts, fn: Callable) -> None:
     orig = getattr(experts, "forward_modular", None)
     if orig is None:
         raise _missing("RoutedExperts.forward_modular")
-    if getattr(orig, "_mmap_offload", False):
-        orig = orig.__wrapped__
+    orig = _original(orig)
 
     def forward_modular(*args, **kwargs):
         return fn(orig(*args, **kwargs))
 
-    forward_modular._mmap_offload = True  # type: ignore[attr-defined]
-    forward_modular.__wrapped__ = orig  # type: ignore[attr-defined]
+    _mark(forward_modular, orig)
     experts.forward_modular = forward_modular
 
 

@@ -180,17 +180,15 @@ class Residency:
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
             if self._expected_distinct(n, k) > self.threshold:
                 out = self._layer_mode(t, topk_ids, ahead=True)
-            elif self.host is not None and x is not None and n <= self.host.MAX_TOKENS:
-                used, ids_h, w_h, x_h = self._routed_with_inputs(topk_ids, topk_weights, x)
-                if len(used) <= self.slots:
-                    topk_weights, out = self._hybrid_mode(t, topk_ids, topk_weights, used, ids_h, w_h, x_h)
-                elif len(used) <= self.threshold:
-                    out = self._sparse_mode(t, topk_ids, used)
-                else:
-                    out = self._layer_mode(t, topk_ids, ahead=False)
             else:
-                used = self._routed(topk_ids)
-                if len(used) <= self.slots:
+                inputs = None  # hybrid: the step's ids, weights and activations on the host
+                if self.host is not None and x is not None and n <= self.host.MAX_TOKENS:
+                    used, *inputs = self._routed_with_inputs(topk_ids, topk_weights, x)
+                else:
+                    used = self._routed(topk_ids)
+                if len(used) <= self.slots and inputs:
+                    topk_weights, out = self._hybrid_mode(t, topk_ids, topk_weights, used, *inputs)
+                elif len(used) <= self.slots:
                     out = self._expert_mode(t, topk_ids, used)
                 elif len(used) <= self.threshold:
                     out = self._sparse_mode(t, topk_ids, used)
