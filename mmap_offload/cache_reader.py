@@ -150,8 +150,6 @@ class Cache:
     def verify_layer(self, layer: int, buf: np.ndarray | None = None) -> list[tuple[int, int, str]]:
         """Read one layer file (pread, not the mapping) and check every checksum in it; returns the
         (layer, expert, tensor) that do not match."""
-        if buf is None:
-            buf = np.empty(self.record_nbytes, dtype=np.uint8)
         return self._verify_records(layer, range(self.num_experts), buf)
 
     def _verify_records(self, layer: int, experts, buf: np.ndarray | None = None) -> list[tuple[int, int, str]]:

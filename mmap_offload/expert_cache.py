@@ -360,10 +360,7 @@ class ExpertCache:
             if ext is None:
                 ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)
             copies.append(Copy(src=ext, dst=dst, label=f"layer {layer} expert {e}"))
-        if after is not None:
-            ticket = self.engine.submit(copies, after=after)
-        else:
-            ticket = self.engine.submit(copies)  # slots stay free (and out of the LUT) if this raises
+        ticket = self.engine.submit(copies, after=after)  # slots stay free (and out of the LUT) if this raises
         for e, s in pairs:
             pool.owner_li[s], pool.owner_e[s] = li, e
             self._lut[li, e] = s

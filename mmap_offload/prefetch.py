@@ -213,13 +213,8 @@ class LayerPrefetcher:
         the current CUDA stream (None on CPU or when nothing used the buffer) that copies into it
         from another stream must wait for; copies on the current stream are ordered anyway."""
         buf = self._buffer_of(layer)
-        if buf.ticket is not None:  # never two writers at once
-            self._finish(buf)
-        after = None
-        if buf.handed_out and self.device.type == "cuda":
-            after = torch.cuda.current_stream(self.device).record_event()
-        buf.layer = None
-        buf.handed_out = True
+        after = self._release(buf)
+        buf.handed_out = True  # the caller's bytes: the next copy into it waits for their users
         return buf.tensors, after
 
     def sync(self) -> None:
@@ -240,18 +235,24 @@ class LayerPrefetcher:
             self.metrics["stall_s"] += time.perf_counter() - t0
         buf.ticket = None
 
-    def _load(self, buf: _Buffer, layer: int) -> None:
-        if self.verify_first_use:
-            self.cache.check_layer_once(layer)  # raises before anything of a corrupt layer is copied
-        if buf.ticket is not None:  # never two copies into one buffer at once
+    def _release(self, buf: _Buffer) -> Any:
+        """Empty ``buf`` for a new writer: finish a copy in flight (never two writers at once), mark
+        it as holding nothing, and return the event a copy into it must wait for (None if nothing
+        used it, or on CPU): every use of the old bytes was enqueued on the current stream before
+        this call, so the copy stream waits for them (no host sync)."""
+        if buf.ticket is not None:
             self._finish(buf)
         after = None
         if buf.handed_out and self.device.type == "cuda":
-            # every use of the old layer was enqueued on the current stream before this call: the
-            # copy stream waits for them (no host sync)
             after = torch.cuda.current_stream(self.device).record_event()
-        buf.layer = None  # holds nothing valid until the new copy is submitted
+        buf.layer = None  # holds nothing valid until the new bytes are in
         buf.handed_out = False
+        return after
+
+    def _load(self, buf: _Buffer, layer: int) -> None:
+        if self.verify_first_use:
+            self.cache.check_layer_once(layer)  # raises before anything of a corrupt layer is copied
+        after = self._release(buf)
         dst = buf.dst_list
         if dst is None:  # the same per buffer every time (fixed addresses): build it once
             dst = []
@@ -261,7 +262,7 @@ class LayerPrefetcher:
                     dst.append((base + s.offset, s.nbytes, buf.tensors[s.name].data[e]))
             buf.dst_list = dst
         copies = [Copy(src=self.cache.layer_extent(layer), dst=dst, label=f"layer {layer}")]
-        buf.ticket = self.engine.submit(copies, after=after) if after is not None else self.engine.submit(copies)
+        buf.ticket = self.engine.submit(copies, after=after)
         buf.layer = layer
         self.metrics["loads"] += 1
         self.metrics["bytes_moved"] += self.layer_nbytes

@@ -222,7 +222,7 @@ class Residency:
                            dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs],
                            label=f"layer {t.layer} expert {int(e)}")
                       for e in misses]
-            ticket = off.engine.submit(copies, after=after) if after is not None else off.engine.submit(copies)
+            ticket = off.engine.submit(copies, after=after)
             self.metrics["sparse_miss_bytes"] += len(misses) * ec.expert_nbytes
         if len(hits):  # the pool's copies of them are complete (ensure waited for them)
             n = len(hits)
