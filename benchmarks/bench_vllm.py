@@ -19,6 +19,8 @@ a model cleanly):
                 made resident in per-layer VRAM pools, whole layers above the
                 backend's threshold (prefill, large batches)
     noff        no offload: every expert in VRAM (the roofline)                 all
+    mmap-all    (``--configs``) mmap-cache whose pool holds every expert: the     all + 2 layer buffers
+                residency step's own price at 100% hits (against noff); a diagnostic
     uva-eqtotal (``--configs``) uva given B + the mmap layer buffers             B + 2 layer buffers
 
 B = ``--budget-frac`` x expert bytes (0.25), the same for uva and the expert pool ("give uva the
@@ -69,7 +71,7 @@ MIB = 1 << 20
 USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
 TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 DECODE_BATCHES = (1, 8, 64)
-CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-hybrid", "noff", "uva-eqtotal")
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-hybrid", "noff", "uva-eqtotal", "mmap-all")
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
 
@@ -276,8 +278,8 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
             specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "tasks": own_routing_tasks(False),
                           "llm": {**common, "offload_backend": "mmap",
                                   "additional_config": {"mmap_offload": {**mm, "expert_cache_gib": 0}}}})
-        elif cfg in ("mmap-cache", "mmap-hybrid"):
-            pool = {**mm, "expert_cache_gib": round(budget / GIB, 9)}
+        elif cfg in ("mmap-cache", "mmap-hybrid", "mmap-all"):
+            pool = {**mm, "expert_cache_gib": round((expert_bytes if cfg == "mmap-all" else budget) / GIB, 9)}
             if cfg == "mmap-hybrid":  # the same pool; decode misses split between host compute and copies
                 pool["hybrid"] = True
             if skewed:  # the trace goes through the backend's own option: one engine per routing
@@ -358,6 +360,13 @@ def rows_from_child(child: dict) -> list[dict]:
             calls = {k[len("residency_"):-len("_calls")]: d(k) for k in keys}
             if any(calls.values()):
                 row["residency_calls"] = {k: int(v) for k, v in calls.items()}
+            # where the residency step's host time goes, per forward step (ms): all of route(), the
+            # wait for the router's ids (the one sync per layer), the pool's ensure (misses' copies
+            # included) and its part blocked on copies
+            for key, name in (("residency_route_s", "route_ms"), ("residency_sync_s", "sync_ms"),
+                              ("residency_ensure_s", "ensure_ms"), ("residency_pool_stall_s", "stall_ms")):
+                if key in after:
+                    row[name] = round(1000 * d(key) / steps, 3)
         rows.append(row)
     return rows
 
@@ -460,21 +469,22 @@ def markdown(res: dict) -> str:
          f"B = {_g(res['budget_bytes'])} GiB ({res['budget_frac_text']}); mmap layer buffers "
          f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}.",
          "",
-         "| config | routing | workload | tokens/s | x uva | step ms | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
-         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+         "| config | routing | workload | tokens/s | x uva | step ms | host ms/step: route / sync / ensure / stall | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
+         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = {c: i for i, c in enumerate(CONFIGS)}
     wl = {w: i for i, w in enumerate(res["workloads"])}
     for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99))):
         c = by_cfg.get(r["config"], {})
-        if r["routing"] == "skewed" and r["config"] in ("mmap-cache", "mmap-hybrid"):
+        if r["routing"] == "skewed" and r["config"] in ("mmap-cache", "mmap-hybrid", "mmap-all"):
             c = cfgs.get(f"{r['config']}/{r['config']}-skewed", c)
         if "tok_s" not in r:
-            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | |")
+            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | | |")
             continue
         hit = f"{100 * r['pool_hit_rate']:.0f}%" if "pool_hit_rate" in r else ""
         modes = " ".join(f"{k} {v}" for k, v in r.get("residency_calls", {}).items() if v)
+        host = " / ".join(f"{r[k]:.2f}" for k in ("route_ms", "sync_ms", "ensure_ms", "stall_ms") if k in r)
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
-                 f"{r['step_ms']:.2f} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
+                 f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "
                  f"{c.get('ready_s', '')} |")
     L += ["", "| bar (issue 12) | this run | need | met |", "| --- | ---: | ---: | --- |"]

@@ -35,7 +35,6 @@ the benchmarks build, so a repeated prompt is computed again.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import statistics
@@ -375,17 +374,6 @@ def _brief(e: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def trace_rows(trace, step: int, pos: int, n: int, k: int):
-    """The ids a trace gives ``n`` tokens of MoE layer position ``pos`` at forward ``step``: the
-    step's batch rows tiled over the tokens (exactly ``Residency._trace_ids`` of the backend)."""
-    import numpy as np
-
-    row = trace[step % trace.shape[0], pos % trace.shape[1]]  # [batch, top_k]
-    if row.shape[-1] < k:
-        raise ValueError(f"the trace has top-{row.shape[-1]}, the model routes top-{k}")
-    return np.tile(row[:, :k], (math.ceil(n / row.shape[0]), 1))[:n]
-
-
 class TraceRouting:
     """Wraps each MoE layer's ``router.select_experts`` (this process's model): optionally replace
     the top-k ids by a trace's (``trace``), optionally count the routed experts (``record``).
@@ -397,6 +385,7 @@ class TraceRouting:
     def __init__(self, num_experts: int = 1):
         self.num_experts = num_experts
         self.trace = None
+        self._dev = None  # (trace, device, traces.DeviceTrace): the trace on the router's device
         self.step = 0
         self.record = None  # list of per-layer numpy counts while recording
         self.routers: list = []
@@ -414,17 +403,18 @@ class TraceRouting:
         return len(routers)
 
     def _wrap(self, pos: int, router, n_layers: int) -> None:
-        import numpy as np
         import torch
+
+        from mmap_offload.traces import DeviceTrace
 
         orig = router.select_experts
 
         def select_experts(*args, **kwargs):
             w, ids = orig(*args, **kwargs)
             if self.trace is not None:
-                n, k = int(ids.shape[0]), int(ids.shape[-1])
-                full = trace_rows(self.trace, self.step, pos, n, k)
-                ids = torch.from_numpy(np.ascontiguousarray(full)).to(device=ids.device, dtype=ids.dtype)
+                if self._dev is None or self._dev[0] is not self.trace or self._dev[1] != ids.device:
+                    self._dev = (self.trace, ids.device, DeviceTrace(self.trace, ids.device, self.num_experts))
+                ids = self._dev[2].ids(self.step, pos, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
             if self.record is not None:
                 c = torch.bincount(ids.reshape(-1).long(), minlength=self.num_experts).cpu().numpy()
                 self.record.append((pos, c))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["uniform_trace", "skewed_trace", "trace_stats", "zipf_weights", "reuse_fraction", "read_csv",
-           "write_csv", "check_trace"]
+           "write_csv", "check_trace", "DeviceTrace"]
 
 
 def zipf_weights(num_experts: int, s: float) -> np.ndarray:
@@ -284,3 +284,44 @@ def check_trace(trace: np.ndarray, num_experts: int, top_k: int, source: str = "
     if hi >= num_experts:
         raise UnsupportedError(f"{source} routes expert {hi}, the model has {num_experts} experts",
                                f"use a trace recorded for {num_experts} experts, or pass --experts {hi + 1}")
+
+
+class DeviceTrace:
+    """A trace's ids served where the router's are, without a host sync per layer.
+
+    ``ids(step, pos, n, k, dtype)``: the ids of MoE layer position ``pos`` at forward ``step`` for
+    ``n`` tokens, the step's batch rows tiled over the tokens (step and position modulo the trace).
+    The whole trace is copied to ``device`` once; each call is a view or one small device-side
+    repeat, so the step stays asynchronous as with a real router (a per-layer copy from host memory
+    would wait for the GPU to drain and add its own cost to whatever is measured)."""
+
+    def __init__(self, trace: np.ndarray, device, num_experts: int, source: str = "routing trace"):
+        import torch
+
+        from .errors import UnsupportedError
+
+        if trace.ndim != 4 or trace.size == 0:
+            raise UnsupportedError(f"{source} has shape {trace.shape}, not [steps, layers, batch, top_k]",
+                                   "read it with mmap_offload.traces.read_csv")
+        hi = int(trace.max())
+        if hi >= num_experts:
+            raise UnsupportedError(f"{source} routes expert {hi}, the model has {num_experts} experts",
+                                   "use a trace made for this model")
+        self.source = source
+        self.steps, self.layers, self.batch, self.top_k = (int(s) for s in trace.shape)
+        self._dev = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64)).to(device)
+        self._by_dtype = {torch.int64: self._dev}
+
+    def ids(self, step: int, pos: int, n: int, k: int, dtype):
+        from .errors import UnsupportedError
+
+        if k > self.top_k:
+            raise UnsupportedError(f"{self.source} has top-{self.top_k}; the model routes top-{k}",
+                                   "use a trace made for this model")
+        t = self._by_dtype.get(dtype)
+        if t is None:
+            t = self._by_dtype[dtype] = self._dev.to(dtype)
+        row = t[step % self.steps, pos % self.layers, :, :k]  # [batch, k]
+        if n <= self.batch:
+            return row[:n].clone()  # the caller's own tensor, as a router's (vLLM may write in place)
+        return row.repeat(-(-n // self.batch), 1)[:n]

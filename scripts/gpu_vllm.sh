@@ -13,7 +13,8 @@
 # Everything lands in $OUT, at most 8 files: gpu_vllm.log, vllm_gpu_bf16.json, vllm_gpu_w4a16.json (tests),
 # oom_vllm.json, oom_vllm.md, bench_vllm.json, bench_vllm.md, bench_vllm.png.
 # Knobs: OUT (gpu-vllm-out), WORK (/tmp/mmo-vllm: checkpoints, caches, child logs; the bench checkpoint is
-# kept for a later call), PYTHON (python3), OOM_ARGS / BENCH_ARGS (extra arguments), TESTS_TIMEOUT,
+# kept for a later call), PYTHON (python3), OOM_ARGS / BENCH_ARGS / TESTS_ARGS (extra arguments; e.g.
+# TESTS_ARGS="-k tensor_parallel"), TESTS_TIMEOUT,
 # OOM_DEADLINE, BENCH_DEADLINE (seconds), SESSION_LIMIT (560 s: the whole script; each step gets the
 # smaller of its own limit and what is left, so a 10-minute device call returns its files).
 set -uo pipefail
@@ -56,7 +57,7 @@ has() {  # the step is asked for and at least 60 s of its budget are left
 if has tests; then
   T=$(cap "${TESTS_TIMEOUT:-480}" 10)
   say "== tests (limit $T s)"
-  timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py \
+  timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py ${TESTS_ARGS:-} \
     >>"$LOG" 2>&1
   r=$?
   [ $r = 0 ] || rc=1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mmap_offload import traces
 from mmap_offload.errors import UnsupportedError
@@ -58,13 +59,22 @@ def test_reuse_fraction():
     assert traces.reuse_fraction(tr[:1]) == 0.0
 
 
-def test_trace_rows_mirror_the_backend_replay():
+def test_device_trace_tiles_the_steps_rows_without_leaving_the_device():
+    """traces.DeviceTrace, which the backend's routing_trace and the benchmark's TraceRouting both
+    use: step and layer position modulo the trace, the step's batch rows tiled over the tokens."""
     tr = np.arange(2 * 3 * 4 * 2).reshape(2, 3, 4, 2)
-    rows = vllm_runner.trace_rows(tr, step=3, pos=4, n=6, k=2)  # step 3 % 2, layer 4 % 3: tr[1, 1]
+    dt = traces.DeviceTrace(tr, torch.device("cpu"), num_experts=100)
+    rows = dt.ids(step=3, pos=4, n=6, k=2, dtype=torch.int32)  # step 3 % 2, layer 4 % 3: tr[1, 1]
+    assert rows.dtype == torch.int32 and rows.is_contiguous()
     assert rows.tolist() == tr[1, 1].tolist() + tr[1, 1, :2].tolist()
-    assert vllm_runner.trace_rows(tr, 0, 0, 1, 1).tolist() == [[0]]
-    with pytest.raises(ValueError, match="top-2"):
-        vllm_runner.trace_rows(tr, 0, 0, 1, 3)
+    assert dt.ids(0, 0, 1, 1, torch.int64).tolist() == [[0]]
+    mine = dt.ids(0, 0, 2, 2, torch.int64)
+    mine.fill_(7)  # the caller's own tensor: writing it leaves the trace alone
+    assert dt.ids(0, 0, 2, 2, torch.int64).tolist() == tr[0, 0, :2].tolist()
+    with pytest.raises(UnsupportedError, match="top-2"):
+        dt.ids(0, 0, 1, 3, torch.int64)
+    with pytest.raises(UnsupportedError, match="routes expert 47, the model has 10"):
+        traces.DeviceTrace(tr, torch.device("cpu"), num_experts=10)
 
 
 def test_make_trace_hits_the_reuse_target(tmp_path):

@@ -30,14 +30,12 @@ routing on a random model; outputs then differ from the model's own (clearly lab
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import UnsupportedError
 from ..expert_cache import ExpertCache
 from ..transfer import Copy
 
@@ -62,17 +60,19 @@ class Residency:
         E = self.num_experts
         pin = self.device.type == "cuda"
         self._map = {t.index: torch.full((E,), -1, dtype=torch.int32, device=self.device) for t in off.targets}
-        self._map_host = {t.index: torch.empty((E,), dtype=torch.int32, pin_memory=pin) for t in off.targets}
+        self._map_host = {t.index: torch.full((E,), -1, dtype=torch.int32, pin_memory=pin) for t in off.targets}
         self._counts_host = torch.empty((E,), dtype=torch.int8, pin_memory=pin)
         self._used_dev = torch.zeros((E,), dtype=torch.int8, device=self.device)
         self._event = torch.cuda.Event() if pin else None
+        self._map_event: dict[int, Any] = {}  # target index -> event after its map's last H2D copy
         self._bound: dict[int, str] = {}  # target index -> "pool" | "layer"
         self._twins: dict[str, torch.Tensor] = {}  # CPU platform transform: kernel layout of the pool
         self.trace = None
         if opts.routing_trace:
             from .. import traces
 
-            self.trace = traces.read_csv(opts.routing_trace)  # [steps, layers, batch, top_k]
+            self.trace = traces.DeviceTrace(traces.read_csv(opts.routing_trace), self.device, E,
+                                            source=f"routing trace {opts.routing_trace}")
         self._step = 0
         self._idx_host = torch.empty((2, E), dtype=torch.int64, pin_memory=pin)  # sparse: rows, slots
         self._ids_host = self._w_host = self._mask_host = None  # hybrid: made on first use
@@ -81,7 +81,10 @@ class Residency:
             from .host_experts import HostExperts, default_threads
 
             self.host = HostExperts(off, threads=opts.host_threads or default_threads(off.tp_size or 1))
+        # route_s: host time in route() (sync_s of it waiting for the router's ids, ensure_s in the
+        # pool's ensure, misses' copies included); map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
+                                            sync_s=0.0, ensure_s=0.0, map_copies=0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -116,7 +119,9 @@ class Residency:
         used.index_fill_(0, ids.reshape(-1).long(), 1)  # no sync (bincount syncs for its size)
         self._counts_host.copy_(used, non_blocking=True)
         self._event.record()
+        t0 = time.perf_counter()
         self._event.synchronize()
+        self.metrics["sync_s"] += time.perf_counter() - t0
         return np.flatnonzero(self._counts_host.numpy())
 
     def _routed_with_inputs(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
@@ -251,7 +256,9 @@ class Residency:
         self.metrics["expert_calls"] += 1
         ec = self.ec
         before = ec.slot_map(t.layer)[used].copy() if self.off._transforms else None
+        t0 = time.perf_counter()
         ec.ensure(t.layer, used)
+        self.metrics["ensure_s"] += time.perf_counter() - t0
         row = ec.slot_map(t.layer)
         if self.off._transforms:  # CPU prepacked kernels: transform the slots just filled
             pool = ec.slots(t.layer)
@@ -261,25 +268,25 @@ class Residency:
                     fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
         self._bind_pool(t)
         m, mh = self._map[t.index], self._map_host[t.index]
-        mh.numpy()[:] = row
-        m.copy_(mh, non_blocking=m.is_cuda)
+        if not np.array_equal(mh.numpy(), row):  # the row changes only when this layer's pool did
+            # the staging row is rewritten only here, after its previous copy was ordered on the
+            # stream; a pending copy of it is waited for first (its event), so it is never torn
+            if self._map_event.get(t.index) is not None:
+                self._map_event[t.index].synchronize()
+            mh.numpy()[:] = row
+            m.copy_(mh, non_blocking=m.is_cuda)
+            if m.is_cuda:
+                ev = self._map_event.get(t.index) or torch.cuda.Event()
+                ev.record()
+                self._map_event[t.index] = ev
+            self.metrics["map_copies"] += 1
         slot_ids = torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
         return slot_ids if slot_ids.dtype == ids.dtype else slot_ids.to(ids.dtype)
 
     def _trace_ids(self, t, ids: torch.Tensor) -> torch.Tensor:
-        """The trace's ids for (step, layer position), its batch tiled over the step's tokens."""
-        tr = self.trace
-        row = tr[self._step % tr.shape[0], t.index % tr.shape[1]]  # [batch, top_k]
-        k = ids.shape[-1]
-        if row.shape[-1] < k or int(row.max()) >= self.num_experts:
-            raise UnsupportedError(
-                f"routing trace {self.off.options.routing_trace} has top-{row.shape[-1]} over experts up to "
-                f"{int(row.max())}; the model routes top-{k} of {self.num_experts}",
-                "use a trace made for this model",
-            )
-        n = ids.shape[0]
-        full = np.tile(row[:, :k], (math.ceil(n / row.shape[0]), 1))[:n]
-        return torch.from_numpy(np.ascontiguousarray(full)).to(device=ids.device, dtype=ids.dtype)
+        """The trace's ids for (step, layer position), its batch tiled over the step's tokens
+        (``traces.DeviceTrace``: on the device, no host sync)."""
+        return self.trace.ids(self._step, t.index, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
 
     def summary(self) -> dict[str, Any]:
         out = dict(self.metrics)
