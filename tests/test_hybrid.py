@@ -131,7 +131,7 @@ def test_hybrid_equals_all_gpu(tmp_path, impl, hidden, inter, group):
     rates = synthetic_rates(expert_bytes=nb, host_gbps=1.0, copy_gbps=1.0, per_row_frac=0.0, split=1, all_=1)
     kern, _ = hybrid.make_host_kernel(impl, threads=2)
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=8, shared=True)
-    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(rates), ref_gpu_forward(ec, group), "cpu", group=group)
+    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(hybrid.CostModel(rates, learn=False)), ref_gpu_forward(ec, group), "cpu", group=group)
     ec_ref = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=2 * E, shared=True)  # everything resident
     gpu = ref_gpu_forward(ec_ref, group)
     tr = traces.skewed_trace(6, len(L), E, k, batch=3, seed=1)
@@ -350,7 +350,7 @@ def test_hybrid_fills_the_pool_although_the_host_is_faster(tmp_path):
     rates = synthetic_rates(expert_bytes=nb, host_gbps=100.0, copy_gbps=1.0, per_row_frac=0.0, split=1, all_=1)
     kern, _ = hybrid.make_host_kernel("auto", threads=1)
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=6)
-    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(rates), ref_gpu_forward(ec, 64), "cpu", group=64)
+    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(hybrid.CostModel(rates, learn=False)), ref_gpu_forward(ec, 64), "cpu", group=64)
     tr = traces.skewed_trace(20, 1, E, k, batch=1, zipf_s=1.5, seed=3)
     for s in range(tr.shape[0]):
         hy.forward(0, torch.randn(1, 256).to(torch.bfloat16), tr[s, 0], torch.full((1, k), 0.25))
@@ -415,7 +415,7 @@ def test_hybrid_equals_all_gpu_on_cuda(tmp_path):
     kern, _ = hybrid.make_host_kernel("auto", threads=4)
     eng = make_engine("mmap", "cuda", pinned_bytes=16 << 20)
     ec = ExpertCache(cache, eng, "cuda", capacity_experts=10, shared=True)
-    hy = hybrid.HybridMoE(cache, ec, {4: kern}, hybrid.Planner(rates), ref_gpu_forward(ec, group), "cuda", group=group)
+    hy = hybrid.HybridMoE(cache, ec, {4: kern}, hybrid.Planner(hybrid.CostModel(rates, learn=False)), ref_gpu_forward(ec, group), "cuda", group=group)
     ec_ref = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=len(L) * E, shared=True)
     ref = ref_gpu_forward(ec_ref, group)
     tr = traces.skewed_trace(5, len(L), E, k, batch=4, seed=2)

@@ -14,21 +14,13 @@ stored) and send back only the few output rows. Per layer (``HybridMoE.forward``
                     the copies are submitted
     copies          ``ExpertCache.ensure(hits + copy set)``, then one GPU call on the copied misses
 
-The cost model (``Rates``), calibrated at start by ``calibrate`` from measured rates, not constants:
-
-    host_s(rows)   = base[threads] + per_row[threads] * rows      one expert on the host (GEMV: base is
-                     its bytes / the kernel's GB/s at M = 1; per_row grows with M, the host has few FLOP/s)
-    copy_s(n)      = copy_lat + n * expert_bytes / copy_bw         n experts through the copy engine
-    gpu_call_s     one GPU MoE call at decode (launch + host work of the call; its bytes come from VRAM)
-    xfer_s         activations down + results up (pinned, small)
-    slow_host, slow_copy: each side's slow-down while both run at once (they share cores and DRAM)
-
-``Planner.plan`` orders misses for the host by (rows ascending, popularity ascending: popular experts
-are copied so that they become resident) and picks the host count n that minimises
-``max(xfer + host_s(first n), copy_s(rest) + gpu_call)``; n = 0 is always a candidate, so when the host is
-slower per expert than the link (prefill, large batches: per_row dominates) it copies everything. With
-no copies at all the host job runs with every thread (``threads_all``), else with ``threads_split``
-(the copy engine has the rest).
+The cost model is ``cost.py``'s (``CostModel``: the same one vLLM's ``HostExperts`` uses): the host
+side calibrated at start on experts not in the CPU caches (``cost.calibrate_host``), the copy side,
+the GPU call, activations and the slow-down of each side while both run measured by ``calibrate``
+here; every host job and every batch of copies then updates it (``observe_host``, ``observe_copy``).
+``Planner`` adds popularity (popular misses are copied so that they become resident) and admission.
+With no copies at all the host job runs with every thread (``threads_all``), else with
+``threads_split`` (the copy engine has the rest).
 
 The host kernel is ``host.kernel.HostKernel`` (native, Marlin words read in place) when it is built;
 ``TorchHostKernel`` here is a slow stand-in with the same contract (dequantise + matmul), selectable
@@ -43,14 +35,16 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from .cost import (EXPERT_TENSORS, CostModel, Plan, Rates, calibrate_host, crossover_table,  # noqa: F401 (API)
+                   expected_distinct, pcie_model_rates)
+
 __all__ = [
-    "TorchHostKernel", "make_host_kernel", "populate", "Rates", "Plan", "Planner",
+    "TorchHostKernel", "make_host_kernel", "populate", "populate_range", "Rates", "Plan", "Planner", "CostModel",
     "HybridMoE", "calibrate", "crossover_table", "pcie_model_rates", "expected_distinct",
 ]
 
@@ -139,86 +133,58 @@ def make_host_kernel(impl: str = "auto", threads: int = 0, memo: bool = False):
 _MADV_POPULATE_READ = 22  # Linux 5.14+
 
 
-def populate(cache, layers: Sequence[int] | None = None) -> dict:
-    """Set up the page tables of ``cache``'s own read mappings (``cache.tensor`` views) for ``layers``:
-    ``madvise(MADV_POPULATE_READ)``, else a read of one byte per page. Returns bytes and seconds."""
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def populate_range(arr: np.ndarray) -> bool:
+    """Page tables for the pages of ``arr`` (a view of a mapping): ``madvise(MADV_POPULATE_READ)``
+    (one call, no fault per page), else a read of one byte per page. True if madvise did it. The
+    call releases the GIL (ctypes)."""
+    n = int(arr.nbytes)
+    if not n:
+        return True
+    if _LIBC is not None:
+        addr = arr.ctypes.data
+        lo = addr & ~4095
+        if _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(n + addr - lo), _MADV_POPULATE_READ) == 0:
+            return True
+    int(arr.reshape(-1).view(np.uint8)[::4096].sum())  # touch every page once
+    return False
+
+
+def populate(cache, layers: Sequence[int] | None = None, experts: Sequence[int] | None = None) -> dict:
+    """Set up the page tables of ``cache``'s own read mappings (``cache.tensor`` views) for ``layers``
+    (every one by default), whole, or only ``experts`` of them (``populate_range``). Returns bytes and
+    seconds."""
     t0 = time.perf_counter()
     done = 0
-    libc = None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        pass
     for layer in (cache.layers if layers is None else layers):
-        arr = cache.layer_buffer(layer)
-        n = int(arr.nbytes)
-        ok = False
-        if libc is not None and n:
-            addr = arr.ctypes.data
-            ok = libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(n), _MADV_POPULATE_READ) == 0
-        if not ok and n:
-            int(arr[::4096].sum())  # touch every page once
-        done += n
+        if experts is None:
+            arr = cache.layer_buffer(layer)
+            populate_range(arr)
+            done += int(arr.nbytes)
+            continue
+        for e in experts:
+            arr = cache.expert_buffer(layer, int(e))
+            populate_range(arr)
+            done += int(arr.nbytes)
     return dict(bytes=done, seconds=time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------------
-# Cost model
+# Cost model: cost.py (one model for this executor and vLLM's HostExperts); popularity and admission here
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Rates:
-    """Calibrated rates of one machine (module docstring). Times in seconds, bandwidths in bytes/s."""
-
-    expert_bytes: int
-    host_base_s: dict  # threads -> seconds of one expert at 0 rows (its bytes / GB/s)
-    host_row_s: dict  # threads -> seconds per extra row of one expert
-    threads_split: int  # host threads while the copy engine runs
-    threads_all: int  # host threads when everything goes to the host
-    copy_bw: float  # bytes/s of expert copies through the engine (page cache -> ring -> GPU)
-    copy_lat_s: float = 0.0  # fixed cost of one batch of copies (submit, first chunk)
-    gpu_call_s: float = 0.0  # one GPU MoE call at decode
-    xfer_s: float = 0.0  # activations down + rows up
-    slow_host: float = 1.0  # host time x this while copies run
-    slow_copy: float = 1.0  # copy time x this while the host computes
-    max_host_rows: int = 64  # an expert with more rows than this is never sent to the host
-    label: str = "measured"
-    notes: dict = field(default_factory=dict)
-
-    def host_gbps(self, threads: int) -> float:
-        return self.expert_bytes / self.host_base_s[threads] / 1e9
-
-    def host_s(self, rows: np.ndarray, threads: int, concurrent: bool) -> float:
-        rows = np.asarray(rows, dtype=np.float64)
-        t = rows.size * self.host_base_s[threads] + float(rows.sum()) * self.host_row_s[threads]
-        return t * (self.slow_host if concurrent else 1.0)
-
-    def copy_s(self, n: int, concurrent: bool) -> float:
-        if n <= 0:
-            return 0.0
-        t = self.copy_lat_s + n * self.expert_bytes / self.copy_bw
-        return t * (self.slow_copy if concurrent else 1.0)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["host_gbps"] = {t: self.host_gbps(t) for t in self.host_base_s}
-        d["copy_gbps"] = self.copy_bw / 1e9
-        return d
-
-
-@dataclass
-class Plan:
-    host: np.ndarray  # indices into the misses given to plan(), computed on the host
-    copy: np.ndarray  # indices copied
-    threads: int  # host threads for this layer (0: no host job)
-    est_s: float  # estimated time of the layer's delivery + compute beyond the hits
-    est_host_s: float
-    est_copy_s: float
-
-
 class Planner:
-    """Splits a layer's misses between host compute and the copy path (module docstring).
+    """Popularity and admission around the cost model's split (``cost.CostModel.plan``).
 
     Admission: a miss computed on the host never enters the VRAM cache, so a planner that sends every
     miss to the host would leave the cache cold forever. ``admit`` returns the misses that are copied
@@ -227,9 +193,9 @@ class Planner:
     experts' (and >= ``admit_min``): under skewed routing the hot experts become resident, under uniform
     routing (no expert much hotter than the resident ones) nothing is forced."""
 
-    def __init__(self, rates: Rates, half_life_calls: float = 512.0, admit_factor: float = 2.0,
+    def __init__(self, rates: "Rates | CostModel", half_life_calls: float = 512.0, admit_factor: float = 2.0,
                  admit_min: float = 3.0):
-        self.rates = rates
+        self.model = rates if isinstance(rates, CostModel) else CostModel(rates)
         self.admit_factor = admit_factor
         self.admit_min = admit_min
         self._count: dict = {}  # layer -> [E] decayed counts at time _last[layer]
@@ -276,93 +242,14 @@ class Planner:
             forced |= pop >= bar
         return forced
 
+    @property
+    def rates(self) -> Rates:
+        return self.model.rates
+
     def plan(self, miss_rows: np.ndarray, popularity: np.ndarray | None = None,
              host_allowed: bool = True, hits: int = 0, forced_copy: np.ndarray | None = None) -> Plan:
-        """Choose the host set among misses with ``miss_rows`` token rows each (see module docstring);
-        ``forced_copy`` (bool per miss) are copied in any case; ``hits`` > 0: a GPU call runs anyway."""
-        r = self.rates
-        rows = np.asarray(miss_rows, dtype=np.int64)
-        n = rows.size
-        empty = np.zeros(0, dtype=np.int64)
-        if n == 0:
-            return Plan(empty, empty, 0, 0.0, 0.0, 0.0)
-        pop = np.zeros(n) if popularity is None else np.asarray(popularity, dtype=np.float64)
-        forced = np.zeros(n, dtype=bool) if forced_copy is None else np.asarray(forced_copy, dtype=bool)
-        # host candidates: not forced, few enough rows; fewest rows first, then least popular
-        cand = np.flatnonzero(~forced & (rows <= r.max_host_rows)) if host_allowed else empty
-        order = cand[np.lexsort((pop[cand], rows[cand]))]
-        copy_only = r.copy_s(n, False) + r.gpu_call_s
-        best = (copy_only, 0, 0, 0.0, copy_only)
-        m = order.size
-        if m:  # every host count k = 1..m at once
-            k = np.arange(1, m + 1)
-            cum_rows = np.cumsum(rows[order])
-            rest = n - k
-            ts, ta = r.threads_split, r.threads_all
-            host = r.xfer_s + np.where(
-                rest > 0, (k * r.host_base_s[ts] + cum_rows * r.host_row_s[ts]) * r.slow_host,
-                k * r.host_base_s[ta] + cum_rows * r.host_row_s[ta])
-            cp = np.where(rest > 0, (r.copy_lat_s + rest * (r.expert_bytes / r.copy_bw)) * r.slow_copy + r.gpu_call_s,
-                          r.gpu_call_s if hits else 0.0)
-            t = np.maximum(host, cp)
-            i = int(np.argmin(t))
-            if t[i] < best[0]:
-                best = (float(t[i]), i + 1, ta if rest[i] == 0 else ts, float(host[i]), float(cp[i]))
-        t, k, threads, host, cp = best
-        host_idx = np.sort(order[:k])
-        copy_mask = np.ones(n, dtype=bool)
-        copy_mask[host_idx] = False
-        return Plan(host_idx, np.flatnonzero(copy_mask), threads, t, host, cp)
-
-
-def expected_distinct(tokens: int, experts: int, top_k: int) -> float:
-    """Expected distinct experts of a layer under uniform routing of ``tokens`` tokens."""
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
-
-
-def crossover_table(rates: Rates, experts: int, top_k: int, resident_frac: float,
-                    tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048), seed: int = 0) -> list[dict]:
-    """Tokens per step -> the planner's split on uniform routing with ``resident_frac`` of the
-    experts resident (random draws, the mean of 8 per size). Where n_host falls to 0 is the crossover."""
-    rng = np.random.default_rng(seed)
-    planner = Planner(rates)
-    out = []
-    for t in tokens:
-        acc = np.zeros(6)
-        for _ in range(8):
-            ids = np.argsort(rng.random((t, experts)), axis=1)[:, :top_k]  # t uniform top-k draws
-            uniq, counts = np.unique(ids, return_counts=True)
-            resident = rng.random(uniq.size) < resident_frac
-            miss_rows = counts[~resident]
-            p = planner.plan(miss_rows, hits=int(resident.sum()))
-            copy_all = rates.copy_s(miss_rows.size, False) + (rates.gpu_call_s if miss_rows.size else 0.0)
-            acc += (uniq.size, miss_rows.size, p.host.size, p.copy.size, p.est_s, copy_all)
-        acc /= 8
-        out.append(dict(tokens=t, routed=acc[0], misses=acc[1], host=acc[2], copied=acc[3],
-                        est_ms=1e3 * acc[4], copy_all_ms=1e3 * acc[5],
-                        rows_per_expert=t * top_k / max(acc[0], 1e-9)))
-    return out
-
-
-def pcie_model_rates(rates: Rates, h2d_gbps: float, measured_h2d_gbps: float | None, cores: int,
-                     label: str, link_efficiency: float = 0.9) -> Rates:
-    """The same split on another machine, from this one's per-byte rates (a model, labelled as such):
-    copies at min(this run's copy rate, the other link x ``link_efficiency``: the copy engine streams at
-    90-93% of pinned H2D once the CPU side is not the limit, TRANSFER.md); host rates at the thread
-    counts the other machine can give (capped at this machine's: the other host's DRAM bandwidth is
-    assumed equal to this one's); GPU call and activation costs as measured here.
-    ``measured_h2d_gbps`` (this run's pinned H2D) is recorded beside it."""
-    copy_bw = min(rates.copy_bw, link_efficiency * h2d_gbps * 1e9)
-    threads = sorted(rates.host_base_s)
-    t_all = max(t for t in threads if t <= max(cores, min(threads)))
-    return Rates(
-        expert_bytes=rates.expert_bytes, host_base_s=dict(rates.host_base_s), host_row_s=dict(rates.host_row_s),
-        threads_split=rates.threads_split, threads_all=t_all, copy_bw=copy_bw,
-        copy_lat_s=rates.copy_lat_s, gpu_call_s=rates.gpu_call_s, xfer_s=rates.xfer_s,
-        slow_host=rates.slow_host, slow_copy=rates.slow_copy, max_host_rows=rates.max_host_rows,
-        label=label, notes=dict(h2d_gbps=h2d_gbps, link_efficiency=link_efficiency,
-                                measured_h2d_gbps=measured_h2d_gbps),
-    )
+        """The cost model's split (``cost.CostModel.plan``)."""
+        return self.model.plan(miss_rows, popularity, host_allowed=host_allowed, hits=hits, forced_copy=forced_copy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,7 +388,10 @@ class HybridMoE:
         if gpu_e.size:
             t2 = time.perf_counter()
             self.ec.ensure(layer, gpu_e)
-            m["ensure_s"] += time.perf_counter() - t2
+            dt = time.perf_counter() - t2
+            m["ensure_s"] += dt
+            if copy_e.size:  # the model learns the link from every batch of copies
+                pl.model.observe_copy(int(copy_e.size), dt, concurrent=fut is not None)
             slot_of = self.ec.slot_map(layer).copy()
             keep = np.zeros(E, dtype=bool)
             keep[copy_e if y is not None else gpu_e] = True
@@ -510,8 +400,12 @@ class HybridMoE:
             y = y2 if y is None else y + y2
         if fut is not None:
             t3 = time.perf_counter()
-            m["host_s"] += fut.result()
+            finished = fut.done()  # then its time may include waiting for the GIL after the kernel: a bound
+            host_s = fut.result()
+            m["host_s"] += host_s
             m["host_wait_s"] += time.perf_counter() - t3
+            pl.model.observe_host(plan.threads, int(host_e.size), int(miss_rows[plan.host].sum()), host_s,
+                                  concurrent=bool(copy_e.size), upper_bound=finished)
             up = oh.to(self.device, non_blocking=True) if self.device.type == "cuda" else oh
             y = up.to(x.dtype) if y is None else (y.float() + up.float()).to(x.dtype)
         if y is None:
@@ -555,36 +449,17 @@ def host_forward(cache, kernel, layer: int, x: torch.Tensor, ids, route_w: torch
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_host(cache, kernel, layer: int, experts: Sequence[int], rows: int, group: int, hidden: int,
-               dtype, reps: int) -> float:
-    """Seconds per expert of ``kernel.experts_mlp`` on ``experts`` with ``rows`` rows each (best of reps)."""
-    x = torch.randn(rows, hidden).to(dtype)
-    out = torch.zeros(rows, hidden, dtype=dtype)
-    jobs = []
-    for e in experts:
-        v = tuple(cache.tensor(layer, e, n) for n in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed",
-                                                       "w2_weight_scale"))
-        jobs.append((torch.arange(rows), *v, group, torch.full((rows,), 0.5)))
-    kernel.experts_mlp(x, jobs[:1], out)  # first touch / set-up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        kernel.experts_mlp(x, jobs, out)
-        best = min(best, time.perf_counter() - t0)
-    return best / len(experts)
-
-
 def calibrate(cache, engine, device, kernels: dict, *, group: int, hidden: int, threads_split: int,
               threads_all: int, gpu_call: Callable[[], None] | None = None, dtype=torch.bfloat16,
               n_experts: int = 8, rows_hi: int = 16, reps: int = 3, max_host_rows: int = 64,
               time_budget_s: float = 20.0) -> Rates:
-    """Measure the rates of ``Rates`` on this machine (a few seconds at real sizes):
+    """Measure the rates of ``Rates`` on this machine (a second or so at real sizes):
 
-    host: ``experts_mlp`` on ``n_experts`` distinct experts (last layer, so other layers' pages are not
-    pulled into the CPU caches) at M = 1 and M = ``rows_hi``, per kernel (thread count); copy: the
-    engine moving 1 and ``n_experts`` experts of another layer into a device scratch buffer (freed);
-    concurrent: the split kernel and the copy at once (slow-down factors); gpu_call: ``gpu_call()``
-    timed (it must synchronise); xfer: [16, H] down and up."""
+    host: ``cost.calibrate_host`` per kernel (thread count), on experts not in the CPU caches (fixed
+    cost per call, per expert, per row); copy: the engine moving 1 and ``n_experts`` experts of the
+    first layer into a device scratch buffer (freed); concurrent: the split kernel on ``n_experts``
+    experts alone and while the engine copies (each side's slow-down); gpu_call: ``gpu_call()`` timed
+    (it must synchronise); xfer: [16, H] down and up."""
     from ..transfer import Copy
 
     t_start = time.perf_counter()
@@ -598,17 +473,9 @@ def calibrate(cache, engine, device, kernels: dict, *, group: int, hidden: int, 
     expert_bytes = sum(s.nbytes for s in specs)
     h_layer = layers[-1]
     ex = rng.choice(E, n, replace=False).tolist()
-    base, per_row = {}, {}
-    raw = {}
-    for th, k in sorted(kernels.items()):
-        t1 = _time_host(cache, k, h_layer, ex, 1, group, hidden, dtype, reps)
-        tr = t1
-        if time.perf_counter() - t_start < time_budget_s / 2:
-            tr = _time_host(cache, k, h_layer, ex, rows_hi, group, hidden, dtype, max(1, reps - 1))
-        pr = max(0.0, (tr - t1) / (rows_hi - 1))
-        per_row[th] = pr
-        base[th] = max(1e-9, t1 - pr)
-        raw[th] = dict(m1_s=t1, m_hi_s=tr, gbps_m1=expert_bytes / t1 / 1e9)
+    cal = calibrate_host(cache, kernels, group=group, hidden=hidden, dtype=dtype, rows_hi=rows_hi,
+                         budget_s=time_budget_s / 2)
+    base, per_row, call = cal["base"], cal["row"], cal["call"]
 
     # copies through the engine, another layer (not in the host kernel's caches)
     c_layer = layers[0]
@@ -643,10 +510,14 @@ def calibrate(cache, engine, device, kernels: dict, *, group: int, hidden: int, 
     if ks is not None and n > 1:
         x = torch.randn(1, hidden).to(dtype)
         out = torch.zeros(1, hidden, dtype=dtype)
-        jobs = [(torch.arange(1), *(cache.tensor(h_layer, e, nm) for nm in (
-            "w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale")), group, torch.ones(1))
+        jobs = [(torch.arange(1), *(cache.tensor(h_layer, e, nm) for nm in EXPERT_TENSORS), group, torch.ones(1))
                 for e in ex]
         res = {}
+        alone = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ks.experts_mlp(x, jobs, out)
+            alone = min(alone, time.perf_counter() - t0)
 
         def host_side():
             t0 = time.perf_counter()
@@ -664,7 +535,7 @@ def calibrate(cache, engine, device, kernels: dict, *, group: int, hidden: int, 
             tc = time.perf_counter() - t0
             th_.join()
             best_h, best_c = min(best_h, res["host"]), min(best_c, tc)
-        slow_host = max(1.0, best_h / (n * (base[threads_split] + per_row[threads_split])))
+        slow_host = max(1.0, best_h / alone)
         slow_copy = max(1.0, best_c / cn)
     del scratch
 
@@ -696,9 +567,10 @@ def calibrate(cache, engine, device, kernels: dict, *, group: int, hidden: int, 
         xfer = float(np.median(ts))
     return Rates(
         expert_bytes=expert_bytes, host_base_s=base, host_row_s=per_row, threads_split=threads_split,
-        threads_all=threads_all, copy_bw=copy_bw, copy_lat_s=copy_lat, gpu_call_s=gcall, xfer_s=xfer,
-        slow_host=slow_host, slow_copy=slow_copy, max_host_rows=max_host_rows,
-        notes=dict(host=raw, copy_1_s=c1, copy_n_s=cn, n_experts=n, seconds=time.perf_counter() - t_start),
+        host_call_s=call, threads_all=threads_all, copy_bw=copy_bw, copy_lat_s=copy_lat, gpu_call_s=gcall,
+        xfer_s=xfer, slow_host=slow_host, slow_copy=slow_copy, max_host_rows=max_host_rows,
+        notes=dict(host=cal["notes"]["host"], calibration=cal["notes"], copy_1_s=c1, copy_n_s=cn, n_experts=n,
+                   seconds=time.perf_counter() - t_start),
     )
 
 
