@@ -317,7 +317,8 @@ blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, con
 /* Lines per pass for MB rows (LB * MB <= 12: 2 * LB * MB accumulators), at most the unit's width. */
 static inline int lines_per_pass(int mb, int width) {
     int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
-    return lb < width ? lb : width;
+    while (lb > width) lb >>= 1; /* a power of two within the lines left */
+    return lb;
 }
 
 #define MO_BLK_CASES(F)                                                                                        \
@@ -371,9 +372,11 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
         }
         const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
         for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB, lb = lines_per_pass(mb, b1 - b0);
-            for (int b = b0; b < b1; b += lb)
+            const int mb = M - m0 < MB ? M - m0 : MB;
+            for (int b = b0, lb; b < b1; b += lb) {
+                lb = lines_per_pass(mb, b1 - b);
                 run512(mb, lb, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
+            }
         }
     }
     store_tile512(T, M, b0, b1, ytile);
@@ -388,11 +391,64 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
    into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
 #define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
 
+/* Segments: C adjacent tiles of one matrix, k blocks outer and tiles inner, so that a thread reads each k-tile
+   row as one contiguous run of C * 512 bytes (the hardware's stream prefetchers follow runs within a page;
+   a lone 512-byte tile per row is a new page each time) and expands x once per block for all C tiles.
+   The accumulators of the C tiles (16 M vectors each) live in scratch; seg_tiles keeps them near L1. */
+#ifndef SEG_TM
+#define SEG_TM 128 /* tiles x rows of one segment (measured: 16 and 32 are slower at M >= 8) */
+#endif
+#ifndef SEG_MAX
+#define SEG_MAX 16 /* tiles of one segment at most: 8 KiB runs of each k-tile row */
+#endif
+static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_MAX ? SEG_TM / M : SEG_MAX); }
+
+/* scv[i] (4 vectors, entry (b*2 + g)*4 + j) from the tile's 64 permuted scales sraw (4 vectors): each output
+   vector draws from at most two source vectors (both permutations: checked by make_sperm), one permute. */
+typedef struct { int src0[4], src1[4]; int idx[4][16]; } sperm_t;
+
+static inline void make_sperm(int grouped, sperm_t *S) {
+    for (int i = 0; i < 4; i++) {
+        int lo = 99, hi = -1;
+        for (int e = 0; e < 16; e++) {
+            int b = 2 * i + (e >> 3), g = (e >> 2) & 1, j = e & 3, v = scale_pos(16 * j + 8 * g + b, grouped) >> 4;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        S->src0[i] = lo;
+        S->src1[i] = hi;
+        for (int e = 0; e < 16; e++) {
+            int b = 2 * i + (e >> 3), g = (e >> 2) & 1, j = e & 3, pos = scale_pos(16 * j + 8 * g + b, grouped);
+            S->idx[i][e] = ((pos >> 4) == lo ? 0 : 16) + (pos & 15); /* hi - lo <= 1 source apart: see tests */
+        }
+    }
+}
+
+T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, const sperm_t *S, float *scv) {
+    const int64_t base = grp * A->N + nt * 64;
+    __m512 raw[4];
+    for (int i = 0; i < 4; i++) raw[i] = load16_512(A->s, base + 16 * i, A->sdt);
+    for (int i = 0; i < 4; i++)
+        _mm512_store_ps(scv + 16 * i, _mm512_permutex2var_ps(raw[S->src0[i]], _mm512_loadu_si512((const void *)S->idx[i]),
+                                                             raw[S->src1[i]]));
+}
+
+/* Lines and rows per register pass of the bf16 blocks: 2 * LB * MB accumulators. */
+#ifndef BF_MB
+#define BF_MB 4 /* rows per register pass (measured: 8 is slower) */
+#endif
+static inline int bf_lines(int mb, int width) {
+    int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
+    while (lb > width) lb >>= 1; /* a power of two within the lines left */
+    return lb;
+}
+
 /* LB consecutive lines (b .. b + LB - 1) x MB rows over the block's nkt k-tiles, k-tile rows read in order
-   (LB * 64 contiguous bytes each); one accumulator per (line, g, row): LB * MB <= 8 keeps them in registers. */
+   (LB * 64 contiguous bytes each); one accumulator per (line, g, row). pf (or NULL): the same lines of the
+   tile read next, prefetched one row per row read (hardware prefetchers do not cross to the next run). */
 T512BF static inline __attribute__((always_inline)) void
-blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs, __m512 *T,
-         const float *scv, const int LB, const int MB, const int NS) {
+blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs,
+         __m512 *T, const float *scv, const int LB, const int MB, const int NS) {
     const __m512i mask = _mm512_set1_epi32(0x00780078), magic = _mm512_set1_epi32(0x3F803F80);
     __m512 acc[8][2][8]; /* [LB][g][MB] used */
 #pragma GCC unroll 8
@@ -404,8 +460,10 @@ blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, 
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m512i *xk = xe + kt * 2 * NS * M;
+        if (pf) {
 #pragma GCC unroll 8
-        for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(wk + PF_ROWS * stride + 16 * lb), _MM_HINT_T0);
+            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), _MM_HINT_T0);
+        }
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
@@ -436,27 +494,32 @@ blk512bf(const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe, int M, 
         }
 }
 
-T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, int64_t stride, int nkt, const __m512i *xe,
-                            int M, const __m512 *xs, __m512 *T, const float *scv) {
+#define MO_BLK_CASES_BF(F)                                                                                       \
+    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
+    F(7, 1) F(8, 1)
+
+T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                            const __m512i *xe, int M, const __m512 *xs, __m512 *T, const float *scv) {
 #define F(MBV, LBV)                                                                                            \
     if (mb == MBV && lb == LBV) {                                                                              \
-        if (ns == 1) blk512bf(wb, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 1);                                 \
-        else blk512bf(wb, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 2);                                         \
+        if (ns == 1) blk512bf(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 1);                            \
+        else blk512bf(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 2);                                    \
         return;                                                                                                \
     }
-    MO_BLK_CASES(F)
+    MO_BLK_CASES_BF(F)
 #undef F
 }
 
-T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
+T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scratch) {
     const int M = X->M, NS = X->xdt == DT_BF16 ? 1 : 2;
     const int64_t NT = A->N / 64, stride = NT * 128;
     __m512i *xe = (__m512i *)scratch;     /* [8 kt][2 h][NS][M] */
     __m512 *xs = (__m512 *)(xe + 32 * M); /* [M] */
-    __m512 *T = xs + M;                   /* [8 b][2 g][M] */
-    float *scv = (float *)(T + 16 * M);
+    __m512 *T = xs + M;                   /* [C][8 b][2 g][M] */
+    float *scv = (float *)(T + 16 * M * C); /* [C][64] */
     const int BK = block_k(A);
-    const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb; /* rows per pass: at most 4 (measured: 8 is slower) */
+    const int nb = (M + BF_MB - 1) / BF_MB, MB = (M + nb - 1) / nb;
     __m512i idx[2];
     for (int h = 0; h < 2; h++) {
         int v[16];
@@ -464,16 +527,24 @@ T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const a
         idx[h] = _mm512_loadu_si512((const void *)v);
     }
     const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80);
-    for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
-    int spos[64];
-    make_spos(A->grouped, spos);
-    prefetch_head(A, nt, b0, b1);
+    for (int i = 0; i < C; i++)
+        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
+    sperm_t S;
+    make_sperm(A->grouped, &S);
+    {
+        const int64_t rows = A->K / 16 < 8 ? A->K / 16 : 8;
+        for (int64_t kt = 0; kt < rows; kt++)
+            for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt0 * 128 + 16 * b), _MM_HINT_T0);
+    }
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
-        if (grp != cur) { tile_scales512(A, nt, grp, spos, scv, scv + 64); cur = grp; }
+        if (grp != cur) {
+            for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, &S, scv + 64 * i);
+            cur = grp;
+        }
         for (int m = 0; m < M; m++) {
             __m512 s = _mm512_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -494,14 +565,22 @@ T512BF static void tile512bf(const mat_t *A, int64_t nt, int b0, int b1, const a
             }
             xs[m] = s;
         }
-        const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB, lb = lines_per_pass(mb, b1 - b0);
-            for (int b = b0; b < b1; b += lb)
-                run512bf(mb, lb, NS, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
+        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
+        for (int i = 0; i < C; i++) {
+            const uint32_t *w0 = row0 + 128 * i;
+            /* the tile read next: the next one of this block, else the first of the next block */
+            const uint32_t *pf = i + 1 < C ? w0 + 128 : (k1 < A->K ? row0 + nkt * stride : NULL);
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int mb = M - m0 < MB ? M - m0 : MB;
+                for (int b = b0, lb; b < b1; b += lb) {
+                    lb = bf_lines(mb, b1 - b);
+                    run512bf(mb, lb, NS, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
+                              xs + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
+                }
+            }
         }
     }
-    store_tile512(T, M, b0, b1, ytile);
+    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
 
 /* ------------------------------------------------------------------ AVX2 (+FMA, F16C) */
@@ -629,23 +708,38 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
 }
 #endif /* MO_X86 */
 
-typedef void (*tile_fn)(const mat_t *, int64_t, int, int, const act_t *, float *, float *);
+typedef void (*seg_fn)(const mat_t *, int64_t, int, int, int, const act_t *, float *, float *);
 
-static tile_fn pick_tile(int isa) {
+/* Segments of the paths that compute one tile at a time (y of tile i at y + 64 M i). */
+#define SEG_OF_TILES(name, tilef)                                                                              \
+    static void name(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) { \
+        for (int i = 0; i < C; i++) tilef(A, nt0 + i, b0, b1, X, y + (size_t)i * 64 * X->M, scr);              \
+    }
+SEG_OF_TILES(seg_plain, tile_plain)
 #if MO_X86
-    if (isa == ISA_AVX512BF16) return tile512bf;
-    if (isa == ISA_AVX512) return tile512;
-    if (isa == ISA_AVX2) return tile256;
+SEG_OF_TILES(seg512, tile512)
+SEG_OF_TILES(seg256, tile256)
+#endif
+
+static seg_fn pick_seg(int isa) {
+#if MO_X86
+    if (isa == ISA_AVX512BF16) return seg512bf;
+    if (isa == ISA_AVX512) return seg512;
+    if (isa == ISA_AVX2) return seg256;
 #endif
     (void)isa;
-    return tile_plain;
+    return seg_plain;
 }
 
-/* Scratch floats one thread needs for rows M (any path): the largest of the three layouts, + 2 ytiles. */
+/* Scratch floats one thread needs for rows M (any path), the last ytiles_floats(M) of them the segment's
+   outputs (two: gate and up). */
+static size_t ytiles_floats(int M) { return (size_t)2 * 64 * M * seg_tiles(M) + 16; }
 static size_t scratch_floats(int M) {
-    size_t simd = (size_t)16 * (32 * M + M + 16 * M) + 128; /* xe, xs, T in 16-float vectors (avx2: the same bytes) */
+    const size_t C = (size_t)seg_tiles(M);
+    /* xe, xs, T of C tiles, scales of C tiles + 64, in 16-float vectors (avx2: the same bytes) */
+    size_t simd = (size_t)16 * (32 * (size_t)M + M + 16 * (size_t)M * C + 4 * C + 8) + 128;
     size_t plain = (size_t)64 * M + 64;
-    return (simd > plain ? simd : plain) + (size_t)2 * 64 * M + 16;
+    return (simd > plain ? simd : plain) + ytiles_floats(M);
 }
 
 /* ------------------------------------------------------------------ the pool */
@@ -794,6 +888,12 @@ static int grow(void **p, size_t *have, size_t need, size_t elem) {
 
 /* ------------------------------------------------------------------ the MLP task */
 
+/* Work is a sequence of slots, a quarter of a tile (2 of its 8 lines) each: phase 1 (job, gate/up pair,
+   quarter) in that order, phase 2 (output tile of H, quarter). A thread takes a contiguous range of slots
+   at a time, a share of what is left (guided: long runs first, short ones to balance the end), and
+   computes it as segments of adjacent tiles (seg_fn): contiguous bytes of every k-tile row. */
+#define QUARTERS 4
+
 typedef struct {
     const mo_job_t *jobs;
     int njobs;
@@ -802,118 +902,162 @@ typedef struct {
     int64_t H, I;
     void *out;
     int mode;             /* 0: out[rows] = sum, 1: out[rows] += sum */
-    tile_fn tile;
+    seg_fn seg;
     int64_t *inter_off;   /* per job: offset (floats) of its [m][I] intermediate in pool->inter */
-    int64_t *units1_pre;  /* per job: first phase-1 unit */
-    int64_t units1, units2;
-    int split1, split2;   /* lines b per unit: 8 / split */
+    int64_t *slots1_pre;  /* per job: its first phase-1 slot */
+    int64_t slots1, slots2;
     int64_t nuniq;
-    int next1, next2;     /* chunk counters (atomics) */
-    int chunk1, chunk2;   /* units per chunk: consecutive tile columns share the 4 KiB pages of each row */
+    int64_t next1, next2; /* slot counters (atomics) */
+    int nthreads;
     int maxm;
 } mlp_task;
 
-/* The next unit of this thread: units are taken in chunks of consecutive ones (adjacent tile columns lie
-   in the same pages of every k-tile row, so a thread walks each page once per chunk, not per unit). */
-static inline int64_t next_unit(int *ctr, int64_t units, int chunk, int64_t *cur, int64_t *end) {
-    if (*cur >= *end) {
-        int64_t c = __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED);
-        *cur = c * chunk;
-        *end = *cur + chunk < units ? *cur + chunk : units;
-        if (*cur >= units) return -1;
+/* The next range [start, *end) of slots of this thread, or -1: a 1/nthreads share of what is left, whole
+   tiles where it is more than two. */
+static int64_t grab(int64_t *ctr, int64_t total, int nthreads, int64_t *end) {
+    int64_t cur = __atomic_load_n(ctr, __ATOMIC_RELAXED);
+    for (;;) {
+        if (cur >= total) return -1;
+        int64_t n = (total - cur) / nthreads;
+        if (n >= 2 * QUARTERS) n -= n % QUARTERS;
+        if (n < 1) n = 1;
+        if (__atomic_compare_exchange_n(ctr, &cur, cur + n, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *end = cur + n < total ? cur + n : total;
+            return cur;
+        }
     }
-    return (*cur)++;
 }
 
-static int pick_chunk(int64_t units, int split, int nthreads) {
-    int64_t c = units / (4 * (int64_t)nthreads); /* >= 4 chunks per thread: balance */
-    if (c > 8 * split) c = 8 * split;           /* 8 tile columns: one 4 KiB page of a row */
-    return c < 1 ? 1 : (int)c;
+/* The first piece of slots [s, e) of one run of tiles (e <= the run's end, slot s at local index s - base):
+   tiles [*t0, *t1), lines [*b0, *b1). Returns the slots it covers. */
+static int64_t piece(int64_t s, int64_t e, int64_t base, int64_t *t0, int64_t *t1, int *b0, int *b1) {
+    int64_t local = s - base, t = local / QUARTERS;
+    int q = (int)(local % QUARTERS);
+    if (q || e - s < QUARTERS) { /* part of one tile */
+        int qe = e - s < QUARTERS - q ? q + (int)(e - s) : QUARTERS;
+        *t0 = t;
+        *t1 = t + 1;
+        *b0 = q * (8 / QUARTERS);
+        *b1 = qe * (8 / QUARTERS);
+        return qe - q;
+    }
+    *t0 = t;
+    *t1 = t + (e - s) / QUARTERS;
+    *b0 = 0;
+    *b1 = 8;
+    return (*t1 - t) * QUARTERS;
+}
+
+/* Phase 1 of job j for gate/up pairs [p0, p1), lines [b0, b1): silu(gate) * up into its intermediate. */
+static void phase1(pool_t *P, const mlp_task *T, int j, int64_t p0, int64_t p1, int b0, int b1, const void **xrow,
+                   float *scr, float *y0) {
+    const mo_job_t *J = &T->jobs[j];
+    const int esz = T->xdt == DT_FP32 ? 4 : 2, M = (int)J->m, cmax = seg_tiles(M);
+    float *y1 = y0 + (size_t)64 * M * cmax;
+    mat_t A = {J->w13, J->s13, T->H, 2 * T->I, J->gs13, J->grouped13, J->sdtype};
+    for (int64_t m = 0; m < M; m++) xrow[m] = (const char *)T->x + (size_t)J->rows[m] * T->H * esz;
+    act_t X = {xrow, T->xdt, M};
+    float *inter = P->inter + T->inter_off[j];
+    for (int64_t c0 = p0; c0 < p1; c0 += cmax) {
+        const int C = (int)(p1 - c0 < cmax ? p1 - c0 : cmax);
+        T->seg(&A, c0, C, b0, b1, &X, y0, scr);
+        T->seg(&A, c0 + T->I / 64, C, b0, b1, &X, y1, scr);
+        for (int i = 0; i < C; i++)
+            for (int m = 0; m < M; m++) {
+                const float *g = y0 + ((size_t)i * M + m) * 64, *u = y1 + ((size_t)i * M + m) * 64;
+                float *o = inter + (size_t)m * T->I + (c0 + i) * 64;
+                for (int b = b0; b < b1; b++)
+                    for (int q = 0; q < 8; q++) {
+                        int n = 8 * q + b;
+                        o[n] = g[n] / (1.f + expf(-g[n])) * u[n];
+                    }
+            }
+    }
+}
+
+/* Phase 2 for output tiles [t0, t1), lines [b0, b1): every job's w2, weighted, summed per out row in fp32,
+   rounded once into out. */
+static void phase2(pool_t *P, const mlp_task *T, int64_t t0, int64_t t1, int b0, int b1, const void **xrow,
+                   float *scr, float *y0) {
+    const int cmax = seg_tiles(T->maxm);
+    for (int64_t c0 = t0; c0 < t1; c0 += cmax) {
+        const int C = (int)(t1 - c0 < cmax ? t1 - c0 : cmax);
+        for (int64_t i = 0; i < T->nuniq; i++) {
+            float *a = P->acc + (size_t)P->uniq[i] * T->H + c0 * 64;
+            for (int t = 0; t < C; t++)
+                for (int b = b0; b < b1; b++)
+                    for (int q = 0; q < 8; q++) a[64 * t + 8 * q + b] = 0.f;
+        }
+        for (int j = 0; j < T->njobs; j++) {
+            const mo_job_t *J = &T->jobs[j];
+            const int M = (int)J->m;
+            if (M == 0) continue;
+            mat_t A = {J->w2, J->s2, T->I, T->H, J->gs2, J->grouped2, J->sdtype};
+            const float *inter = P->inter + T->inter_off[j];
+            for (int m = 0; m < M; m++) xrow[m] = inter + (size_t)m * T->I;
+            act_t X = {xrow, DT_FP32, M};
+            T->seg(&A, c0, C, b0, b1, &X, y0, scr);
+            for (int m = 0; m < M; m++) {
+                float w = J->weights ? J->weights[m] : 1.f;
+                for (int t = 0; t < C; t++) {
+                    float *a = P->acc + (size_t)J->rows[m] * T->H + (c0 + t) * 64;
+                    const float *y = y0 + ((size_t)t * M + m) * 64;
+                    for (int b = b0; b < b1; b++)
+                        for (int q = 0; q < 8; q++) a[8 * q + b] += w * y[8 * q + b];
+                }
+            }
+        }
+        for (int64_t i = 0; i < T->nuniq; i++) {
+            int64_t row = P->uniq[i];
+            for (int t = 0; t < C; t++) {
+                const float *a = P->acc + (size_t)row * T->H + (c0 + t) * 64;
+                int64_t base = row * T->H + (c0 + t) * 64;
+                for (int b = b0; b < b1; b++)
+                    for (int q = 0; q < 8; q++) {
+                        int n = 8 * q + b;
+                        float v = a[n];
+                        if (T->mode) v += load_scalar(T->out, base + n, T->xdt);
+                        store_scalar(T->out, base + n, T->xdt, v);
+                    }
+            }
+        }
+    }
 }
 
 static void mlp_run(pool_t *P, int tid, void *vp) {
     mlp_task *T = vp;
     float *scr = P->scratch[tid];
-    float *y0 = scr + scratch_floats(T->maxm) - 2 * 64 * (size_t)T->maxm - 16;
-    float *y1 = y0 + 64 * (size_t)T->maxm;
+    float *y0 = scr + scratch_floats(T->maxm) - ytiles_floats(T->maxm);
     int sense = __atomic_load_n(&P->bar_sense, __ATOMIC_ACQUIRE); /* flips only once all threads arrived */
     const void *rowp[1024];
     const void **xrow = T->maxm <= 1024 ? rowp : NULL;
     if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
-    const int esz = T->xdt == DT_FP32 ? 4 : 2;
-    int64_t cur = 0, end = 0;
+    const int64_t pairs = T->I / 64;
+    int64_t s, e;
     /* phase 1: w13, silu(gate) * up */
-    for (;;) {
-        int64_t u = next_unit(&T->next1, T->units1, T->chunk1, &cur, &end);
-        if (u < 0) break;
-        int j = 0;
-        while (j + 1 < T->njobs && T->units1_pre[j + 1] <= u) j++;
-        const mo_job_t *J = &T->jobs[j];
-        int64_t r = u - T->units1_pre[j];
-        int64_t pair = r / T->split1;
-        int part = (int)(r % T->split1), bw = 8 / T->split1, b0 = part * bw, b1 = b0 + bw;
-        mat_t A = {J->w13, J->s13, T->H, 2 * T->I, J->gs13, J->grouped13, J->sdtype};
-        for (int64_t m = 0; m < J->m; m++) xrow[m] = (const char *)T->x + (size_t)J->rows[m] * T->H * esz;
-        act_t X = {xrow, T->xdt, (int)J->m};
-        T->tile(&A, pair, b0, b1, &X, y0, scr);
-        T->tile(&A, pair + T->I / 64, b0, b1, &X, y1, scr);
-        float *inter = P->inter + T->inter_off[j];
-        for (int64_t m = 0; m < J->m; m++)
-            for (int b = b0; b < b1; b++)
-                for (int q = 0; q < 8; q++) {
-                    int n = 8 * q + b;
-                    float gt = y0[m * 64 + n], up = y1[m * 64 + n];
-                    inter[m * T->I + pair * 64 + n] = gt / (1.f + expf(-gt)) * up;
-                }
+    int j = 0;
+    while ((s = grab(&T->next1, T->slots1, T->nthreads, &e)) >= 0) {
+        while (s < e) {
+            while (j > 0 && T->slots1_pre[j] > s) j--;
+            while (j + 1 < T->njobs && T->slots1_pre[j + 1] <= s) j++;
+            const int64_t base = T->slots1_pre[j], jend = base + pairs * QUARTERS;
+            int64_t p0, p1;
+            int b0, b1;
+            s += piece(s, e < jend ? e : jend, base, &p0, &p1, &b0, &b1);
+            phase1(P, T, j, p0, p1, b0, b1, xrow, scr, y0);
+        }
     }
     pool_barrier(P, &sense);
-    /* phase 2: w2 of every job for this unit's columns, summed per out row, rounded once */
-    cur = end = 0;
-    for (;;) {
-        int64_t u = next_unit(&T->next2, T->units2, T->chunk2, &cur, &end);
-        if (u < 0) break;
-        int64_t nt = u / T->split2;
-        int part = (int)(u % T->split2), bw = 8 / T->split2, b0 = part * bw, b1 = b0 + bw;
-        for (int64_t i = 0; i < T->nuniq; i++) {
-            float *a = P->acc + (size_t)P->uniq[i] * T->H + nt * 64;
-            for (int b = b0; b < b1; b++)
-                for (int q = 0; q < 8; q++) a[8 * q + b] = 0.f;
-        }
-        for (int j = 0; j < T->njobs; j++) {
-            const mo_job_t *J = &T->jobs[j];
-            if (J->m == 0) continue;
-            mat_t A = {J->w2, J->s2, T->I, T->H, J->gs2, J->grouped2, J->sdtype};
-            const float *inter = P->inter + T->inter_off[j];
-            for (int64_t m = 0; m < J->m; m++) xrow[m] = inter + m * T->I;
-            act_t X = {xrow, DT_FP32, (int)J->m};
-            T->tile(&A, nt, b0, b1, &X, y0, scr);
-            for (int64_t m = 0; m < J->m; m++) {
-                float w = J->weights ? J->weights[m] : 1.f;
-                float *a = P->acc + (size_t)J->rows[m] * T->H + nt * 64;
-                for (int b = b0; b < b1; b++)
-                    for (int q = 0; q < 8; q++) a[8 * q + b] += w * y0[m * 64 + 8 * q + b];
-            }
-        }
-        for (int64_t i = 0; i < T->nuniq; i++) {
-            int64_t row = P->uniq[i];
-            const float *a = P->acc + (size_t)row * T->H + nt * 64;
-            int64_t base = row * T->H + nt * 64;
-            for (int b = b0; b < b1; b++)
-                for (int q = 0; q < 8; q++) {
-                    int n = 8 * q + b;
-                    float v = a[n];
-                    if (T->mode) v += load_scalar(T->out, base + n, T->xdt);
-                    store_scalar(T->out, base + n, T->xdt, v);
-                }
+    /* phase 2: w2 of every job for this range's columns, summed per out row, rounded once */
+    while ((s = grab(&T->next2, T->slots2, T->nthreads, &e)) >= 0) {
+        while (s < e) {
+            int64_t t0, t1;
+            int b0, b1;
+            s += piece(s, e, 0, &t0, &t1, &b0, &b1);
+            phase2(P, T, t0, t1, b0, b1, xrow, scr, y0);
         }
     }
     if (xrow != rowp) free(xrow);
-}
-
-static int pick_split(int64_t units, int nthreads) {
-    int s = 1;
-    while (s < 4 && units * s < 2 * (int64_t)nthreads) s *= 2;
-    return s;
 }
 
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
@@ -964,33 +1108,26 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
     T.I = I;
     T.out = out;
     T.mode = mode;
-    T.tile = pick_tile(isa);
+    T.seg = pick_seg(isa);
     T.inter_off = inter_off;
-    T.units1_pre = inter_off + njobs;
+    T.slots1_pre = inter_off + njobs;
     T.maxm = (int)maxm;
-    int64_t pairs = I / 64, off = 0, nu = 0;
-    int64_t tot_pairs = 0;
-    for (int j = 0; j < njobs; j++) if (jobs[j].m) tot_pairs += pairs;
-    T.split1 = pick_split(tot_pairs, P->nthreads);
-    T.split2 = pick_split(H / 64, P->nthreads);
+    T.nthreads = P->nthreads;
+    int64_t off = 0, nu = 0, s1 = 0;
     memset(P->mark, 0, (size_t)x_rows);
-    int64_t u1 = 0;
     for (int j = 0; j < njobs; j++) {
         inter_off[j] = off;
         off += jobs[j].m * I;
-        T.units1_pre[j] = u1;
-        if (jobs[j].m) u1 += pairs * T.split1;
+        T.slots1_pre[j] = s1; /* jobs without rows: no slots (the job search skips them) */
+        if (jobs[j].m) s1 += (I / 64) * QUARTERS;
         for (int64_t m = 0; m < jobs[j].m; m++) {
             int64_t r = jobs[j].rows[m];
             if (!P->mark[r]) { P->mark[r] = 1; P->uniq[nu++] = r; }
         }
     }
-    T.units1 = u1;
-    T.units2 = (H / 64) * T.split2;
-    T.chunk1 = pick_chunk(T.units1, T.split1, P->nthreads);
-    T.chunk2 = pick_chunk(T.units2, T.split2, P->nthreads);
+    T.slots1 = s1;
+    T.slots2 = (H / 64) * QUARTERS;
     T.nuniq = nu;
-    /* jobs without rows: no units (the job search in phase 1 skips them by units1_pre) */
     pool_run(P, mlp_run, &T);
     free(inter_off);
     pthread_mutex_unlock(&P->call_mu);
