@@ -435,7 +435,7 @@ T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, c
 
 /* Lines and rows per register pass of the bf16 blocks: 2 * LB * MB accumulators. */
 #ifndef BF_MB
-#define BF_MB 4 /* rows per register pass (measured: 8 is slower) */
+#define BF_MB 8 /* rows per register pass (2 LB MB accumulators: 16 at MB = 8) */
 #endif
 static inline int bf_lines(int mb, int width) {
     int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
@@ -467,16 +467,21 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++) {
-                const int g = t >> 1, h = t & 1;
-                __m512i v = t == 0 ? _mm512_slli_epi32(wv, 3) : _mm512_srli_epi32(wv, 4 * t - 3);
-                __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(v, mask, magic, 0xEA); /* (v & mask) | magic */
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                /* nibble pairs t = 2g + h of both g (one x vector serves both): few live registers at MB = 8 */
+                __m512i v0 = h == 0 ? _mm512_slli_epi32(wv, 3) : _mm512_srli_epi32(wv, 1);
+                __m512i v1 = _mm512_srli_epi32(wv, 8 * 1 + 4 * h - 3);
+                __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v0, mask, magic, 0xEA); /* (v & mask) | magic */
+                __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(v1, mask, magic, 0xEA);
 #pragma GCC unroll 8
                 for (int m = 0; m < MB; m++)
 #pragma GCC unroll 2
-                    for (int p = 0; p < NS; p++)
-                        acc[lb][g][m] = _mm512_dpbf16_ps(acc[lb][g][m], w, (__m512bh)xk[(h * NS + p) * M + m]);
+                    for (int p = 0; p < NS; p++) {
+                        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xk + (h * NS + p) * M + m));
+                        acc[lb][0][m] = _mm512_dpbf16_ps(acc[lb][0][m], w0, xv);
+                        acc[lb][1][m] = _mm512_dpbf16_ps(acc[lb][1][m], w1, xv);
+                    }
             }
         }
     }

@@ -145,6 +145,20 @@ def test_odd_thread_counts(isa, threads):
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("threads", [1, 5])
+def test_long_segments_and_partial_tiles(isa, threads):
+    """More gate/up pairs (18) and output tiles (6) than one segment holds at M = 1 (16 tiles), so a
+    thread's range is cut into several segments; with 5 threads the ranges start and end inside tiles
+    (quarters of 2 lines). Channelwise scales too (the other scale permutation)."""
+    for group in (128, -1):
+        cache, weights = expert(384, 1152, group)
+        k = kernel(threads, isa)
+        for m in (1, 9, 16):
+            x = rand_x(m, 384, torch.bfloat16, seed=60 + m)
+            assert_close(k.expert_mlp(x, *args(cache), group=group), ref_mlp(x, weights), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_accumulate_weight(isa):
     cache, weights = expert(256, 128, 32)
     k = kernel(3, isa)
