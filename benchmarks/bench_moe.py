@@ -588,6 +588,9 @@ class HybridVariant(EngineVariant):
                 self.ec.sync()
                 self.notes.setdefault("expert_cache", []).append(dict(self.ec.summary()))
                 self.notes["hybrid"] = dict(self.hy.metrics)
+                # the cost model after the run (it learns from every host job and copy): rates and counts
+                self.notes["rates_end"] = self.planner.rates.to_dict()
+                self.notes["observed"] = dict(self.planner.model.observed)
                 self.hy.close()
             if self.pf is not None:
                 self.pf.sync()
@@ -652,7 +655,8 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 
 def describe_rates(r) -> str:
-    hs = ", ".join(f"{t} thr {r.host_gbps(t):.1f} GB/s (+{1e3 * r.host_row_s[t]:.3f} ms/row)" for t in sorted(r.host_base_s))
+    hs = ", ".join(f"{t} thr {r.host_gbps(t):.1f} GB/s + {1e3 * r.call_s(t):.2f} ms/call (+{1e3 * r.host_row_s[t]:.3f} "
+                   "ms/row)" for t in sorted(r.host_base_s))
     return (f"host {hs}; copy {r.copy_bw / 1e9:.1f} GB/s + {1e3 * r.copy_lat_s:.2f} ms; GPU call "
             f"{1e3 * r.gpu_call_s:.2f} ms; activations {1e3 * r.xfer_s:.3f} ms; both at once: host x{r.slow_host:.2f}, "
             f"copy x{r.slow_copy:.2f}")
@@ -1107,15 +1111,9 @@ def hybrid_bars(rows: list[dict]) -> list[dict]:
 
 
 def _rates_from(d: dict):
-    from dataclasses import fields
-
     from mmap_offload.host import hybrid
 
-    keep = {f.name for f in fields(hybrid.Rates)}
-    r = hybrid.Rates(**{k: v for k, v in d.items() if k in keep})
-    r.host_base_s = {int(k): v for k, v in r.host_base_s.items()}
-    r.host_row_s = {int(k): v for k, v in r.host_row_s.items()}
-    return r
+    return hybrid.Rates.from_dict(d)
 
 
 def hybrid_model(meta: dict, rows: list[dict], variants: list[dict]) -> dict | None:

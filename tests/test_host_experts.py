@@ -1,6 +1,9 @@
 """The host half of the vLLM hybrid step (vllm_backend/host_experts.py) outside vLLM: experts of a
 real W4A16 cache computed on the host from the mapped Marlin words, added to a kernel's output,
-against an fp32 reference built from the checkpoint's own packed values; and the split's choices."""
+against an fp32 reference built from the checkpoint's own packed values; the host rows alone within
+one rounding of the activations' dtype (bf16 and fp16), route weights and rows checked one by one;
+and the split of the one cost model (host/cost.py) on given rates, its updates from observed jobs
+and copies, its calibration, and the exploration of a side not measured in service."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 from marlin_reference import unpack_values
 from mmap_offload.cache_reader import open_cache
 from mmap_offload.checkpoint import open_checkpoint
+from mmap_offload.host.cost import CostModel, Rates, calibrate_host
 from mmap_offload.synth import PRESETS, make_checkpoint
 from mmap_offload.warmup import warmup
 
@@ -81,19 +85,159 @@ def test_host_rows_equal_the_fp32_reference(setup):
     he.close()
 
 
-def test_split_follows_the_measured_rates(setup):
+def _reference_rows(x, ids, w, host, ref):
+    """fp32 sum over (token, expert in host) of w * down(silu(gate x) * up x), from the checkpoint."""
+    want = torch.zeros(x.shape[0], x.shape[1])
+    for i in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[i, j])
+            if e in host:
+                xf = x[i].float()
+                h = torch.nn.functional.silu(ref[e]["gate"] @ xf) * (ref[e]["up"] @ xf)
+                want[i] += float(w[i, j]) * (ref[e]["down"] @ h)
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_host_rows_alone_are_one_rounding_from_the_reference(setup, dtype):
+    """The host rows by themselves (the GPU kernel's output 0), each (token, expert) weight distinct and
+    one token routed to two host experts: every element within the kernel's accuracy of the fp32
+    reference: the intermediate's ~16 significant bits (the bf16 hi + lo split) through w2, then one
+    rounding to the activations' dtype. A wrong route weight, row, scale or a double add would be off
+    by far more (checked: swapping two weights fails)."""
+    from mmap_offload.vllm_backend.host_experts import HostExperts
+
+    cache, layer, ref = setup
+    he = HostExperts(SimpleNamespace(cache=cache, device=torch.device("cpu")), threads=2)
+    H = he.hidden
+    gen = torch.Generator().manual_seed(1)
+    n = 4
+    x = he.staging(dtype)[:n]
+    x.copy_((torch.randn(n, H, generator=gen) * 0.5).to(dtype))
+    ids = np.array([[0, 1], [2, 3], [1, 2], [3, 0]])
+    w = np.array([[0.9, 0.1], [0.7, 0.3], [0.65, 0.35], [0.2, 0.8]], dtype=np.float32)
+    host = np.array([0, 1, 2])
+    t = SimpleNamespace(index=3, layer=layer)
+    he.start(t, x, ids, w, host)
+    got = he.add_to(t, torch.zeros(n, H, dtype=dtype)).float()
+    want = _reference_rows(x, ids, w, set(host.tolist()), ref)
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11  # half an ulp, relative
+    scale = want.abs().amax(dim=1, keepdim=True)  # per row: the sums' cancellation is bounded by it
+    bound = eps * want.abs() + 2.0 ** -14 * scale + 1e-30
+    assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+    # the same check catches a swapped route weight (token 2: 0.65 / 0.35 on experts 1 and 2)
+    w_swapped = w.copy()
+    w_swapped[2] = w[2, ::-1]
+    wrong = _reference_rows(x, ids, w_swapped, set(host.tolist()), ref)
+    assert not ((got - wrong).abs() <= bound).all()
+    # rows of tokens with no host expert stay exactly 0 (nothing added twice or to the wrong row)
+    he.start(t, x, ids, w, np.array([3]))
+    only3 = he.add_to(t, torch.zeros(n, H, dtype=dtype))
+    assert only3[0].abs().sum() == 0 and only3[2].abs().sum() == 0
+    he.close()
+
+
+def _rates(host_s=1e-3, copy_s=1e-3, call_s=0.0, row_s=0.0, copy_lat_s=0.0, nb=1 << 20, th=4):
+    return Rates(expert_bytes=nb, host_base_s={th: host_s}, host_row_s={th: row_s}, host_call_s={th: call_s},
+                 threads_split=th, threads_all=th, copy_bw=nb / copy_s, copy_lat_s=copy_lat_s, max_host_rows=64)
+
+
+def test_split_finishes_both_sides_together():
+    ones = np.ones(4, dtype=np.int64)
+    # host 3x faster per expert than the link: 3 on the host (3 ms), 1 copied (3 ms)
+    p = CostModel(_rates(host_s=1e-3, copy_s=3e-3)).plan(ones, hits=1)
+    assert p.host.size == 3 and p.copy.size == 1 and p.est_s == pytest.approx(3e-3)
+    # equal rates: half and half; a fixed host cost of 2 experts' time moves one to the copy
+    assert CostModel(_rates()).plan(ones, hits=1).host.size == 2
+    assert CostModel(_rates(call_s=2e-3)).plan(ones, hits=1).host.size == 1
+    # a host slower than the link gets nothing while one expert on it takes longer than copying all
+    assert CostModel(_rates(host_s=9e-3, copy_s=1e-3)).plan(ones, hits=1).host.size == 0
+    assert CostModel(_rates(host_s=1e-3, call_s=3e-3)).plan(ones, hits=1).host.size == 0
+    # slower per expert but many misses: both work at once, the host its share h / (h + c) = 1/3
+    assert CostModel(_rates(host_s=2e-3, copy_s=1e-3)).plan(np.ones(15, dtype=np.int64), hits=1).host.size == 5
+    # prefill / large batches: the per-row cost makes the host lose; beyond max_host_rows never
+    rows = np.array([40, 50, 64, 200])
+    assert CostModel(_rates(host_s=1e-4, row_s=1e-4, copy_s=1e-3)).plan(rows, hits=1).host.size == 0
+    assert 3 not in CostModel(_rates(host_s=1e-6, copy_s=1e-3)).plan(rows, hits=1).host.tolist()
+    # fewest rows first: the host takes the cheap ones
+    p = CostModel(_rates(host_s=1e-3, copy_s=1e-3, row_s=1e-4)).plan(np.array([9, 1, 5, 1]), hits=1)
+    assert sorted(p.host.tolist()) == [1, 3]
+    # a side not measured (no copy rate yet): nothing is weighed, everything copied
+    r = _rates()
+    r.copy_bw = 0.0
+    assert CostModel(r).plan(ones, hits=1).host.size == 0
+
+
+def test_model_learns_fixed_and_per_expert_costs_from_jobs_and_copies():
+    m = CostModel(_rates(host_s=1e-3, copy_s=1e-3))  # calibrated: no fixed cost, 1 ms per expert
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # in service: 0.4 ms per call + 0.6 ms per expert on the host
+        k = int(rng.integers(1, 4))
+        m.observe_host(4, k, k, 4e-4 + 6e-4 * k)
+        m.observe_copy(k, 1e-4 + 2e-4 * k)  # the link: 0.1 ms + 0.2 ms per expert
+    r = m.rates
+    assert r.host_call_s[4] == pytest.approx(4e-4, rel=0.05) and r.host_base_s[4] == pytest.approx(6e-4, rel=0.05)
+    assert r.copy_lat_s == pytest.approx(1e-4, rel=0.05) and r.copy_bw == pytest.approx(r.expert_bytes / 2e-4, rel=0.05)
+    # now the link is 3x the host per expert: the host gets (almost) nothing at decode
+    assert m.plan(np.ones(3, dtype=np.int64), hits=1).host.size == 0
+    # an upper bound that says "slower" is no information; one that says "faster" is used
+    before = m.rates.host_s(np.ones(2), 4, False)
+    m.observe_host(4, 2, 2, 1.0, upper_bound=True)
+    assert m.rates.host_s(np.ones(2), 4, False) == before and m.observed["host_bounds_used"] == 0
+    m.observe_host(4, 2, 2, 1e-4, upper_bound=True)
+    assert m.rates.host_s(np.ones(2), 4, False) < before and m.observed["host_bounds_used"] == 1
+
+
+def he_bytes(cache) -> int:
+    return sum(s.nbytes for s in cache.expert_specs)
+
+
+def test_calibration_measures_the_host_at_its_thread_count(setup):
+    from mmap_offload.host.kernel import HostKernel
+
+    cache, _, _ = setup
+    k = HostKernel(threads=2)
+    cal = calibrate_host(cache, {2: k}, group=int(cache.manifest.identity.quantization["group_size"]),
+                         hidden=int(cache.spec("w2_weight_packed").shape[-1] // 2), llc=1 << 20)
+    assert cal["base"][2] > 0 and cal["call"][2] >= 0 and cal["row"][2] >= 0
+    n = cal["notes"]
+    total = len(cache.layers) * cache.num_experts
+    assert n["pool_experts"] == min(total, max(10, -(-4 * (1 << 20) // he_bytes(cache))))
+    assert n["host"][2]["gbps_streamed"] > 0
+    k.close()
+
+
+def test_split_explores_a_side_not_measured_then_follows_the_model(setup):
     from mmap_offload.vllm_backend.host_experts import HostExperts
 
     cache, _, _ = setup
     he = HostExperts(SimpleNamespace(cache=cache, device=torch.device("cpu")), threads=1)
-    misses = np.array([3, 5, 7, 9])
-    tokens = np.array([4, 1, 1, 2])
-    host, copy = he.split(misses, tokens)  # no rates yet: half and half, fewest tokens to the host
-    assert sorted(host.tolist()) == [5, 7] and sorted(copy.tolist()) == [3, 9]
-    he.host_rate, he.copy_rate = 3e9, 1e9  # host 3x the link: 3/4 of the misses
+    assert he.threads in he.model.rates.host_base_s  # calibrated when made
+    misses, tokens = np.array([3, 5, 7, 9]), np.array([4, 1, 1, 2])
+    host, copy = he.split(misses, tokens)  # the link not measured yet: the cheapest miss is tried
+    assert host.tolist() == [5] and copy.tolist() == [3, 7, 9] and he.metrics["explored"] == 1
+    # both sides seen; a link 9x the host: nothing to the host until EXPLORE_EVERY idle calls
+    r = he.model.rates
+    nb = he.expert_nbytes
+    r.host_base_s[1], r.host_row_s[1], r.host_call_s[1] = 9e-3, 0.0, 0.0
+    he.model = CostModel(r)
+    he.model.observed.update(host=1, copy=1)
+    r.copy_bw, r.copy_lat_s = nb / 1e-3, 0.0
+    for _ in range(he.EXPLORE_EVERY - 1):
+        assert he.split(misses, tokens)[0].size == 0
+    assert he.split(misses, tokens)[0].tolist() == [5] and he.metrics["explored"] == 2
+    # a host 3x the link: three quarters of the misses
+    r.host_base_s[1] = 1e-3 / 3
     host, copy = he.split(misses, tokens)
     assert len(host) == 3 and copy.tolist() == [3]
-    he.host_rate, he.copy_rate = 1e9, 9e9
-    host, copy = he.split(misses, tokens)
-    assert len(host) == 0 and len(copy) == 4
     he.close()
+
+
+def test_default_threads_leave_the_copy_engine_its_cores(monkeypatch):
+    from mmap_offload.vllm_backend import host_experts
+
+    monkeypatch.setattr(host_experts.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    assert host_experts.default_threads(1) == 16
+    assert host_experts.default_threads(1, engine_threads=8) == 7  # 16 - 8 copy threads - 1 launching
+    assert host_experts.default_threads(2, engine_threads=4) == 3
+    assert host_experts.default_threads(4, engine_threads=8) == 1

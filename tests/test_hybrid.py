@@ -375,7 +375,8 @@ def test_bench_moe_hybrid_and_host_only_run_on_cpu(tmp_path):
     out = tmp_path / "out"
     rc = bench_moe.main(["--device", "cpu", "--tiny", "--no-tune", "--out", str(out), "--variants",
                          "vram,mmap-hybrid,host-only", "--workloads", "decode-1,prefill-2k", "--traces", "uniform",
-                         "--trace", str(trace), "--run-seconds", "0.05", "--steps", "2"])
+                         "--trace", str(trace), "--run-seconds", "0.05", "--steps", "2",
+                         "--host-max-rows", "32"])  # toy prefill: ~64 rows per expert, so the model copies
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     got = {(r["variant"], r["trace"], r["workload"]): r for r in res["rows"]}

@@ -15,7 +15,8 @@ large batches, where everything is copied); ``gpu_call`` is what the copy side a
 host rows are needed (the GPU MoE call, or in vLLM the launches between the copies and the add).
 ``plan`` tries every host count k (fewest rows first, then least popular: popular misses are copied
 so they become resident) and keeps the one that minimises max(host_s, copy_s); k = 0 (copy all) is
-always a candidate, so a host slower than the link, or a side not measured yet, gets nothing.
+always a candidate, so a host slower than the link gets nothing, and so does the host while either
+side is not measured yet.
 
 Rates come from measurements, never constants: ``calibrate_host`` times the kernel at this process's
 thread counts on experts whose bytes are not in the CPU caches (a pool of distinct experts >= 4x the
@@ -23,9 +24,9 @@ last-level cache, each read once per pass), with 1 and 4 experts per call (the f
 per-expert cost separate) and at M = 1 and 16 rows; the copy side is calibrated by the caller
 (``host.hybrid.calibrate``) or learned from the first copies (vLLM). Every host job and every copy
 then updates the model (``observe_host``, ``observe_copy``): a least-squares line ``seconds = fixed +
-per_expert x experts`` over the recent calls (decayed), held to the calibration by two
-pseudo-observations, so each side's fixed and per-expert cost follow what the machine does now
-(other work on its cores, a busy link). A host time that is only an upper bound (the job had
+per_expert x experts`` over the recent calls (decayed; the calibration's slope where the calls do not
+vary enough in size to give one), so each side's fixed and per-expert cost follow what the machine
+does now (other work on its cores, a busy link). A host time that is only an upper bound (the job had
 finished before anyone waited for it) is used only when it says the host is faster than the model.
 """
 
@@ -114,15 +115,14 @@ class Plan:
 
 
 class _Line:
-    """``y = a + b x`` by decayed least squares, held to a prior line by two pseudo-observations
-    (at x = 1 and 4, ``prior_weight`` in all) that never decay: with few or alike observations the
-    prior decides what they cannot (e.g. the intercept when every call had the same x)."""
+    """``y = a + b x`` by decayed least squares over the recent observations (``memory``: the decay's
+    horizon). Where they cannot separate a and b (every call had the same x) the slope is the prior's
+    and the intercept the data's; with no data, the prior line (the calibration)."""
 
-    def __init__(self, a0: float, b0: float, memory: float = 32.0, prior_weight: float = 2.0):
+    def __init__(self, a0: float, b0: float, memory: float = 32.0):
         self.a0, self.b0 = max(0.0, float(a0)), max(1e-12, float(b0))
         self.decay = 1.0 - 1.0 / max(1.0, memory)
         self.s = np.zeros(5)  # W, Sx, Sy, Sxx, Sxy of the observations (decayed)
-        self.pw = float(prior_weight)
         self.n = 0
         self.a, self.b = self.a0, self.b0
 
@@ -137,13 +137,9 @@ class _Line:
 
     def _solve(self) -> None:
         W, Sx, Sy, Sxx, Sxy = self.s
-        for xp in (1.0, 4.0):  # the prior's pseudo-observations
-            yp = self.a0 + self.b0 * xp
-            w = self.pw / 2
-            W, Sx, Sy, Sxx, Sxy = W + w, Sx + w * xp, Sy + w * yp, Sxx + w * xp * xp, Sxy + w * xp * yp
-        det = W * Sxx - Sx * Sx
-        b = (W * Sxy - Sx * Sy) / det if det > 1e-12 * W * Sxx else self.b0
-        b = max(b, 1e-3 * self.b0, 1e-12)
+        var = Sxx / W - (Sx / W) ** 2  # spread of x in the observations
+        b = (Sxy / W - (Sx / W) * (Sy / W)) / var if var > 0.05 else self.b0
+        b = max(b, 1e-12)
         a = (Sy - b * Sx) / W
         if a < 0:  # no negative fixed cost: the line through the origin that fits best
             a, b = 0.0, max(Sxy / Sxx, 1e-12)
@@ -221,7 +217,7 @@ class CostModel:
         pop = np.zeros(n) if popularity is None else np.asarray(popularity, dtype=np.float64)
         forced = np.zeros(n, dtype=bool) if forced_copy is None else np.asarray(forced_copy, dtype=bool)
         ts, ta = r.threads_split, r.threads_all
-        measured = ts in r.host_base_s and ta in r.host_base_s
+        measured = ts in r.host_base_s and ta in r.host_base_s and r.copy_bw > 0  # else: nothing to weigh
         cand = np.flatnonzero(~forced & (rows <= r.max_host_rows)) if host_allowed and measured else empty
         order = cand[np.lexsort((pop[cand], rows[cand]))]  # fewest rows first, then least popular
         copy_only = r.copy_s(n, False) + r.gpu_call_s
@@ -267,7 +263,8 @@ def llc_bytes(default: int = 32 << 20) -> int:
 
 
 def calibrate_host(cache, kernels: dict, *, group: int, hidden: int, dtype=torch.bfloat16, rows_hi: int = 16,
-                   calls: int = 12, per_call: int = 4, llc: int | None = None, budget_s: float = 5.0) -> dict:
+                   calls: int = 12, per_call: int = 4, llc: int | None = None, budget_s: float = 5.0,
+                   tensors: Sequence[str] = EXPERT_TENSORS) -> dict:
     """Host rates per thread count (``kernels``: {threads: kernel with ``experts_mlp``}), measured on
     bytes that are not in the CPU caches: a pool of distinct experts of the cache, at least 4x the
     last-level cache (from the last layer back; all of them if the cache is smaller, which the notes
@@ -275,13 +272,14 @@ def calibrate_host(cache, kernels: dict, *, group: int, hidden: int, dtype=torch
     on experts not read since the pool's previous pass. Per thread count: the median of ``calls``
     calls of 1 expert (t1) and of ``per_call`` experts (tk) at M = 1, and of ``per_call`` experts at
     M = ``rows_hi`` (tr): per expert ``(tk - t1) / (per_call - 1)``, fixed cost ``t1`` less that,
-    per row ``(tr - tk) / (per_call (rows_hi - 1))``. Returns dict(base, row, call, notes)."""
+    per row ``(tr - tk) / (per_call (rows_hi - 1))``. A job is ``(rows, *views of tensors, group,
+    weights)``, as ``experts_mlp`` takes it. Returns dict(base, row, call, notes)."""
     t_start = time.perf_counter()
     nbytes = sum(s.nbytes for s in cache.expert_specs)
     llc = llc or llc_bytes()
     want = max(2 * per_call + 2, math.ceil(4 * llc / max(1, nbytes)))
     pool = [(l, e) for l in reversed(list(cache.layers)) for e in range(int(cache.num_experts))][:want]
-    views = [tuple(cache.tensor(l, e, n) for n in EXPERT_TENSORS) for l, e in pool]
+    views = [tuple(cache.tensor(l, e, n) for n in tensors) for l, e in pool]
     fits_llc = len(pool) * nbytes < 4 * llc
     for v in views:  # touch every page once (the kernel then reads mapped pages, as in service)
         for t in v:

@@ -7,19 +7,35 @@ Marlin words (``host.kernel.HostKernel``, W4A16) or bf16 rows (torch), and send 
 output rows. Per layer, with the expert cache (residency.py):
 
     route (after the router)   hits stay on the GPU; misses are split between the host and the
-                               copy path so that both finish together (``split``: the calibrated
-                               host and copy rates); the (token, expert) pairs given to the host
-                               get weight 0 and a resident slot in the GPU kernel's ids (they add
-                               nothing there); the host job starts in a thread (the C kernel
-                               releases the GIL and runs its own pthreads)
+                               copy path so that both finish together (``split``: the cost model
+                               of ``host/cost.py``, the same one bench_moe's HybridMoE uses); the
+                               (token, expert) pairs given to the host get weight 0 and a resident
+                               slot in the GPU kernel's ids (they add nothing there); the host job
+                               (prepared here, on the calling thread) starts in a thread: the C
+                               kernel releases the GIL and runs its own pthreads
     forward_modular (patch 4b) the GPU kernel runs hits + copied misses; then the host rows are
                                waited for, copied up (pinned) and added to the kernel's output,
                                before vLLM's top-k reduce / all-reduce sees it (TP ranks each add
                                their own shard's partial sums, as the kernel does)
 
-Tolerance: the host kernel accumulates in fp32 and rounds once to bf16 per expert, the GPU kernel
-in its own order: outputs agree to bf16 rounding (relative ~1e-2 per element), not bit for bit;
-greedy tokens of a model agree unless two logits are within that rounding (tests state where).
+The cost model is calibrated when this object is made (``cost.calibrate_host``: the kernel at this
+process's thread count on experts not in the CPU caches, which also maps their pages) and learns
+from every host job (``add_to``) and every batch of copies (``note_copy``); the copy side is known
+from the first copies. A side the model has not seen in service yet is tried once (``explore``:
+the cheapest miss goes to the host), and again whenever the host got nothing for
+``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
+
+Threads (``default_threads``): the cores of this rank, less the copy engine's threads and one for
+the thread that launches vLLM's GPU work: the kernel's workers meet at a barrier per call, so one
+of them descheduled by a copy thread holds every other (measured: 2 threads beside one busy thread
+are slower than 1). Pages: every expert's mapping is populated (``MADV_POPULATE_READ``) the first
+time it is used, in the job's thread before the kernel, so the kernel's threads never fault.
+
+Tolerance: the host kernel accumulates in fp32 and rounds once to the activations' dtype per
+row (every host expert of a token summed first), the GPU kernel in its own order; the host rows
+are then added to the GPU kernel's output in that dtype (a second rounding). Outputs agree to
+bf16 rounding (relative ~1e-2 per element of the sum), not bit for bit; greedy tokens of a model
+agree unless two logits are within that rounding.
 """
 
 from __future__ import annotations
@@ -27,20 +43,49 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import UnsupportedError
+from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_host
+
+
+@dataclass
+class _Job:
+    fut: Future
+    n: int  # token rows of the step
+    experts: int
+    rows: int  # (token, expert) pairs in all
+
+
+class _TorchExperts:
+    """bf16 experts on the host with torch (an unquantized cache's rows), the kernel's contract:
+    ``experts_mlp(x, [(rows, w13, w2, group, weights), ...], out)`` adds to ``out``."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def experts_mlp(self, x: torch.Tensor, jobs, out: torch.Tensor) -> None:
+        for rows, w13, w2, _group, w in jobs:
+            h = x[rows].float() @ w13.float().t()
+            i = h.shape[1] // 2
+            y = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]) @ w2.float().t()
+            out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
+
+    def close(self) -> None:
+        pass
 
 
 class HostExperts:
     """The host half of the hybrid step for one offloader (module docstring)."""
 
     MAX_TOKENS = 64  # beyond this the GPU wins (prefill, large batches): no host compute
+    EXPLORE_EVERY = 64  # calls without a host job before one miss is tried on the host again
 
-    def __init__(self, off, threads: int = 0):
+    def __init__(self, off, threads: int = 0, calibrate: bool = True):
         self.cache = off.cache
         self.device = off.device
         q = self.cache.manifest.identity.quantization
@@ -49,54 +94,97 @@ class HostExperts:
         if q.get("actorder"):
             raise UnsupportedError("hybrid host compute does not support act-order (g_idx) W4A16 caches",
                                    "pass hybrid=false (the expert cache still serves it)")
-        self.kernel = None
+        opts = getattr(off, "options", None)
+        explicit = threads > 0 and (opts is None or getattr(opts, "host_threads", 0) > 0)
+        if not explicit:  # the backend passes its own default: this one knows the copy engine's threads
+            threads = default_threads(int(getattr(off, "tp_size", 1) or 1), int(getattr(opts, "threads", 0) or 0))
+        self.threads = int(threads)
         if self.kind == "w4a16":
             from ..host.kernel import HostKernel
 
-            self.kernel = HostKernel(threads=threads)
-        elif threads:
-            torch.set_num_threads(threads)  # the torch path: this process's intra-op threads
+            self.kernel: Any = HostKernel(threads=self.threads)
+            self._names = EXPERT_TENSORS
+        else:  # the torch path runs on this process's intra-op threads: changed only when asked
+            if explicit:
+                torch.set_num_threads(self.threads)
+            self.threads = torch.get_num_threads()
+            self.kernel = _TorchExperts(self.threads)
+            self._names = ("w13_weight", "w2_weight")
         self.expert_nbytes = sum(s.nbytes for s in self.cache.expert_specs)
         spec = {s.name: s for s in self.cache.expert_specs}
         # w2: Marlin words [I/16, 2H] (8 nibbles per int32, 16 rows per tile row), or [H, I] bf16
         self.hidden = int(spec["w2_weight_packed"].shape[-1] // 2 if self.kind == "w4a16" else spec["w2_weight"].shape[0])
         self._x = self._out = None  # pinned [MAX_TOKENS, H] in the model's dtype, made on first use
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmap-offload-host")
-        self._pending: dict[int, tuple[Future, int]] = {}  # target index -> (job, rows)
-        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        # calibrated rates (bytes/s), updated from every host job and every copy: EMA
-        self.host_rate = 0.0
-        self.copy_rate = 0.0
-        self.metrics: dict[str, Any] = dict(host_experts=0, host_bytes=0, host_s=0.0, host_wait_s=0.0, copied_experts=0)
+        self._pending: dict[int, _Job] = {}  # target index -> its host job
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._since_host = self.EXPLORE_EVERY  # calls since the host last got work (explore at once)
+        self._copy_end: float | None = None
+        self.metrics: dict[str, Any] = dict(host_experts=0, host_bytes=0, host_s=0.0, host_wait_s=0.0, host_calls=0,
+                                            copied_experts=0, explored=0, populated_experts=0, populate_s=0.0)
+        if calibrate:
+            cal = calibrate_host(self.cache, {self.threads: self.kernel}, group=self.group, hidden=self.hidden,
+                                 tensors=self._names)
+            rates = rates_from_host(self.cache, cal, self.threads, self.threads, max_host_rows=self.MAX_TOKENS)
+        else:  # tests: a model given later (``model.rates``), nothing measured yet
+            from ..host.cost import Rates
+
+            rates = Rates(expert_bytes=self.expert_nbytes, host_base_s={}, host_row_s={}, threads_split=self.threads,
+                          threads_all=self.threads, copy_bw=0.0, max_host_rows=self.MAX_TOKENS)
+        self.model = CostModel(rates)
 
     # -- planning -------------------------------------------------------------------------------
-    def split(self, misses: np.ndarray, tokens_per_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(host, copy) partition of ``misses`` so that both finish together.
+    @property
+    def host_rate(self) -> float:
+        """Bytes/s of one more expert on the host now (the model's per-expert cost at one row)."""
+        r = self.model.rates
+        b = r.host_base_s.get(self.threads)
+        return 0.0 if not b else self.expert_nbytes / (b + r.host_row_s.get(self.threads, 0.0))
 
-        Host time of an expert ~ its bytes / host_rate (a GEMV reads every weight once whatever
-        the few rows), copy time ~ bytes / copy_rate: the host takes the share
-        host_rate / (host_rate + copy_rate) of the misses, the experts with fewest tokens first
-        (they cost the host least per byte). Before any rate is measured: half and half."""
+    @property
+    def copy_rate(self) -> float:
+        return max(0.0, self.model.rates.copy_bw)
+
+    def split(self, misses: np.ndarray, tokens_per_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(host, copy) partition of ``misses`` (``tokens_per_expert`` rows each) so that both
+        finish together (``CostModel.plan``: the GPU call runs in any case). A side not measured in
+        service yet, or a host idle for ``EXPLORE_EVERY`` calls, gets the cheapest miss once."""
+        misses = np.asarray(misses)
         if len(misses) == 0:
             return misses, misses
-        h, c = self.host_rate, self.copy_rate
-        share = 0.5 if h <= 0 or c <= 0 else h / (h + c)
-        n_host = int(round(share * len(misses)))
-        order = np.argsort(tokens_per_expert, kind="stable")
-        return misses[order[:n_host]], misses[order[n_host:]]
+        tokens = np.asarray(tokens_per_expert, dtype=np.int64)
+        plan = self.model.plan(tokens, hits=1)
+        host = plan.host
+        if host.size:
+            self._since_host = 0
+        else:
+            self._since_host += 1
+            seen = self.model.observed
+            stale = self._since_host >= self.EXPLORE_EVERY or not seen["host"] or not seen["copy"]
+            if stale and len(misses) >= 2 and self.threads in self.model.rates.host_base_s:
+                j = int(np.argsort(tokens, kind="stable")[0])
+                if tokens[j] <= self.model.rates.max_host_rows:
+                    host = np.array([j])
+                    self._since_host = 0
+                    self.metrics["explored"] += 1
+        keep = np.ones(len(misses), dtype=bool)
+        keep[host] = False
+        return misses[np.sort(host)], misses[keep]
 
     def note_copy(self, nbytes: int, seconds: float) -> None:
-        if nbytes and seconds > 0:
-            r = nbytes / seconds
-            self.copy_rate = r if self.copy_rate <= 0 else 0.8 * self.copy_rate + 0.2 * r
+        """A batch of copies of this layer's call (``nbytes`` of experts in ``seconds``): the model's link."""
+        self._copy_end = time.perf_counter()
+        n = int(round(nbytes / max(1, self.expert_nbytes)))
+        if n and seconds > 0:
+            self.model.observe_copy(n, seconds)
 
     # -- the host job ---------------------------------------------------------------------------
-    def _expert(self, layer: int, e: int) -> dict[str, torch.Tensor]:
+    def _expert(self, layer: int, e: int, new: list) -> tuple[torch.Tensor, ...]:
         key = (layer, e)
         v = self._views.get(key)
-        if v is None:  # zero-copy views of the mapped cache (populated once, kept)
-            v = {s.name: self.cache.tensor(layer, e, s.name) for s in self.cache.expert_specs}
-            self._views[key] = v
+        if v is None:  # zero-copy views of the mapped cache; its pages are populated by the job
+            v = self._views[key] = tuple(self.cache.tensor(layer, e, n) for n in self._names)
+            new.append(self.cache.expert_buffer(layer, e))
         return v
 
     def staging(self, dtype: torch.dtype) -> torch.Tensor:
@@ -108,45 +196,37 @@ class HostExperts:
         return self._x
 
     def start(self, t, x_host: torch.Tensor, ids_host: np.ndarray, w_host: np.ndarray, host: np.ndarray) -> None:
-        """Run experts ``host`` of layer ``t`` on the tokens routed to them, in the background."""
+        """Run experts ``host`` of layer ``t`` on the tokens routed to them, in the background. The
+        jobs are built here (the calling thread holds the GIL anyway); the job's thread only
+        populates new experts' pages and calls the kernel (both release the GIL)."""
         n = x_host.shape[0]
-        jobs = []
+        jobs, new, pairs = [], [], 0
         for e in host:
             rows, cols = np.nonzero(ids_host == e)
-            jobs.append((int(e), rows, w_host[rows, cols]))
+            w = np.ascontiguousarray(w_host[rows, cols], dtype=np.float32)
+            jobs.append((torch.from_numpy(rows), *self._expert(t.layer, int(e), new), self.group, torch.from_numpy(w)))
+            pairs += len(rows)
         self.metrics["host_experts"] += len(jobs)
         self.metrics["host_bytes"] += len(jobs) * self.expert_nbytes
-        fut = self._pool.submit(self._run, t.layer, x_host, jobs)
-        self._pending[t.index] = (fut, n)
+        self.metrics["host_calls"] += 1
+        if self._out is None or self._out.dtype != x_host.dtype:
+            self.staging(x_host.dtype)
+        fut = self._pool.submit(self._run, x_host, jobs, new, self._out[:n])
+        self._pending[t.index] = _Job(fut, n, len(jobs), pairs)
 
-    def _run(self, layer: int, x: torch.Tensor, jobs) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, jobs: list, new: list, out: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if new:  # first use of these experts: their page tables, in one call each (no fault per page)
+            from ..host.hybrid import populate_range
+
+            t0 = time.perf_counter()
+            for arr in new:
+                populate_range(arr)
+            self.metrics["populated_experts"] += len(new)
+            self.metrics["populate_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        n = x.shape[0]
-        out = self._out[:n]
         out.zero_()
-        if self.kernel is not None:
-            kjobs = []
-            for e, rows, w in jobs:
-                v = self._expert(layer, e)
-                kjobs.append((torch.from_numpy(rows), v["w13_weight_packed"], v["w13_weight_scale"],
-                              v["w2_weight_packed"], v["w2_weight_scale"], self.group,
-                              torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))))
-            self.kernel.experts_mlp(x, kjobs, out)
-        else:
-            for e, rows, w in jobs:
-                v = self._expert(layer, e)
-                xr = x[torch.from_numpy(rows)].float()
-                h = xr @ v["w13_weight"].float().t()
-                i = h.shape[1] // 2
-                y = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]) @ v["w2_weight"].float().t()
-                out[torch.from_numpy(rows)] += (y * torch.from_numpy(np.asarray(w, dtype=np.float32))[:, None]).to(out.dtype)
-        dt = time.perf_counter() - t0
-        nb = len(jobs) * self.expert_nbytes
-        self.metrics["host_s"] += dt
-        if nb and dt > 0:
-            r = nb / dt
-            self.host_rate = r if self.host_rate <= 0 else 0.8 * self.host_rate + 0.2 * r
-        return out
+        self.kernel.experts_mlp(x, jobs, out)
+        return out, time.perf_counter() - t0
 
     def add_to(self, t, out: torch.Tensor) -> torch.Tensor:
         """Patch 4b: add layer ``t``'s host rows to the GPU kernel's output (if a job is pending)."""
@@ -156,27 +236,49 @@ class HostExperts:
         if not isinstance(out, torch.Tensor):
             raise UnsupportedError("this MoE kernel returns an unfinalized output, which hybrid cannot add to",
                                    "pass hybrid=false")
-        fut, n = job
         t0 = time.perf_counter()
-        host = fut.result()
+        finished = job.fut.done()  # then its time may include waiting for the GIL after the kernel: a bound
+        host, seconds = job.fut.result()
         self.metrics["host_wait_s"] += time.perf_counter() - t0
+        self.metrics["host_s"] += seconds
+        self.model.observe_host(self.threads, job.experts, job.rows, seconds, upper_bound=finished)
+        if self._copy_end is not None:  # the copies' end -> the rows needed: launches in between
+            self.model.observe_gap(t0 - self._copy_end)
+            self._copy_end = None
         add = host.to(self.device, non_blocking=True) if out.is_cuda else host
-        out[:n] += add.to(out.dtype)
+        out[: job.n] += add.to(out.dtype)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Metrics and the model's current rates (GB/s, ms)."""
+        r = self.model.rates
+        out = dict(self.metrics)
+        out.update(threads=self.threads, host_rate_gbps=self.host_rate / 1e9, copy_rate_gbps=self.copy_rate / 1e9,
+                   host_call_ms=1e3 * r.call_s(self.threads), copy_lat_ms=1e3 * r.copy_lat_s,
+                   gap_ms=1e3 * r.gpu_call_s, observed=dict(self.model.observed))
         return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._pending.clear()
         self._views.clear()
+        close = getattr(self.kernel, "close", None)
+        if close is not None:
+            close()
 
 
-def default_threads(tp_size: int) -> int:
-    """Host compute threads per rank: the cores this process may use, shared among the ranks."""
+def default_threads(tp_size: int, engine_threads: int = 0) -> int:
+    """Host compute threads per rank: this process's cores shared among the ranks, less the copy
+    engine's threads and, beside them, one for the thread that launches the GPU work (module
+    docstring: the kernel's barrier makes oversubscription cost a whole call)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, tp_size))
+    per_rank = cores // max(1, tp_size)
+    if engine_threads > 0:
+        per_rank -= engine_threads + 1
+    return max(1, per_rank)
 
 
 __all__ = ["HostExperts", "default_threads"]
