@@ -241,3 +241,52 @@ def test_default_threads_leave_the_copy_engine_its_cores(monkeypatch):
     assert host_experts.default_threads(1, engine_threads=8) == 7  # 16 - 8 copy threads - 1 launching
     assert host_experts.default_threads(2, engine_threads=4) == 3
     assert host_experts.default_threads(4, engine_threads=8) == 1
+
+
+def _mapped_bytes(arr: np.ndarray) -> int:
+    """Rss of the mapping that holds ``arr`` (/proc/self/smaps): its pages with page tables set up."""
+    addr = arr.ctypes.data
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def test_mappings_are_populated_in_the_background_or_by_the_job(setup):
+    """Page tables (the mapping's Rss in /proc/self/smaps): the whole layer after the background
+    pass; without it, the pages of the one expert a job used."""
+    from mmap_offload.vllm_backend.host_experts import HostExperts
+
+    layer = setup[1]
+    cache = open_cache(setup[0].dir, tp_rank=0, tp_size=1)  # fresh mappings
+    lazy_cache = open_cache(setup[0].dir, tp_rank=0, tp_size=1)
+    if _mapped_bytes(cache.layer_buffer(layer)) < 0:
+        pytest.skip("no /proc/self/smaps")
+    nbytes = int(cache.layer_buffer(layer).nbytes)
+    off = SimpleNamespace(cache=cache, device=torch.device("cpu"))
+    he = HostExperts(off, threads=1, calibrate=False)
+    he._populator.join()
+    assert he.metrics["populated_layers"] == len(cache.layers)
+    assert _mapped_bytes(cache.layer_buffer(layer)) >= nbytes - 4096
+    he.close()
+    # without the background pass the job maps the pages of the experts it uses, and only those
+    lazy = HostExperts(SimpleNamespace(cache=lazy_cache, device=torch.device("cpu")), threads=1, calibrate=False,
+                       populate=False)
+    assert _mapped_bytes(lazy_cache.layer_buffer(layer)) < nbytes // 2
+    x = lazy.staging(torch.bfloat16)[:1]
+    x.zero_()
+    t = SimpleNamespace(index=0, layer=layer)
+    lazy.start(t, x, np.array([[1, 2]]), np.array([[0.5, 0.5]], dtype=np.float32), np.array([1]))
+    lazy.add_to(t, torch.zeros(1, lazy.hidden, dtype=torch.bfloat16))
+    assert lazy.metrics["populated_experts"] == 1
+    ext = lazy_cache.expert_extent(layer, 1)
+    assert _mapped_bytes(lazy_cache.layer_buffer(layer)) >= ext.nbytes - 4096
+    lazy.close()
+    cache.close()
+    lazy_cache.close()

@@ -28,8 +28,10 @@ the cheapest miss goes to the host), and again whenever the host got nothing for
 Threads (``default_threads``): the cores of this rank, less the copy engine's threads and one for
 the thread that launches vLLM's GPU work: the kernel's workers meet at a barrier per call, so one
 of them descheduled by a copy thread holds every other (measured: 2 threads beside one busy thread
-are slower than 1). Pages: every expert's mapping is populated (``MADV_POPULATE_READ``) the first
-time it is used, in the job's thread before the kernel, so the kernel's threads never fault.
+are slower than 1). Pages: the cache's mappings are populated (``MADV_POPULATE_READ``) by a
+background thread when this object is made, layer by layer, if the experts fit in half the memory
+available (else that would cycle the page cache); an expert used before its layer is done is
+populated in the job's thread before the kernel, so the kernel's threads never fault.
 
 Tolerance: the host kernel accumulates in fp32 and rounds once to the activations' dtype per
 row (every host expert of a token summed first), the GPU kernel in its own order; the host rows
@@ -41,6 +43,7 @@ agree unless two logits are within that rounding.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,7 +88,7 @@ class HostExperts:
     MAX_TOKENS = 64  # beyond this the GPU wins (prefill, large batches): no host compute
     EXPLORE_EVERY = 64  # calls without a host job before one miss is tried on the host again
 
-    def __init__(self, off, threads: int = 0, calibrate: bool = True):
+    def __init__(self, off, threads: int = 0, calibrate: bool = True, populate: bool = True):
         self.cache = off.cache
         self.device = off.device
         q = self.cache.manifest.identity.quantization
@@ -121,7 +124,11 @@ class HostExperts:
         self._since_host = self.EXPLORE_EVERY  # calls since the host last got work (explore at once)
         self._copy_end: float | None = None
         self.metrics: dict[str, Any] = dict(host_experts=0, host_bytes=0, host_s=0.0, host_wait_s=0.0, host_calls=0,
-                                            copied_experts=0, explored=0, populated_experts=0, populate_s=0.0)
+                                            copied_experts=0, explored=0, populated_experts=0, populate_s=0.0,
+                                            populated_layers=0, populate_background_s=0.0)
+        self._layers_done: set[int] = set()  # layers the background thread populated whole
+        self._stop = threading.Event()
+        self._populator = None
         if calibrate:
             cal = calibrate_host(self.cache, {self.threads: self.kernel}, group=self.group, hidden=self.hidden,
                                  tensors=self._names)
@@ -132,6 +139,25 @@ class HostExperts:
             rates = Rates(expert_bytes=self.expert_nbytes, host_base_s={}, host_row_s={}, threads_split=self.threads,
                           threads_all=self.threads, copy_bw=0.0, max_host_rows=self.MAX_TOKENS)
         self.model = CostModel(rates)
+        if populate and _fits_in_memory(self.cache):
+            self._populator = threading.Thread(target=self._populate_all, name="mmap-offload-populate", daemon=True)
+            self._populator.start()
+
+    def _populate_all(self) -> None:
+        """Background: page tables of every layer's mapping (one madvise per layer, GIL released)."""
+        from ..host.hybrid import populate_range
+
+        t0 = time.perf_counter()
+        for layer in self.cache.layers:
+            if self._stop.is_set():
+                return
+            try:
+                populate_range(self.cache.layer_buffer(layer))
+            except Exception:  # noqa: BLE001 - an optimisation only: the job populates what it uses
+                return
+            self._layers_done.add(layer)
+            self.metrics["populated_layers"] += 1
+            self.metrics["populate_background_s"] = time.perf_counter() - t0
 
     # -- planning -------------------------------------------------------------------------------
     @property
@@ -184,7 +210,8 @@ class HostExperts:
         v = self._views.get(key)
         if v is None:  # zero-copy views of the mapped cache; its pages are populated by the job
             v = self._views[key] = tuple(self.cache.tensor(layer, e, n) for n in self._names)
-            new.append(self.cache.expert_buffer(layer, e))
+            if layer not in self._layers_done:
+                new.append(self.cache.expert_buffer(layer, e))
         return v
 
     def staging(self, dtype: torch.dtype) -> torch.Tensor:
@@ -259,12 +286,26 @@ class HostExperts:
         return out
 
     def close(self) -> None:
+        self._stop.set()
+        if self._populator is not None:
+            self._populator.join()
         self._pool.shutdown(wait=True)
         self._pending.clear()
         self._views.clear()
         close = getattr(self.kernel, "close", None)
         if close is not None:
             close()
+
+
+def _fits_in_memory(cache) -> bool:
+    """The cache's layer files fit in half of MemAvailable (populating them reads any that is not cached)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    total = sum(int(cache.layer_buffer(l).nbytes) for l in cache.layers)
+    return total <= avail // 2
 
 
 def default_threads(tp_size: int, engine_threads: int = 0) -> int:
