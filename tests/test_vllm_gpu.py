@@ -130,7 +130,8 @@ def main():
     open(out, "w").write(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     os._exit(0)
 
-main()
+if __name__ == "__main__":  # spawned engine processes re-import this file: only the parent runs it
+    main()
 '''
 
 

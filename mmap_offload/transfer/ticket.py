@@ -56,6 +56,7 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
+        self.signal: tuple[int, int] | None = None  # (word address, value) set after its last copy (stream_signal.py)
         # native pool (csrc/copy_pool.c): status words it writes, the event it records last, and
         # what turns its error code into the exception (native_pool._NativePool.submit sets them)
         self._status: np.ndarray | None = None
@@ -236,6 +237,27 @@ class TransferEngine:
             ev.synchronize()
             with self._stall_lock:
                 self._stall += time.perf_counter() - t0
+
+    def wait_on_device(self, ticket: Ticket, stream: Any = None) -> bool:
+        """Order ``stream`` (default: the current one) after the ticket's copies without blocking
+        the host where the engine can (a ticket with a device signal, still being issued): returns
+        False then, and the caller must ``check`` the ticket before trusting what the stream
+        computed from its bytes. Otherwise it is ``wait`` (read errors raised here) and returns True."""
+        signals = getattr(self, "signals", None)
+        if (signals is not None and ticket.signal is not None and self.device.type == "cuda"
+                and not ticket.issued()):
+            signals.wait(stream or torch.cuda.current_stream(self.device), *ticket.signal)
+            return False
+        self.wait(ticket, stream)
+        return True
+
+    def check(self, ticket: Ticket, block: bool = True) -> bool:
+        """After ``wait_on_device`` returned False: raise the ticket's read error, if any; True once
+        it is known (``block=False``: False while its copies are still being issued)."""
+        if not block and not ticket.issued():
+            return False
+        self._wait_issued(ticket)
+        return True
 
     def synchronize(self, ticket: Ticket) -> None:
         """Block the host until every byte of the ticket is on the device."""

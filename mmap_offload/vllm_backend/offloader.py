@@ -445,8 +445,7 @@ class MmapOffloader(_OffloaderBase):
         self.residency = Residency(self, capacity)
         for t in self.targets:
             route_through(t.router, lambda w, ids, x, t=t: self.residency.route(t, w, ids, x))
-            if self.residency.host is not None:
-                add_after_experts(t.experts, lambda out, t=t: self.residency.host.add_to(t, out))
+            add_after_experts(t.experts, lambda out, t=t: self.residency.after_experts(t, out))
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""

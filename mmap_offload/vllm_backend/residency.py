@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..expert_cache import ExpertCache
+from .patches import log
 from ..transfer import Copy
 
 
@@ -52,7 +53,7 @@ class Residency:
         self.layers = [t.layer for t in off.targets]
         self.ec = ExpertCache(
             off.cache, off.engine, self.device, capacity_bytes=int(capacity_bytes), layers=self.layers,
-            verify_first_use=opts.verify_first_use,
+            verify_first_use=opts.verify_first_use, async_copies=True,
         )
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
@@ -61,10 +62,10 @@ class Residency:
         pin = self.device.type == "cuda"
         self._map = {t.index: torch.full((E,), -1, dtype=torch.int32, device=self.device) for t in off.targets}
         self._map_host = {t.index: torch.full((E,), -1, dtype=torch.int32, pin_memory=pin) for t in off.targets}
-        self._counts_host = torch.empty((E,), dtype=torch.int8, pin_memory=pin)
-        self._used_dev = torch.zeros((E,), dtype=torch.int8, device=self.device)
+        self._ids_staging: dict[torch.dtype, torch.Tensor] = {}  # pinned, per ids dtype (grown on demand)
         self._event = torch.cuda.Event() if pin else None
         self._map_event: dict[int, Any] = {}  # target index -> event after its map's last H2D copy
+        self._unchecked: list = []  # sparse rows' tickets ordered on the device, outcome not yet seen
         self._bound: dict[int, str] = {}  # target index -> "pool" | "layer"
         self._twins: dict[str, torch.Tensor] = {}  # CPU platform transform: kernel layout of the pool
         self.trace = None
@@ -84,7 +85,7 @@ class Residency:
         # route_s: host time in route() (sync_s of it waiting for the router's ids, ensure_s in the
         # pool's ensure, misses' copies included); map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
-                                            sync_s=0.0, ensure_s=0.0, map_copies=0,
+                                            sync_s=0.0, ensure_s=0.0, check_s=0.0, map_copies=0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -111,18 +112,21 @@ class Residency:
 
     # -- the step -------------------------------------------------------------------------------
     def _routed(self, ids: torch.Tensor) -> np.ndarray:
-        """Sorted distinct expert ids routed in ``ids`` (one E-byte device->host copy on CUDA)."""
+        """Sorted distinct expert ids routed in ``ids``: on CUDA one device->host copy of the ids
+        themselves into pinned staging (one launch; a bitmap over E took three), then the wait
+        for it, the one host sync of the step's layer."""
         if ids.device.type != "cuda":
             return np.unique(ids.reshape(-1).numpy())
-        used = self._used_dev
-        used.zero_()
-        used.index_fill_(0, ids.reshape(-1).long(), 1)  # no sync (bincount syncs for its size)
-        self._counts_host.copy_(used, non_blocking=True)
+        n = ids.numel()
+        st = self._ids_staging.get(ids.dtype)
+        if st is None or st.numel() < n:
+            st = self._ids_staging[ids.dtype] = torch.empty(max(n, 4096), dtype=ids.dtype, pin_memory=True)
+        st[:n].copy_(ids.reshape(-1), non_blocking=True)
         self._event.record()
         t0 = time.perf_counter()
         self._event.synchronize()
         self.metrics["sync_s"] += time.perf_counter() - t0
-        return np.flatnonzero(self._counts_host.numpy())
+        return np.unique(st[:n].numpy())
 
     def _routed_with_inputs(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
         """``_routed`` plus the step's ids, weights and activations on the host, in the same sync
@@ -179,6 +183,8 @@ class Residency:
     def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor | None = None):
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
         t0 = time.perf_counter()
+        if self.ec._unchecked or self._unchecked:  # copies of earlier layers ordered on the device: any failed?
+            self._check(block=False)
         with torch.inference_mode(False):
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
@@ -204,8 +210,39 @@ class Residency:
         self.metrics["route_s"] += time.perf_counter() - t0
         return topk_weights, out
 
+    def after_experts(self, t, out):
+        """Patch 4b, after layer ``t``'s expert kernel was launched: add the host's rows (hybrid);
+        after the last MoE layer, wait until every copy the step ordered on the device is issued
+        and raise a read error before the step's output can be used (copies usually finished
+        while the host launched the layers after them)."""
+        if self.host is not None:
+            out = self.host.add_to(t, out)
+        if t.index == len(self.off.targets) - 1 and (self.ec._unchecked or self._unchecked):
+            t0 = time.perf_counter()
+            self._check(block=True)
+            self.metrics["check_s"] += time.perf_counter() - t0
+        return out
+
+    def _check(self, block: bool) -> None:
+        """Raise the read error of any copy ordered on the device (pool fills, sparse rows)."""
+        keep, err = [], None
+        for ticket in self._unchecked:
+            try:
+                if not self.off.engine.check(ticket, block=block):
+                    keep.append(ticket)
+            except BaseException as e:
+                err = err or e
+        self._unchecked = keep
+        try:
+            self.ec.check(block=block)
+        finally:
+            if err is not None:
+                raise err
+
     def _layer_mode(self, t, ids: torch.Tensor, ahead: bool) -> torch.Tensor:
         self.metrics["layer_calls"] += 1
+        if self._unchecked:  # sparse rows still being issued would land in a buffer loaded again
+            self._check(block=True)
         self._bind_layer(t, self.off._layer_tensors(t))
         if ahead and len(self.off.targets) > 1:
             pf = self.off.prefetcher
@@ -215,6 +252,8 @@ class Residency:
     def _sparse_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
         self.metrics["sparse_calls"] += 1
         off, ec = self.off, self.ec
+        if self._unchecked:  # the same for the rows of an earlier sparse call
+            self._check(block=True)
         row = ec.slot_map(t.layer)
         slots = row[used]
         misses, hits = used[slots < 0], used[slots >= 0]
@@ -239,8 +278,8 @@ class Residency:
             for name in t.served:
                 dst = tensors[name].data
                 dst.index_copy_(0, idx[0], pool[name].index_select(0, idx[1]))
-        if len(misses):
-            off.engine.wait(ticket)
+        if len(misses) and not off.engine.wait_on_device(ticket):  # ordered on the device: checked later
+            self._unchecked.append(ticket)
         layer_tensors = tensors
         if off._transforms:  # CPU prepacked kernels: the buffer's kernel-layout twin, whole
             b = off.prefetcher.buffer_index(t.layer)
@@ -268,6 +307,10 @@ class Residency:
                     fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
         self._bind_pool(t)
         m, mh = self._map[t.index], self._map_host[t.index]
+        if m.dtype != ids.dtype:  # the map in the router's id dtype: no conversion per call
+            pin = m.is_cuda
+            m = self._map[t.index] = torch.full_like(m, -1, dtype=ids.dtype)
+            mh = self._map_host[t.index] = torch.full(tuple(mh.shape), -1, dtype=ids.dtype, pin_memory=pin)
         if not np.array_equal(mh.numpy(), row):  # the row changes only when this layer's pool did
             # the staging row is rewritten only here, after its previous copy was ordered on the
             # stream; a pending copy of it is waited for first (its event), so it is never torn
@@ -280,8 +323,7 @@ class Residency:
                 ev.record()
                 self._map_event[t.index] = ev
             self.metrics["map_copies"] += 1
-        slot_ids = torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
-        return slot_ids if slot_ids.dtype == ids.dtype else slot_ids.to(ids.dtype)
+        return torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
 
     def _trace_ids(self, t, ids: torch.Tensor) -> torch.Tensor:
         """The trace's ids for (step, layer position), its batch tiled over the step's tokens
@@ -301,7 +343,10 @@ class Residency:
         return out
 
     def close(self) -> None:
-        self.ec.sync()
+        try:
+            self.ec.sync()
+        except Exception as e:  # a failed copy of the last step: already reported by that step
+            log.debug("mmap-offload: closing the expert cache: %s", e)
         if self.host is not None:
             self.host.close()
 
