@@ -290,3 +290,30 @@ def test_mappings_are_populated_in_the_background_or_by_the_job(setup):
     lazy.close()
     cache.close()
     lazy_cache.close()
+
+
+def test_every_job_and_copy_updates_the_model(setup):
+    """As the backend drives it: start (host job), note_copy (the call's copies), add_to (the rows):
+    the model sees the copy (the link, through the origin at first), the gap between the copies' end
+    and the add (vLLM's launches), and the host job (exact when add_to waited, else a bound)."""
+    from mmap_offload.vllm_backend.host_experts import HostExperts
+
+    cache, layer, _ = setup
+    he = HostExperts(SimpleNamespace(cache=cache, device=torch.device("cpu")), threads=1)
+    nb = he.expert_nbytes
+    x = he.staging(torch.bfloat16)[:2]
+    x.normal_()
+    t = SimpleNamespace(index=1, layer=layer)
+    he.start(t, x, np.array([[0, 1], [1, 2]]), np.full((2, 2), 0.5, dtype=np.float32), np.array([1]))
+    he.note_copy(2 * nb, 1e-3)
+    he.add_to(t, torch.zeros(2, he.hidden, dtype=torch.bfloat16))
+    seen = he.model.observed
+    assert seen["copy"] == 1 and seen["gap"] == 1 and seen["host"] + seen["host_bounds"] == 1
+    assert he.copy_rate == pytest.approx(2 * nb / 1e-3)
+    assert he.summary()["observed"] == seen and he.summary()["threads"] == 1
+    # a copy noted with no job of this call pending gives no gap to the next job's add
+    he.note_copy(nb, 1e-3)
+    he.start(t, x, np.array([[0, 1], [1, 2]]), np.full((2, 2), 0.5, dtype=np.float32), np.array([2]))
+    he.add_to(t, torch.zeros(2, he.hidden, dtype=torch.bfloat16))
+    assert he.model.observed["gap"] == 1
+    he.close()

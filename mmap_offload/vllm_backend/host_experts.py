@@ -62,6 +62,7 @@ class _Job:
     n: int  # token rows of the step
     experts: int
     rows: int  # (token, expert) pairs in all
+    t_start: float
 
 
 class _TorchExperts:
@@ -239,7 +240,7 @@ class HostExperts:
         if self._out is None or self._out.dtype != x_host.dtype:
             self.staging(x_host.dtype)
         fut = self._pool.submit(self._run, x_host, jobs, new, self._out[:n])
-        self._pending[t.index] = _Job(fut, n, len(jobs), pairs)
+        self._pending[t.index] = _Job(fut, n, len(jobs), pairs, time.perf_counter())
 
     def _run(self, x: torch.Tensor, jobs: list, new: list, out: torch.Tensor) -> tuple[torch.Tensor, float]:
         if new:  # first use of these experts: their page tables, in one call each (no fault per page)
@@ -269,9 +270,9 @@ class HostExperts:
         self.metrics["host_wait_s"] += time.perf_counter() - t0
         self.metrics["host_s"] += seconds
         self.model.observe_host(self.threads, job.experts, job.rows, seconds, upper_bound=finished)
-        if self._copy_end is not None:  # the copies' end -> the rows needed: launches in between
+        if self._copy_end is not None and self._copy_end > job.t_start:  # this call's copies' end -> rows needed
             self.model.observe_gap(t0 - self._copy_end)
-            self._copy_end = None
+        self._copy_end = None
         add = host.to(self.device, non_blocking=True) if out.is_cuda else host
         out[: job.n] += add.to(out.dtype)
         return out
