@@ -217,17 +217,39 @@ static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *
     }
 }
 
+/* Segments: C adjacent tiles of one matrix, k blocks outer and tiles inner, so that a thread reads each k-tile
+   row as one contiguous run of C * 512 bytes (the hardware's stream prefetchers follow runs within a page;
+   a lone 512-byte tile per row is a new page each time) and expands x once per block for all C tiles.
+   The accumulators of the C tiles (16 M vectors each) live in scratch; seg_tiles keeps them near L1. */
+#ifndef SEG_TM
+#define SEG_TM 128 /* tiles x rows of one segment (measured: 16 and 32 are slower at M >= 8) */
+#endif
+#ifndef SEG_MAX
+#define SEG_MAX 16 /* tiles of one segment at most: 8 KiB runs of each k-tile row */
+#endif
+static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_MAX ? SEG_TM / M : SEG_MAX); }
+
 #if MO_X86
 /* ------------------------------------------------------------------ AVX-512 */
-/* Software prefetch distance in k-tile rows: a tile row of a unit is 64-512 contiguous bytes, the next row
-   N/64 tiles further, which hardware prefetchers do not follow. Prefetching past the end is harmless. */
-#define PF_ROWS 12
-
-/* The first PF_ROWS k-tile rows of a unit's lines (the row loops prefetch PF_ROWS ahead from there on). */
-static inline void prefetch_head(const mat_t *A, int64_t nt, int b0, int b1) {
-    const int64_t rows = A->K / 16 < PF_ROWS ? A->K / 16 : PF_ROWS, stride = A->N / 64 * 128;
+#ifndef PF_DIST
+#define PF_DIST 1
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+/* The first 8 k-tile rows of a segment's lines (the block loops prefetch one tile ahead from there on). */
+static inline void prefetch_head(const mat_t *A, int64_t nt0, int b0, int b1) {
+    const int64_t rows = A->K / 16 < 8 ? A->K / 16 : 8, stride = A->N / 64 * 128;
     for (int64_t kt = 0; kt < rows; kt++)
-        for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt * 128 + 16 * b), _MM_HINT_T0);
+        for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt0 * 128 + 16 * b), _MM_HINT_T0);
+}
+
+/* The tile read after tile i of C in a block that ends before element k1 (row0: its first row of tile 0):
+   the next one of the block, else one of the next block; NULL after the last. */
+static inline const uint32_t *next_tile(const mat_t *A, const uint32_t *row0, int i, int C, int64_t k1, int nkt) {
+    const int64_t stride = A->N / 64 * 128;
+    if (i + PF_DIST < C) return row0 + 128 * (i + PF_DIST);
+    return k1 < A->K ? row0 + nkt * stride + 128 * (i + PF_DIST - C) : NULL;
 }
 
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
@@ -239,13 +261,34 @@ T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* scv[(b*2 + g)*4 + j] for all 8 b: the tile's 64 scales of group grp converted once (sraw), then gathered
-   through spos (spos[(b*2+g)*4 + j] = scale_pos(16j + 8g + b)). */
-T512 static inline void tile_scales512(const mat_t *A, int64_t nt, int64_t grp, const int *spos, float *scv, float *sraw) {
+/* scv[i] (4 vectors, entry (b*2 + g)*4 + j) from the tile's 64 permuted scales sraw (4 vectors): each output
+   vector draws from at most two source vectors (both permutations: checked by make_sperm), one permute. */
+typedef struct { int src0[4], src1[4]; int idx[4][16]; } sperm_t;
+
+static inline void make_sperm(int grouped, sperm_t *S) {
+    for (int i = 0; i < 4; i++) {
+        int lo = 99, hi = -1;
+        for (int e = 0; e < 16; e++) {
+            int b = 2 * i + (e >> 3), g = (e >> 2) & 1, j = e & 3, v = scale_pos(16 * j + 8 * g + b, grouped) >> 4;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        S->src0[i] = lo;
+        S->src1[i] = hi;
+        for (int e = 0; e < 16; e++) {
+            int b = 2 * i + (e >> 3), g = (e >> 2) & 1, j = e & 3, pos = scale_pos(16 * j + 8 * g + b, grouped);
+            S->idx[i][e] = ((pos >> 4) == lo ? 0 : 16) + (pos & 15); /* hi - lo <= 1 source apart: see tests */
+        }
+    }
+}
+
+T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, const sperm_t *S, float *scv) {
     const int64_t base = grp * A->N + nt * 64;
-    for (int i = 0; i < 4; i++) _mm512_store_ps(sraw + 16 * i, load16_512(A->s, base + 16 * i, A->sdt));
+    __m512 raw[4];
+    for (int i = 0; i < 4; i++) raw[i] = load16_512(A->s, base + 16 * i, A->sdt);
     for (int i = 0; i < 4; i++)
-        _mm512_store_ps(scv + 16 * i, _mm512_i32gather_ps(_mm512_loadu_si512((const void *)(spos + 16 * i)), sraw, 4));
+        _mm512_store_ps(scv + 16 * i, _mm512_permutex2var_ps(raw[S->src0[i]], _mm512_loadu_si512((const void *)S->idx[i]),
+                                                             raw[S->src1[i]]));
 }
 
 /* The tile's accumulators to ytile (once per tile, after its last k block; the AVX-512 paths share it):
@@ -263,17 +306,11 @@ T512 static inline void store_tile512(const __m512 *T, int M, int b0, int b1, fl
             }
 }
 
-static inline void make_spos(int grouped, int *spos) {
-    for (int b = 0; b < 8; b++)
-        for (int g = 0; g < 2; g++)
-            for (int j = 0; j < 4; j++) spos[(b * 2 + g) * 4 + j] = scale_pos(16 * j + 8 * g + b, grouped);
-}
-
 /* LB consecutive lines x MB rows over the block's nkt k-tiles (rows read in order), fp32 FMA per nibble:
    one accumulator per (line, g, row), LB * MB <= 8; then T += s (acc - 8 xs). */
 T512 static inline __attribute__((always_inline)) void
-blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs, __m512 *T,
-       const float *scv, const int LB, const int MB) {
+blk512(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs,
+       __m512 *T, const float *scv, const int LB, const int MB) {
     __m512 acc[8][2][8]; /* [LB][g][MB] used */
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
@@ -285,8 +322,10 @@ blk512(const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M, con
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m512 *xk = xe + kt * 4 * M;
+        if (pf) {
 #pragma GCC unroll 8
-        for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(wk + PF_ROWS * stride + 16 * lb), _MM_HINT_T0);
+            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
+        }
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
@@ -325,21 +364,22 @@ static inline int lines_per_pass(int mb, int width) {
     F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
     F(7, 1) F(8, 1)
 
-T512 static void run512(int mb, int lb, const uint32_t *wb, int64_t stride, int nkt, const __m512 *xe, int M,
-                        const __m512 *xs, __m512 *T, const float *scv) {
+T512 static void run512(int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                        const __m512 *xe, int M, const __m512 *xs, __m512 *T, const float *scv) {
 #define F(MBV, LBV)                                                                                            \
-    if (mb == MBV && lb == LBV) { blk512(wb, stride, nkt, xe, M, xs, T, scv, LBV, MBV); return; }
+    if (mb == MBV && lb == LBV) { blk512(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV); return; }
     MO_BLK_CASES(F)
 #undef F
 }
 
-T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
+T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scratch) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
-    __m512 *xe = (__m512 *)scratch;       /* [8 kt][4 lh][M] */
-    __m512 *xs = xe + 32 * M;             /* [M] */
-    __m512 *T = xs + M;                   /* [8 b][2 g][M] */
-    float *scv = (float *)(T + 16 * M);   /* [8][2][4] */
+    __m512 *xe = (__m512 *)scratch;         /* [8 kt][4 lh][M] */
+    __m512 *xs = xe + 32 * M;               /* [M] */
+    __m512 *T = xs + M;                     /* [C][8 b][2 g][M] */
+    float *scv = (float *)(T + 16 * M * C); /* [C][64] */
     const int BK = block_k(A);
     const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb;
     __m512i idx[4];
@@ -348,16 +388,20 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
         for (int p = 0; p < 16; p++) v[p] = 2 * (p >> 2) + l + 8 * h;
         idx[lh] = _mm512_loadu_si512((const void *)v);
     }
-    for (int i = b0 * 2 * M; i < b1 * 2 * M; i++) T[i] = _mm512_setzero_ps();
-    int spos[64];
-    make_spos(A->grouped, spos);
-    prefetch_head(A, nt, b0, b1);
+    for (int i = 0; i < C; i++)
+        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
+    sperm_t S;
+    make_sperm(A->grouped, &S);
+    prefetch_head(A, nt0, b0, b1);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
-        if (grp != cur) { tile_scales512(A, nt, grp, spos, scv, scv + 64); cur = grp; }
+        if (grp != cur) {
+            for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, &S, scv + 64 * i);
+            cur = grp;
+        }
         for (int m = 0; m < M; m++) {
             __m512 s = _mm512_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -370,16 +414,20 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
             }
             xs[m] = s;
         }
-        const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB;
-            for (int b = b0, lb; b < b1; b += lb) {
-                lb = lines_per_pass(mb, b1 - b);
-                run512(mb, lb, w0 + 16 * b, stride, nkt, xe + m0, M, xs + m0, T + b * 2 * M + m0, scv + b * 8);
+        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
+        for (int i = 0; i < C; i++) {
+            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int mb = M - m0 < MB ? M - m0 : MB;
+                for (int b = b0, lb; b < b1; b += lb) {
+                    lb = lines_per_pass(mb, b1 - b);
+                    run512(mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M, xs + m0,
+                           T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
+                }
             }
         }
     }
-    store_tile512(T, M, b0, b1, ytile);
+    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
 
 /* ------------------------------------------------------------------ AVX-512 + BF16 dot products */
@@ -390,48 +438,6 @@ T512 static void tile512(const mat_t *A, int64_t nt, int b0, int b1, const act_t
    sum_k x_k (u_k - 8) = 16 acc - 24 sx. x that is not bf16 (fp16 rows, the fp32 intermediate) is split
    into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
 #define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
-
-/* Segments: C adjacent tiles of one matrix, k blocks outer and tiles inner, so that a thread reads each k-tile
-   row as one contiguous run of C * 512 bytes (the hardware's stream prefetchers follow runs within a page;
-   a lone 512-byte tile per row is a new page each time) and expands x once per block for all C tiles.
-   The accumulators of the C tiles (16 M vectors each) live in scratch; seg_tiles keeps them near L1. */
-#ifndef SEG_TM
-#define SEG_TM 128 /* tiles x rows of one segment (measured: 16 and 32 are slower at M >= 8) */
-#endif
-#ifndef SEG_MAX
-#define SEG_MAX 16 /* tiles of one segment at most: 8 KiB runs of each k-tile row */
-#endif
-static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_MAX ? SEG_TM / M : SEG_MAX); }
-
-/* scv[i] (4 vectors, entry (b*2 + g)*4 + j) from the tile's 64 permuted scales sraw (4 vectors): each output
-   vector draws from at most two source vectors (both permutations: checked by make_sperm), one permute. */
-typedef struct { int src0[4], src1[4]; int idx[4][16]; } sperm_t;
-
-static inline void make_sperm(int grouped, sperm_t *S) {
-    for (int i = 0; i < 4; i++) {
-        int lo = 99, hi = -1;
-        for (int e = 0; e < 16; e++) {
-            int b = 2 * i + (e >> 3), g = (e >> 2) & 1, j = e & 3, v = scale_pos(16 * j + 8 * g + b, grouped) >> 4;
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
-        }
-        S->src0[i] = lo;
-        S->src1[i] = hi;
-        for (int e = 0; e < 16; e++) {
-            int b = 2 * i + (e >> 3), g = (e >> 2) & 1, j = e & 3, pos = scale_pos(16 * j + 8 * g + b, grouped);
-            S->idx[i][e] = ((pos >> 4) == lo ? 0 : 16) + (pos & 15); /* hi - lo <= 1 source apart: see tests */
-        }
-    }
-}
-
-T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, const sperm_t *S, float *scv) {
-    const int64_t base = grp * A->N + nt * 64;
-    __m512 raw[4];
-    for (int i = 0; i < 4; i++) raw[i] = load16_512(A->s, base + 16 * i, A->sdt);
-    for (int i = 0; i < 4; i++)
-        _mm512_store_ps(scv + 16 * i, _mm512_permutex2var_ps(raw[S->src0[i]], _mm512_loadu_si512((const void *)S->idx[i]),
-                                                             raw[S->src1[i]]));
-}
 
 /* Lines and rows per register pass of the bf16 blocks: 2 * LB * MB accumulators. */
 #ifndef BF_MB
@@ -462,7 +468,7 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
         const __m512i *xk = xe + kt * 2 * NS * M;
         if (pf) {
 #pragma GCC unroll 8
-            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), _MM_HINT_T0);
+            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
         }
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
@@ -536,11 +542,7 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
         for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
     sperm_t S;
     make_sperm(A->grouped, &S);
-    {
-        const int64_t rows = A->K / 16 < 8 ? A->K / 16 : 8;
-        for (int64_t kt = 0; kt < rows; kt++)
-            for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt0 * 128 + 16 * b), _MM_HINT_T0);
-    }
+    prefetch_head(A, nt0, b0, b1);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
@@ -572,9 +574,7 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
         }
         const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
         for (int i = 0; i < C; i++) {
-            const uint32_t *w0 = row0 + 128 * i;
-            /* the tile read next: the next one of this block, else the first of the next block */
-            const uint32_t *pf = i + 1 < C ? w0 + 128 : (k1 < A->K ? row0 + nkt * stride : NULL);
+            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
             for (int m0 = 0; m0 < M; m0 += MB) {
                 const int mb = M - m0 < MB ? M - m0 : MB;
                 for (int b = b0, lb; b < b1; b += lb) {
@@ -594,8 +594,8 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
 /* LB lines (both halves c: words 16b + 8c + p, lanes p = 4(a - 2c) + j) x MB rows, k-tile rows read in
    order; one accumulator per (line, c, g, row): LB * MB <= 2 (16 ymm registers). */
 T256 static inline __attribute__((always_inline)) void
-blk256(const uint32_t *wb, int64_t stride, int nkt, const __m256 *xe, int M, const __m256 *xs, __m256 *T,
-       const float *scv, const int LB, const int MB) {
+blk256(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m256 *xe, int M, const __m256 *xs,
+       __m256 *T, const float *scv, const int LB, const int MB) {
     __m256 acc[2][2][2][2];
 #pragma GCC unroll 2
     for (int lb = 0; lb < LB; lb++)
@@ -607,8 +607,10 @@ blk256(const uint32_t *wb, int64_t stride, int nkt, const __m256 *xe, int M, con
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m256 *xk = xe + kt * 8 * M; /* [c][lh][M] */
+        if (pf) {
 #pragma GCC unroll 2
-        for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(wk + PF_ROWS * stride + 16 * lb), _MM_HINT_T0);
+            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
+        }
 #pragma GCC unroll 2
         for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
@@ -647,13 +649,14 @@ T256 static inline __m256 load8_256(const void *p, int64_t i, int dt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
+T256 static void seg256(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scratch) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
-    __m256 *xe = (__m256 *)scratch;      /* [8 kt][2 c][4 lh][M] */
-    __m256 *xs = xe + 64 * M;            /* [2 c][M] */
-    __m256 *T = xs + 2 * M;              /* [8 b][2 c][2 g][M] */
-    float *scv = (float *)(T + 32 * M);
+    __m256 *xe = (__m256 *)scratch;         /* [8 kt][2 c][4 lh][M] */
+    __m256 *xs = xe + 64 * M;               /* [2 c][M] */
+    __m256 *T = xs + 2 * M;                 /* [C][8 b][2 c][2 g][M] */
+    float *scv = (float *)(T + 32 * M * C); /* [C][64] */
     const int BK = block_k(A);
     const int nb = (M + 1) / 2, MB = (M + nb - 1) / nb;
     __m256i idx[2][2]; /* [c][l]: lane p -> element 4c + 2(p >> 2) + l of the 8 x of half h */
@@ -663,14 +666,18 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
             for (int p = 0; p < 8; p++) v[p] = 4 * c + 2 * (p >> 2) + l;
             idx[c][l] = _mm256_loadu_si256((const __m256i *)v);
         }
-    for (int i = b0 * 4 * M; i < b1 * 4 * M; i++) T[i] = _mm256_setzero_ps();
-    prefetch_head(A, nt, b0, b1);
+    for (int i = 0; i < C; i++)
+        for (int k = b0 * 4 * M; k < b1 * 4 * M; k++) T[i * 32 * M + k] = _mm256_setzero_ps();
+    prefetch_head(A, nt0, b0, b1);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
-        if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
+        if (grp != cur) {
+            for (int i = 0; i < C; i++) tile_scales(A, nt0 + i, grp, b0, b1, scv + 64 * i);
+            cur = grp;
+        }
         for (int m = 0; m < M; m++) {
             __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -687,44 +694,45 @@ T256 static void tile256(const mat_t *A, int64_t nt, int b0, int b1, const act_t
             xs[m] = s0;
             xs[M + m] = s1;
         }
-        const uint32_t *w0 = A->w + (k0 / 16) * stride + nt * 128;
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB, lb = mb == 1 && b1 - b0 >= 2 ? 2 : 1;
-            for (int b = b0; b < b1; b += lb) {
-                const uint32_t *wb = w0 + 16 * b;
-                const __m256 *xem = xe + m0, *xsm = xs + m0;
-                __m256 *Tb = T + b * 4 * M + m0;
-                const float *sb = scv + b * 8;
-                if (mb == 1 && lb == 2) blk256(wb, stride, nkt, xem, M, xsm, Tb, sb, 2, 1);
-                else if (mb == 1) blk256(wb, stride, nkt, xem, M, xsm, Tb, sb, 1, 1);
-                else blk256(wb, stride, nkt, xem, M, xsm, Tb, sb, 1, 2);
+        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
+        for (int i = 0; i < C; i++) {
+            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int mb = M - m0 < MB ? M - m0 : MB, lb = mb == 1 && b1 - b0 >= 2 ? 2 : 1;
+                for (int b = b0; b < b1; b += lb) {
+                    const uint32_t *wb = w0 + 16 * b, *pb = m0 == 0 && pf ? pf + 16 * b : NULL;
+                    const __m256 *xem = xe + m0, *xsm = xs + m0;
+                    __m256 *Tb = T + i * 32 * M + b * 4 * M + m0;
+                    const float *sb = scv + 64 * i + b * 8;
+                    if (mb == 1 && lb == 2) blk256(wb, pb, stride, nkt, xem, M, xsm, Tb, sb, 2, 1);
+                    else if (mb == 1) blk256(wb, pb, stride, nkt, xem, M, xsm, Tb, sb, 1, 1);
+                    else blk256(wb, pb, stride, nkt, xem, M, xsm, Tb, sb, 1, 2);
+                }
             }
         }
     }
-    for (int b = b0; b < b1; b++)
-        for (int g = 0; g < 2; g++)
-            for (int m = 0; m < M; m++) {
-                __m256 v = _mm256_add_ps(T[((b * 2 + 0) * 2 + g) * M + m], T[((b * 2 + 1) * 2 + g) * M + m]);
-                __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                float o[4];
-                _mm_storeu_ps(o, r);
-                for (int j = 0; j < 4; j++) ytile[m * 64 + 16 * j + 8 * g + b] = o[j];
-            }
+    for (int i = 0; i < C; i++) {
+        const __m256 *Ti = T + i * 32 * M;
+        float *yi = y + (size_t)i * 64 * M;
+        for (int b = b0; b < b1; b++)
+            for (int g = 0; g < 2; g++)
+                for (int m = 0; m < M; m++) {
+                    __m256 v = _mm256_add_ps(Ti[((b * 2 + 0) * 2 + g) * M + m], Ti[((b * 2 + 1) * 2 + g) * M + m]);
+                    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                    float o[4];
+                    _mm_storeu_ps(o, r);
+                    for (int j = 0; j < 4; j++) yi[m * 64 + 16 * j + 8 * g + b] = o[j];
+                }
+    }
 }
 #endif /* MO_X86 */
 
 typedef void (*seg_fn)(const mat_t *, int64_t, int, int, int, const act_t *, float *, float *);
 
-/* Segments of the paths that compute one tile at a time (y of tile i at y + 64 M i). */
-#define SEG_OF_TILES(name, tilef)                                                                              \
-    static void name(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) { \
-        for (int i = 0; i < C; i++) tilef(A, nt0 + i, b0, b1, X, y + (size_t)i * 64 * X->M, scr);              \
-    }
-SEG_OF_TILES(seg_plain, tile_plain)
-#if MO_X86
-SEG_OF_TILES(seg512, tile512)
-SEG_OF_TILES(seg256, tile256)
-#endif
+/* The plain path's segment: one tile at a time (y of tile i at y + 64 M i). */
+static void seg_plain(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
+    for (int i = 0; i < C; i++) tile_plain(A, nt0 + i, b0, b1, X, y + (size_t)i * 64 * X->M, scr);
+}
 
 static seg_fn pick_seg(int isa) {
 #if MO_X86
