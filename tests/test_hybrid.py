@@ -131,7 +131,8 @@ def test_hybrid_equals_all_gpu(tmp_path, impl, hidden, inter, group):
     rates = synthetic_rates(expert_bytes=nb, host_gbps=1.0, copy_gbps=1.0, per_row_frac=0.0, split=1, all_=1)
     kern, _ = hybrid.make_host_kernel(impl, threads=2)
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=8, shared=True)
-    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(hybrid.CostModel(rates, learn=False)), ref_gpu_forward(ec, group), "cpu", group=group)
+    fixed = hybrid.Planner(hybrid.CostModel(rates, learn=False))  # the split of these rates, not learned ones
+    hy = hybrid.HybridMoE(cache, ec, {1: kern}, fixed, ref_gpu_forward(ec, group), "cpu", group=group)
     ec_ref = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=2 * E, shared=True)  # everything resident
     gpu = ref_gpu_forward(ec_ref, group)
     tr = traces.skewed_trace(6, len(L), E, k, batch=3, seed=1)
@@ -272,7 +273,17 @@ def test_calibrate_gives_finite_positive_rates(tmp_path):
     assert r.host_base_s[1] > 0 and r.host_row_s[1] >= 0 and r.copy_bw > 0 and r.gpu_call_s >= 0
     assert r.slow_host >= 1.0 and r.slow_copy >= 1.0 and calls
     assert np.isfinite(r.host_gbps(1)) and r.to_dict()["copy_gbps"] > 0
-    hybrid.populate(cache)
+    # the host side is cost.calibrate_host's: a fixed cost per call, a pool of every expert here (the
+    # cache is far smaller than 4x any LLC, which the notes say), and the dict survives JSON
+    cal = r.notes["calibration"]
+    assert r.host_call_s[1] >= 0 and cal["pool_experts"] == 12 and cal["pool_within_4x_llc"]
+    import json
+
+    back = hybrid.Rates.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.host_base_s == r.host_base_s and back.host_call_s == r.host_call_s
+    assert hybrid.populate(cache)["bytes"] == sum(cache.layer_buffer(l).nbytes for l in (0, 1))
+    ext = cache.expert_extent(0, 1).nbytes
+    assert hybrid.populate(cache, layers=[0], experts=[1, 2])["bytes"] == 2 * ext
     cache.close()
 
 
@@ -350,7 +361,8 @@ def test_hybrid_fills_the_pool_although_the_host_is_faster(tmp_path):
     rates = synthetic_rates(expert_bytes=nb, host_gbps=100.0, copy_gbps=1.0, per_row_frac=0.0, split=1, all_=1)
     kern, _ = hybrid.make_host_kernel("auto", threads=1)
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=6)
-    hy = hybrid.HybridMoE(cache, ec, {1: kern}, hybrid.Planner(hybrid.CostModel(rates, learn=False)), ref_gpu_forward(ec, 64), "cpu", group=64)
+    fixed = hybrid.Planner(hybrid.CostModel(rates, learn=False))  # the split of these rates, not learned ones
+    hy = hybrid.HybridMoE(cache, ec, {1: kern}, fixed, ref_gpu_forward(ec, 64), "cpu", group=64)
     tr = traces.skewed_trace(20, 1, E, k, batch=1, zipf_s=1.5, seed=3)
     for s in range(tr.shape[0]):
         hy.forward(0, torch.randn(1, 256).to(torch.bfloat16), tr[s, 0], torch.full((1, k), 0.25))
@@ -416,7 +428,8 @@ def test_hybrid_equals_all_gpu_on_cuda(tmp_path):
     kern, _ = hybrid.make_host_kernel("auto", threads=4)
     eng = make_engine("mmap", "cuda", pinned_bytes=16 << 20)
     ec = ExpertCache(cache, eng, "cuda", capacity_experts=10, shared=True)
-    hy = hybrid.HybridMoE(cache, ec, {4: kern}, hybrid.Planner(hybrid.CostModel(rates, learn=False)), ref_gpu_forward(ec, group), "cuda", group=group)
+    fixed = hybrid.Planner(hybrid.CostModel(rates, learn=False))  # the split of these rates, not learned ones
+    hy = hybrid.HybridMoE(cache, ec, {4: kern}, fixed, ref_gpu_forward(ec, group), "cuda", group=group)
     ec_ref = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=len(L) * E, shared=True)
     ref = ref_gpu_forward(ec_ref, group)
     tr = traces.skewed_trace(5, len(L), E, k, batch=4, seed=2)

@@ -230,9 +230,9 @@ class CostModel:
             host = r.xfer_s + np.where(
                 rest > 0, (r.call_s(ts) + k * r.host_base_s[ts] + cum_rows * r.host_row_s[ts]) * r.slow_host,
                 r.call_s(ta) + k * r.host_base_s[ta] + cum_rows * r.host_row_s[ta])
-            with np.errstate(invalid="ignore"):
-                cp = np.where(rest > 0, (r.copy_lat_s + rest * (r.expert_bytes / r.copy_bw if r.copy_bw > 0 else np.inf))
-                              * r.slow_copy + r.gpu_call_s, r.gpu_call_s if hits else 0.0)
+            per_copy = r.expert_bytes / r.copy_bw  # copy_bw > 0: else nothing is weighed (above)
+            cp = np.where(rest > 0, (r.copy_lat_s + rest * per_copy) * r.slow_copy + r.gpu_call_s,
+                          r.gpu_call_s if hits else 0.0)
             t = np.maximum(host, cp)
             i = int(np.argmin(t))
             if t[i] < best[0]:

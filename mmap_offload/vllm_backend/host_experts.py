@@ -117,7 +117,8 @@ class HostExperts:
         self.expert_nbytes = sum(s.nbytes for s in self.cache.expert_specs)
         spec = {s.name: s for s in self.cache.expert_specs}
         # w2: Marlin words [I/16, 2H] (8 nibbles per int32, 16 rows per tile row), or [H, I] bf16
-        self.hidden = int(spec["w2_weight_packed"].shape[-1] // 2 if self.kind == "w4a16" else spec["w2_weight"].shape[0])
+        w2 = spec["w2_weight_packed" if self.kind == "w4a16" else "w2_weight"]
+        self.hidden = int(w2.shape[-1] // 2 if self.kind == "w4a16" else w2.shape[0])
         self._x = self._out = None  # pinned [MAX_TOKENS, H] in the model's dtype, made on first use
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmap-offload-host")
         self._pending: dict[int, _Job] = {}  # target index -> its host job
