@@ -15,8 +15,10 @@ thread count (1, 2, 4, 8, all = the CPUs this process may use) it measures, in t
 - ``dram``: a torch sum over a buffer of ``--pool-gb`` with the same thread count (read bandwidth).
 
 GB/s counts the 4-bit weight bytes of the experts computed (3 * H * I / 2 per expert; scales excluded)
-per second, median of the timed calls. Bars (issue 15): host >= 80% of dram at M = 1 with all cores;
-host > torch at every M. Prints a table; ``--out`` writes JSON (inputs, machine, every row).
+per second, median of the timed calls (``--timer thread``: by the calling thread's CPU time, for 1-thread
+runs on a machine shared with other jobs, where elapsed time counts their time slices too). Bars (issue 15):
+host >= 80% of dram at M = 1 with all cores; host > torch at every M. Prints a table; ``--out`` writes JSON
+(inputs, machine, every row).
 """
 
 from __future__ import annotations
@@ -58,14 +60,15 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def timed(fn, seconds: float, min_reps: int = 3) -> float:
-    """Median seconds of one call of ``fn`` (after one warm-up call), timing for about ``seconds``."""
+def timed(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter) -> float:
+    """Median seconds of one call of ``fn`` (after one warm-up call) by ``clock``, timing for about
+    ``seconds`` of wall time."""
     fn()
     times, t_end = [], time.perf_counter() + seconds
     while len(times) < min_reps or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         if len(times) >= 10000:
             break
     return statistics.median(times)
@@ -123,9 +126,9 @@ class TorchPool:
             out += torch.ops.aten._weight_int4pack_mm_for_cpu(a, w2, g2, sz2)
 
 
-def dram_read(buf: torch.Tensor, threads: int, seconds: float) -> float:
+def dram_read(buf: torch.Tensor, threads: int, seconds: float, clock=time.perf_counter) -> float:
     torch.set_num_threads(threads)
-    return buf.numel() * buf.element_size() / timed(lambda: buf.sum(), seconds)
+    return buf.numel() * buf.element_size() / timed(lambda: buf.sum(), seconds, clock=clock)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,23 +142,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=0.5, help="timing per measurement")
     ap.add_argument("--isa", default="auto", help="host kernel path: auto, avx512, avx2, plain")
     ap.add_argument("--no-torch", action="store_true", help="skip torch's int4 kernel")
+    ap.add_argument("--timer", choices=("wall", "thread"), default="wall",
+                    help="wall: elapsed time; thread: CPU time of the calling thread (1-thread rows only, where "
+                         "it does all the work: steadier on a machine shared with other jobs)")
     ap.add_argument("--out", help="JSON output path")
     a = ap.parse_args(argv)
 
     cores = len(os.sched_getaffinity(0))
     threads = sorted({cores if t == "all" else int(t) for t in a.threads.split(",")})
     threads = [t for t in threads if t <= cores] or [cores]
+    if a.timer == "thread" and threads != [1]:
+        ap.error("--timer thread measures the calling thread only: use it with --threads 1")
+    clock = time.thread_time if a.timer == "thread" else time.perf_counter
     ms = [int(m) for m in a.m.split(",")]
     shapes = [parse_shape(s) for s in a.shapes.split(",")]
     gen = torch.Generator().manual_seed(0)
     info = {"cpu": cpu_model(), "cores": cores, "isas": available_isas(), "library": library_status("mo_host"),
             "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "group": GROUP,
+            "timer": a.timer,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"# {info['cpu']}, {cores} CPUs, host kernel paths {info['isas']}, {info['library']}")
 
     pool_bytes = int(a.pool_gb * 1e9)
     dram_buf = torch.ones(max(1, pool_bytes // 4), dtype=torch.float32)
-    dram = {t: dram_read(dram_buf, t, a.seconds) for t in threads}
+    dram = {t: dram_read(dram_buf, t, a.seconds, clock) for t in threads}
     del dram_buf
     for t in threads:
         print(f"# dram read ({t} threads): {dram[t] / 1e9:.1f} GB/s")
@@ -182,11 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
                 def host_call():
                     k.experts_mlp(x, [(rows_t, *e, GROUP, w) for e in host_pool.take(per_call)], out)
 
-                host = per_call * eb / timed(host_call, a.seconds)
+                host = per_call * eb / timed(host_call, a.seconds, clock=clock)
                 tor = None
                 if torch_pool is not None:
                     tout = torch.zeros(m, h, dtype=torch.bfloat16)
-                    tor = per_call * eb / timed(lambda: torch_pool.run(x, per_call, tout), a.seconds)
+                    tor = per_call * eb / timed(lambda: torch_pool.run(x, per_call, tout), a.seconds, clock=clock)
                 row = {"shape": name, "hidden": h, "inter": i, "threads": t, "m": m, "isa": k.isa,
                        "experts_per_call": per_call, "host_gbs": host / 1e9,
                        "torch_gbs": None if tor is None else tor / 1e9, "dram_gbs": dram[t] / 1e9,
