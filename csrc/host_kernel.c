@@ -14,12 +14,16 @@ nibble into two vectors (g = 0, 1), and the four lanes a of one column are summe
 at the end. The uint4b8 offset folds into a per-block sum of x: sum_k x_k (u_k - 8) s = s (sum_k x_k
 u_k - 8 sum_k x_k).
 
-Work: w13 is one Marlin matrix with N = 2I (gate tiles 0..I/64-1, up tiles after them). Phase 1 units
-are (job, gate/up tile pair, part of the 8 lines b): both tiles, then silu(gate) * up for those columns
-into the job's fp32 intermediate. A barrier. Phase 2 units are (output tile of H, part of b), each
-running every job's w2 for its columns and summing weight * y into an fp32 accumulator per out row,
-then rounding once into out. Units are taken by an atomic counter (threads of a pool that this library
-owns: vLLM workers run with OMP_NUM_THREADS=1); the calling thread is worker 0.
+Work: w13 is one Marlin matrix with N = 2I (gate tiles 0..I/64-1, up tiles after them). Phase 1 slots
+are (job, gate/up tile pair, quarter of the 8 lines b); phase 2 slots (output tile of H, quarter). A
+thread takes a contiguous range of slots at a time (guided: a 1/threads share of what is left, so long
+runs first and short ones to balance the end) and computes it as segments of adjacent tiles: k blocks
+outer, the segment's tiles inner, so each k-tile row is read as one contiguous run (the hardware's
+stream prefetchers follow it; the next tile is prefetched in software) and x is expanded once per block
+for the whole segment. Phase 1: gate and up segments, then silu(gate) * up into the job's fp32
+intermediate. A barrier. Phase 2: every job's w2 for the range's columns, weight * y summed into an fp32
+accumulator per out row, rounded once into out. The pool's threads are this library's (vLLM workers run
+with OMP_NUM_THREADS=1); the calling thread is worker 0.
 */
 
 #define _GNU_SOURCE
