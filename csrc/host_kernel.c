@@ -322,7 +322,7 @@ blk512(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __
         for (int g = 0; g < 2; g++)
 #pragma GCC unroll 8
             for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_setzero_ps();
-    const __m512i m15 = _mm512_set1_epi32(15);
+    const __m512i mask = _mm512_set1_epi32(0x00780000), one = _mm512_set1_epi32(0x3F800000);
     for (int kt = 0; kt < nkt; kt++) {
         const uint32_t *wk = wb + kt * stride;
         const __m512 *xk = xe + kt * 4 * M;
@@ -336,22 +336,23 @@ blk512(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __
 #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
-                __m512i u = t == 7 ? _mm512_srli_epi32(wv, 28) : _mm512_and_si512(_mm512_srli_epi32(wv, 4 * t), m15);
-                __m512 f = _mm512_cvtepi32_ps(u);
+                /* nibble t to mantissa bits 19..22 of 1.0f: f = 1 + u/16, exact (one shift, one ternary op) */
+                __m512i v = t < 5 ? _mm512_slli_epi32(wv, 19 - 4 * t) : _mm512_srli_epi32(wv, 4 * t - 19);
+                __m512 f = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, mask, one, 0xEA)); /* (v & mask) | one */
 #pragma GCC unroll 8
                 for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_fmadd_ps(f, xk[lh * M + m], acc[lb][g][m]);
             }
         }
     }
-    const __m512 eight = _mm512_set1_ps(8.f);
+    const __m512 c16 = _mm512_set1_ps(16.f), c24 = _mm512_set1_ps(24.f);
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
         for (int g = 0; g < 2; g++) {
             __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
 #pragma GCC unroll 8
-            for (int m = 0; m < MB; m++) {
-                __m512 r = _mm512_fnmadd_ps(eight, xs[m], acc[lb][g][m]);
+            for (int m = 0; m < MB; m++) { /* sum x (u - 8) = 16 sum x (1 + u/16) - 24 sum x */
+                __m512 r = _mm512_fmsub_ps(c16, acc[lb][g][m], _mm512_mul_ps(c24, xs[m]));
                 T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, r, T[(lb * 2 + g) * M + m]);
             }
         }
