@@ -30,13 +30,20 @@ def run(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"vllm_gpu_{quant}")
     out = work / "result.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(CHILD), quant, str(work), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
     keep = os.environ.get("OUT")
+    # the child's output goes to a file ($OUT/vllm_gpu_<quant>.log when set): a run cut short by
+    # the caller's time limit still shows how far each case got; a hang dumps every thread's
+    # stack after MMO_CHILD_HANG_S seconds (vllm_gpu_child.py) and ends the child
+    log_path = Path(keep, f"vllm_gpu_{quant}.log") if keep else work / "child.log"
+    env.setdefault("MMO_CHILD_HANG_S", "400")
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, str(CHILD), quant, str(work), str(out)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, text=True, timeout=900)
+    text = log_path.read_text(errors="replace")
     if keep and out.exists():
         Path(keep, f"vllm_gpu_{quant}.json").write_text(out.read_text())
     if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"vLLM GPU child ({quant}) failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"vLLM GPU child ({quant}) failed with {proc.returncode}:\n{text[-8000:]}")
     res = json.loads(out.read_text())
     for case, r in res["cases"].items():
         if "error" in r:

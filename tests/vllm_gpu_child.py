@@ -36,6 +36,11 @@ SHAPES = dict(arch="mixtral", num_layers=4, num_experts=8, hidden=512, intermedi
 
 def main() -> int:
     quant, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    if os.environ.get("MMO_CHILD_HANG_S"):  # a hung case: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["MMO_CHILD_HANG_S"]), exit=True)
+    only = set(filter(None, os.environ.get("MMO_CHILD_CASES", "").split(",")))  # run just these (debugging)
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap
     import torch
     import vllm.model_executor.model_loader.weight_utils as wu
@@ -125,6 +130,8 @@ def main() -> int:
         ("mmap_warm", dict(offload_backend="mmap", additional_config={"mmap_offload": mm})),
     ]
     for case, kw in plan:
+        if only and case not in only:
+            continue
         try:
             results["cases"][case] = run(case, **kw)
         except BaseException as e:  # noqa: BLE001 - record and go on: the test names the case
@@ -136,13 +143,16 @@ def main() -> int:
         c = open_cache(cache, tp_rank=0, tp_size=1)
         gib = 6 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
         c.close()
-        results["cases"]["mmap_experts"] = run("mmap_experts", offload_backend="mmap", additional_config={"mmap_offload": {
-            **mm, "expert_cache_gib": gib}})
+        if not only or "mmap_experts" in only:
+            results["cases"]["mmap_experts"] = run("mmap_experts", offload_backend="mmap", additional_config={
+                "mmap_offload": {**mm, "expert_cache_gib": gib}})
     except BaseException as e:  # noqa: BLE001
         results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
-    print("mmap_experts", json.dumps(results["cases"]["mmap_experts"])[:800], flush=True)
+    print("mmap_experts", json.dumps(results["cases"].get("mmap_experts"))[:800], flush=True)
     for case, extra in (("mmap_hybrid", {"expert_cache_gib": gib, "hybrid": True}),  # misses on the host too
                         ("mmap_auto", {"expert_cache_gib": None})):  # the default pool size
+        if only and case not in only:
+            continue
         try:
             results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}})
         except BaseException as e:  # noqa: BLE001

@@ -128,6 +128,8 @@ class MmapEngine(_RingEngine):
         triples = np.array(flat, dtype=np.uint64)
         ticket = Ticket(total, 1)
         if after is not None:
+            if self._device_waited:
+                self._settle_device_waited()
             self.stream.wait_event(after)
         if self.signals is not None:
             ticket.signal = self.signals.next()

@@ -135,6 +135,8 @@ class TransferEngine:
         # raw destination addresses, so the engine keeps the destination tensors alive meanwhile
         self._inflight: deque = deque()
         self._inflight_lock = threading.Lock()
+        # tickets a stream waits for on the device (wait_on_device) that were still being issued
+        self._device_waited: list[Ticket] = []
 
     def _retain(self, ticket: "Ticket", copies: Sequence[Copy]) -> None:
         with self._inflight_lock:
@@ -247,9 +249,23 @@ class TransferEngine:
         if (signals is not None and ticket.signal is not None and self.device.type == "cuda"
                 and not ticket.issued()):
             signals.wait(stream or torch.cuda.current_stream(self.device), *ticket.signal)
+            with self._inflight_lock:
+                self._device_waited.append(ticket)
             return False
         self.wait(ticket, stream)
         return True
+
+    def _settle_device_waited(self) -> None:
+        """Before the copy stream is told to wait for an event of a compute stream: every ticket
+        that stream waits for on the device must have all its copies enqueued already. Else a
+        late chunk of it would queue behind that wait, whose event lies behind the compute
+        stream's wait for the same ticket: both streams would wait forever. Errors stay for check()."""
+        with self._inflight_lock:
+            pending, self._device_waited = self._device_waited, []
+        for t in pending:
+            if t._status is not None and not t.issued():
+                self._wait_native(t)
+            t._issued.wait()
 
     def check(self, ticket: Ticket, block: bool = True) -> bool:
         """After ``wait_on_device`` returned False: raise the ticket's read error, if any; True once
