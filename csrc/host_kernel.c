@@ -749,13 +749,19 @@ static seg_fn pick_seg(int isa) {
     return seg_plain;
 }
 
-/* Scratch floats one thread needs for rows M (any path), the last ytiles_floats(M) of them the segment's
-   outputs (two: gate and up). */
-static size_t ytiles_floats(int M) { return (size_t)2 * 64 * M * seg_tiles(M) + 16; }
+/* The most tiles x rows of a segment of any job with at most M rows: m * seg_tiles(m) for m <= M (a job
+   with fewer rows than the call's largest may take more tiles). */
+static size_t seg_cm(int M) {
+    if (M >= SEG_TM) return (size_t)M;
+    return (size_t)M * SEG_MAX < SEG_TM ? (size_t)M * SEG_MAX : SEG_TM;
+}
+
+/* Scratch floats one thread needs for jobs of at most M rows (any path), the last ytiles_floats(M) of them
+   the segment's outputs (two: gate and up). */
+static size_t ytiles_floats(int M) { return (size_t)2 * 64 * seg_cm(M) + 16; }
 static size_t scratch_floats(int M) {
-    const size_t C = (size_t)seg_tiles(M);
-    /* xe, xs, T of C tiles, scales of C tiles + 64, in 16-float vectors (avx2: the same bytes) */
-    size_t simd = (size_t)16 * (32 * (size_t)M + M + 16 * (size_t)M * C + 4 * C + 8) + 128;
+    /* xe, xs, T of a segment, scales of SEG_MAX tiles + 64, in 16-float vectors (avx2: the same bytes) */
+    size_t simd = (size_t)16 * (32 * (size_t)M + M + 16 * seg_cm(M) + 4 * SEG_MAX + 8) + 128;
     size_t plain = (size_t)64 * M + 64;
     return (simd > plain ? simd : plain) + ytiles_floats(M);
 }

@@ -159,6 +159,24 @@ def test_long_segments_and_partial_tiles(isa, threads):
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_jobs_with_fewer_rows_than_the_largest(isa):
+    """Jobs of one call with different row counts (8 and 9, 16 and 33): a job with fewer rows than the
+    call's largest takes longer segments, and its scratch must still fit (sized for every m <= the max)."""
+    hidden, inter, group = 256, 1152, 128
+    experts = [expert(hidden, inter, group, seed=s) for s in range(2)]
+    k = kernel(1, isa)
+    x = rand_x(40, hidden, torch.bfloat16, seed=70)
+    for counts in ((8, 9), (16, 33)):
+        rows = [list(range(c)) for c in counts]
+        out = torch.zeros_like(x)
+        k.experts_mlp(x, [(r, *args(c), group, None) for r, (c, _) in zip(rows, experts)], out)
+        ref = torch.zeros(x.shape)
+        for r, (_, weights) in zip(rows, experts):
+            ref[r] += ref_mlp(x[r], weights)
+        assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_accumulate_weight(isa):
     cache, weights = expert(256, 128, 32)
     k = kernel(3, isa)
