@@ -235,6 +235,8 @@ static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_
 
 #if MO_X86
 /* ------------------------------------------------------------------ AVX-512 */
+/* Build-time knobs (-D), measured on the build box: prefetch the tile PF_DIST ahead into PF_HINT (2 tiles or
+   L2: no faster). */
 #ifndef PF_DIST
 #define PF_DIST 1
 #endif
@@ -245,7 +247,8 @@ static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_
 static inline void prefetch_head(const mat_t *A, int64_t nt0, int b0, int b1) {
     const int64_t rows = A->K / 16 < 8 ? A->K / 16 : 8, stride = A->N / 64 * 128;
     for (int64_t kt = 0; kt < rows; kt++)
-        for (int b = b0; b < b1; b++) _mm_prefetch((const char *)(A->w + kt * stride + nt0 * 128 + 16 * b), _MM_HINT_T0);
+        for (int b = b0; b < b1; b++)
+            _mm_prefetch((const char *)(A->w + kt * stride + nt0 * 128 + 16 * b), _MM_HINT_T0);
 }
 
 /* The tile read after tile i of C in a block that ends before element k1 (row0: its first row of tile 0):
@@ -291,7 +294,8 @@ T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, c
     __m512 raw[4];
     for (int i = 0; i < 4; i++) raw[i] = load16_512(A->s, base + 16 * i, A->sdt);
     for (int i = 0; i < 4; i++)
-        _mm512_store_ps(scv + 16 * i, _mm512_permutex2var_ps(raw[S->src0[i]], _mm512_loadu_si512((const void *)S->idx[i]),
+        _mm512_store_ps(scv + 16 * i, _mm512_permutex2var_ps(raw[S->src0[i]],
+                                                             _mm512_loadu_si512((const void *)S->idx[i]),
                                                              raw[S->src1[i]]));
 }
 
@@ -510,10 +514,6 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
         }
 }
 
-#define MO_BLK_CASES_BF(F)                                                                                       \
-    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
-    F(7, 1) F(8, 1)
-
 T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
                             const __m512i *xe, int M, const __m512 *xs, __m512 *T, const float *scv) {
 #define F(MBV, LBV)                                                                                            \
@@ -522,12 +522,13 @@ T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, const ui
         else blk512bf(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 2);                                    \
         return;                                                                                                \
     }
-    MO_BLK_CASES_BF(F)
+    MO_BLK_CASES(F)
 #undef F
 }
 
 /* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
-T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scratch) {
+T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+                            float *scratch) {
     const int M = X->M, NS = X->xdt == DT_BF16 ? 1 : 2;
     const int64_t NT = A->N / 64, stride = NT * 128;
     __m512i *xe = (__m512i *)scratch;     /* [8 kt][2 h][NS][M] */
