@@ -30,7 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 7
+#define MO_POOL_ABI 6
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -41,8 +41,6 @@ typedef int (*fn_event_sync)(void *ev);
 typedef int (*fn_event_query)(void *ev); /* 0: complete */
 typedef int (*fn_event_destroy)(void *ev);
 typedef int (*fn_set_device)(int device);
-/* cuStreamWriteValue32_v2: the stream writes ``value`` to the 32-bit word at ``addr`` when it gets there */
-typedef int (*fn_write_value)(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 
 enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
 /* mo_pool_create flags. HOT_SLOTS: take the most recently freed slot whose copy has completed
@@ -69,8 +67,6 @@ typedef struct batch {
     uint32_t nchunks, taken;
     int64_t *status;
     void *event; /* recorded after the last chunk's copies; may be NULL */
-    uint64_t signal_addr; /* with write_value: the word the stream sets to signal_value after them; 0: none */
-    uint32_t signal_value;
 } batch;
 
 typedef struct mo_pool mo_pool;
@@ -85,7 +81,6 @@ struct mo_pool {
     fn_event_destroy event_destroy;
     fn_set_device set_device;
     fn_event_query event_query;         /* POOL_HOT_SLOTS only */
-    fn_write_value write_value;         /* optional: batches may signal a device word */
     int flags;
     int device;
     void *stream;
@@ -311,21 +306,7 @@ static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci, uint64_t 
     return err;
 }
 
-/* The batch's last device work (under mu): its event, then its signal word. The signal is written
- * whatever the batch's outcome (a stream waiting on it must never hang); the host learns a failure
- * from the status words. */
-static void batch_issued(mo_pool *p, int64_t *status, void *event, uint64_t signal_addr, uint32_t signal_value) {
-    if (event) {
-        int rec = p->event_record(event, p->stream);
-        if (rec && status[ST_ERROR] == 0) status[ST_ERROR] = rec;
-    }
-    if (signal_addr && p->write_value) {
-        int rec = p->write_value(p->stream, signal_addr, signal_value, 0);
-        if (rec && status[ST_ERROR] == 0) status[ST_ERROR] = rec;
-    }
-}
-
-/* Mark one chunk of b finished (under mu); the last one records the batch event and signal. */
+/* Mark one chunk of b finished (under mu); the last one records the batch event. */
 static void chunk_finished(mo_pool *p, batch *b, int err, uint64_t fault) {
     if (err && b->status[ST_ERROR] == 0) {
         b->status[ST_ERROR] = err;
@@ -333,7 +314,10 @@ static void chunk_finished(mo_pool *p, batch *b, int err, uint64_t fault) {
     }
     b->status[ST_DONE]++;
     if ((uint64_t)b->status[ST_DONE] == b->nchunks) {
-        batch_issued(p, b->status, b->event, b->signal_addr, b->signal_value);
+        if (b->event) {
+            int rec = p->event_record(b->event, p->stream);
+            if (rec && b->status[ST_ERROR] == 0) b->status[ST_ERROR] = rec;
+        }
         __atomic_store_n(&b->status[ST_ISSUED], 1, __ATOMIC_RELEASE);
         free(b->pieces);
         free(b->chunks);
@@ -374,8 +358,7 @@ static void *worker(void *arg) {
 }
 
 /* api: memcpy_async, event_create, event_record, event_sync, event_destroy, set_device (or 0),
- * event_query (0 without POOL_HOT_SLOTS in ``flags``), write_value (or 0: batches cannot signal).
- * ``nthreads`` workers copy through the ring.
+ * event_query (0 without POOL_HOT_SLOTS in ``flags``). ``nthreads`` workers copy through the ring.
  * Returns NULL if an argument is off or an allocation, an event or a thread could not be made. */
 mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, size_t slot_bytes,
                         int nslots, int nthreads, int copy_kind, int flags) {
@@ -392,7 +375,6 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     p->event_destroy = (fn_event_destroy)api[4];
     p->set_device = (fn_set_device)api[5];
     p->event_query = (fn_event_query)api[6];
-    p->write_value = (fn_write_value)api[7];
     p->flags = flags;
     p->device = device;
     p->stream = stream;
@@ -444,10 +426,9 @@ fail:
  * Returns the number of chunks, SUBMIT_CLOSED (the pool is shut down) or SUBMIT_INVALID (bad
  * arguments, too many pieces, no memory); then nothing was queued. */
 int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes,
-                       int64_t *status, void *event, uint64_t signal_addr, uint32_t signal_value) {
+                       int64_t *status, void *event) {
     if (!p || !status || (n && !in) || chunk_bytes == 0 || chunk_bytes > p->slot_bytes)
         return SUBMIT_INVALID;
-    if (signal_addr && !p->write_value) return SUBMIT_INVALID;
     /* a piece becomes at most n / chunk_bytes + 2 planned pieces (a partial first and last);
      * indices are uint32 and the sum must not wrap (a wrapped cap under-allocates) */
     uint64_t cap = 0;
@@ -485,8 +466,6 @@ int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     b->nchunks = (uint32_t)nc;
     b->status = status;
     b->event = event;
-    b->signal_addr = signal_addr;
-    b->signal_value = signal_value;
     status[ST_CHUNKS] = (int64_t)nc;
     pthread_mutex_lock(&p->mu);
     if (p->closing) {
@@ -495,7 +474,10 @@ int64_t mo_pool_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
         return SUBMIT_CLOSED;
     }
     if (nc == 0) { /* nothing to copy: issued at once (the event marks "now" on the stream) */
-        batch_issued(p, status, event, signal_addr, signal_value);
+        if (event) {
+            int rec = p->event_record(event, p->stream);
+            if (rec) status[ST_ERROR] = rec;
+        }
         __atomic_store_n(&status[ST_ISSUED], 1, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&p->mu);
         free(pieces); free(chunks); free(b);
@@ -580,7 +562,6 @@ typedef struct fake_op {
     void *dst;
     const void *src;
     size_t n;
-    uint32_t value; /* mo_fake_write_value: src points here */
 } fake_op;
 typedef struct {
     pthread_mutex_t mu;
@@ -675,23 +656,6 @@ int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *s
         free(op);
         return code;
     }
-    if (s->tail) s->tail->next = op; else s->head = op;
-    s->tail = op;
-    s->queued++;
-    pthread_cond_signal(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    return 0;
-}
-
-/* cuStreamWriteValue32 on the CPU stream: the word at ``addr`` becomes ``value`` once every copy
- * queued before it was executed. */
-int mo_fake_write_value(void *stream, uint64_t addr, uint32_t value, unsigned flags) {
-    (void)flags;
-    fake_stream *s = (fake_stream *)stream;
-    fake_op *op = malloc(sizeof(*op));
-    if (!op) return 2;
-    op->next = NULL; op->dst = (void *)(uintptr_t)addr; op->value = value; op->src = &op->value; op->n = sizeof(uint32_t);
-    pthread_mutex_lock(&s->mu);
     if (s->tail) s->tail->next = op; else s->head = op;
     s->tail = op;
     s->queued++;

@@ -27,11 +27,7 @@ Contract of ``ensure(layer, ids)``:
   start of the overwriting call (``engine.submit(..., after=event)``: the copy stream waits, the
   host does not), so every kernel enqueued before that call is safe;
 - on CUDA the copies are ordered before later work on the current stream (``engine.wait``), so
-  call it with the stream that runs the MoE kernel current. With ``async_copies`` (and an engine
-  with device signals, transfer/stream_signal.py) that order is made on the device while the copy
-  threads are still reading: ensure does not wait for them; a read error then surfaces at
-  ``check()``, which the caller must run before it trusts what the kernel computed (the failed
-  slots are forgotten there, as they are at once without ``async_copies``).
+  call it with the stream that runs the MoE kernel current.
 
 Eviction policies (lower key is evicted first; ties go to the least recently used):
 - ``lru``: key = time of last use.
@@ -82,7 +78,6 @@ class _Pending:
 
     ticket: Any
     done: bool = False
-    fills: list = field(default_factory=list)  # (layer position, expert, slot) it fills
 
 
 @dataclass
@@ -141,7 +136,6 @@ class ExpertCache:
         shared: bool = False,
         layers: Sequence[int] | None = None,
         verify_first_use: bool = True,
-        async_copies: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -153,8 +147,6 @@ class ExpertCache:
         # never served; costs one extra read of each fetched expert per process; False opts out)
         self.verify_first_use = verify_first_use
         self.device = torch.device(device)
-        self.async_copies = bool(async_copies) and self.device.type == "cuda" and hasattr(engine, "wait_on_device")
-        self._unchecked: list[tuple[_Pool, _Pending]] = []  # ordered on the device, outcome not yet seen
         self.policy = policy
         self.hint_budget = float(hint_budget)
         self.layers: list[int] = list(cache.layers if layers is None else layers)
@@ -188,7 +180,7 @@ class ExpertCache:
 
         self.metrics: dict[str, float] = dict(
             calls=0, hits=0, misses=0, evictions=0, routed_bytes=0, miss_bytes=0, bytes_moved=0,
-            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, device_waits=0,
+            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0,
         )
 
     # -- set-up -------------------------------------------------------------------------------
@@ -310,41 +302,12 @@ class ExpertCache:
                 return ev
         return newest
 
-    def _wait(self, pending: _Pending, pool: _Pool | None = None) -> None:
+    def _wait(self, pending: _Pending) -> None:
         if not pending.done:
             t0 = time.perf_counter()
-            if self.async_copies and pool is not None:
-                if not self.engine.wait_on_device(pending.ticket):
-                    self._unchecked.append((pool, pending))
-                    self.metrics["device_waits"] += 1
-            else:
-                self.engine.wait(pending.ticket)
+            self.engine.wait(pending.ticket)
             self.metrics["stall_s"] += time.perf_counter() - t0
             pending.done = True
-
-    def check(self, block: bool = True) -> None:
-        """Raise the read error of a copy whose order was made on the device (``async_copies``),
-        forgetting its slots first; ``block=False`` looks only at copies already issued."""
-        keep, err = [], None
-        for pool, p in self._unchecked:
-            try:
-                if not self.engine.check(p.ticket, block=block):
-                    keep.append((pool, p))
-            except BaseException as e:
-                self._forget(pool, p)
-                err = err or e
-        self._unchecked = keep
-        if err is not None:
-            raise err
-
-    def _forget(self, pool: _Pool, failed: _Pending) -> None:
-        """Empty the slots ``failed`` filled that still hold what it was to write."""
-        for li, e, s in failed.fills:
-            if pool.owner_li[s] == li and pool.owner_e[s] == e:
-                self._lut[li, e] = -1
-                pool.owner_li[s] = pool.owner_e[s] = -1
-                pool.used[s] = pool.hinted[s] = False
-                pool.pending.pop(s, None)
 
     def _evict(self, pool: _Pool, slot: int) -> bool:
         """Empty ``slot`` (finish its copy in flight, drop it from the LUT); True if a kernel may
@@ -381,19 +344,9 @@ class ExpertCache:
         if self.verify_first_use:  # the experts it fetches, each once per process, before any slot is emptied
             self.cache.check_experts_once(self.layers[li], [e for e, _ in pairs])
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
-        if self._unchecked:  # a fill of these slots still being issued would land after this one
-            slots = {s for _, s in pairs}
-            late = [(q, p) for q, p in self._unchecked if q is pool and any(s in slots for _, _, s in p.fills)]
-            for q, p in late:
-                try:
-                    self.engine.check(p.ticket, block=True)
-                except BaseException:
-                    self._forget(q, p)  # its slots are being refilled anyway; the error stays for check()
-                    continue
-                self._unchecked.remove((q, p))
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None
-        return _Pending(self._fill(pool, li, pairs, after), fills=[(li, e, s) for e, s in pairs])
+        return _Pending(self._fill(pool, li, pairs, after))
 
     def _fill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], after=None):
         """Submit one Copy per (expert, slot) of layer position ``li``; returns the engine ticket."""
@@ -461,7 +414,7 @@ class ExpertCache:
                 to_wait.append(p)
         for p in to_wait:
             try:
-                self._wait(p, pool)
+                self._wait(p)
             except BaseException:
                 self._drop_failed(pool, p)  # never leave a slot that looks resident but is not
                 raise
@@ -532,12 +485,11 @@ class ExpertCache:
         return int(want.size)
 
     def sync(self) -> None:
-        """Wait for every copy in flight (hints included) and check those ordered on the device."""
+        """Wait for every copy in flight (hints included)."""
         for pool in self._pools:
             for p in list(pool.pending.values()):
                 self._wait(p)
             pool.pending.clear()
-        self.check(block=True)
 
     # -- derived numbers ----------------------------------------------------------------------
     def summary(self) -> dict[str, float]:

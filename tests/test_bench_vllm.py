@@ -137,7 +137,8 @@ def test_marlin_model_counts_m_blocks_per_expert():
 
 def _decode(name, tok_s, moved=(0, 0), hits=(0, 0)):
     s = lambda m, h: {"engine_bytes_moved": m, "residency_pool_hits": h[0], "residency_pool_misses": h[1],  # noqa: E731
-                      "residency_expert_calls": h[0] // 10, "residency_pool_calls": 99}
+                      "residency_expert_calls": h[0] // 10, "residency_pool_calls": 99,
+                      "residency_route_s": h[0] * 1e-4, "residency_sync_s": h[1] * 1e-4}
     return {"event": "task", "kind": "decode", "name": name,
             "result": {"tok_s": tok_s, "seconds": 1.0, "tokens": 4, "step_ms": 10.0,
                        "summary_1": [s(0, (0, 0)), s(moved[0], (0, 0))],
@@ -183,7 +184,8 @@ def test_rows_ratios_bars_and_markdown():
            "budget_bytes": 1 << 30, "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
            "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
     md = bench_vllm.markdown(res)
-    assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 2.0 | 75% | expert 3 |" in md
+    # host ms per step: route 30e-4 s and sync 10e-4 s over the 4 timed steps
+    assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 0.75 / 0.25 | 2.0 | 75% | expert 3 |" in md
     assert "| decode-8 skewed: mmap-cache / uva | 0.75 | >= 0.8 | **no** |" in md
     assert "| mmap-layer | uniform | prefill-2k | deadline | | | | | | | | | | |" in md
     # each row shows its own child's figures (ready s last): the uniform and the trace engine of mmap-cache

@@ -183,43 +183,6 @@ def test_failed_copy_is_never_served(cache):
     check_call(ec, cache, 0, [3, 1], ec.ensure(0, [3, 1]))
 
 
-class _DeviceOrderedEngine(FailingEngine):
-    """FailingEngine whose wait_on_device orders "on the device" (the bytes are in place, as a
-    stream waiting on the copy's signal would see them) and leaves the outcome to check()."""
-
-    def __init__(self, fail=()):
-        super().__init__(fail)
-        self.deferred = 0
-
-    def wait_on_device(self, ticket, stream=None) -> bool:
-        self.deferred += 1
-        return False
-
-    def check(self, ticket, block=True) -> bool:
-        self.wait(ticket)
-        return True
-
-
-def test_async_copies_raise_at_check_and_forget_the_failed_slots(cache):
-    """async_copies (the vLLM backend on CUDA): ensure does not wait for a miss's copy on the host;
-    a read error surfaces at check(), the experts of the failed copy stop looking resident, and
-    the next call fetches them again; good copies are checked too (each once)."""
-    eng = _DeviceOrderedEngine(fail={2})
-    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS))
-    ec.async_copies = True  # CUDA only in use; forced here with an engine that orders "on the device"
-    check_call(ec, cache, 0, [1, 2], ec.ensure(0, [1, 2]))  # submit 1: fine, not checked yet
-    assert len(ec._unchecked) == 1 and ec.metrics["device_waits"] == 1
-    ec.ensure(2, [3])  # submit 2 fails: ensure returns (the host did not wait)
-    assert ec.resident(2) == {3: ec.resident(2)[3]}
-    with pytest.raises(CacheError, match="injected"):
-        ec.check()
-    assert ec._unchecked == [] and 3 not in ec.resident(2)
-    assert set(ec.resident(0)) == {1, 2}  # the good copy was checked and kept
-    check_call(ec, cache, 2, [3], ec.ensure(2, [3]))  # fetched again, intact
-    ec.check()
-    assert eng.deferred == 3
-
-
 def test_bad_ids_and_layers(cache):
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=3 * len(LAYERS))
     with pytest.raises(IndexError):
@@ -258,12 +221,10 @@ def test_traces_shape_range_and_skew():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("engine_kind,async_copies", [("sync", False), ("real", False), ("real", True)])
-def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind, async_copies):
+@pytest.mark.parametrize("engine_kind", ["sync", "real"])
+def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
     """CUDA: a kernel on the current stream reads the remapped slots while later calls refill
-    other slots; gathered bytes (checked on the GPU, in stream order) equal the cache. With
-    ``async_copies`` the kernels wait for the misses' copies on the device (signal words), not
-    the host: the same bytes, and most waits are made that way."""
+    other slots; gathered bytes (checked on the GPU, in stream order) equal the cache."""
     c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=16,
                    specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
     eng = cuda_engine(engine_kind)
@@ -275,8 +236,7 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind, async_
     got = []
     with torch.cuda.stream(stream):
         for shared in (False, True):
-            ec = ExpertCache(c, eng, dev, capacity_experts=16 if shared else 4 * 4, shared=shared,
-                             async_copies=async_copies)
+            ec = ExpertCache(c, eng, dev, capacity_experts=16 if shared else 4 * 4, shared=shared)
             for t in range(tr.shape[0]):
                 for li, layer in enumerate(c.layers):
                     ids = torch.from_numpy(tr[t, li]).to(dev)
@@ -290,8 +250,6 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind, async_
                     if li + 1 < 4:
                         ec.prefetch_hint(c.layers[li + 1], tr[t - 1, li + 1] if t else [])
             ec.sync()
-            if async_copies:
-                assert eng.metrics["device_signals"] and ec.metrics["device_waits"] > 0
         torch.cuda.synchronize()
     for key, sums in got:
         assert {n: v.item() for n, v in sums.items()} == want[key]

@@ -615,13 +615,13 @@ def test_native_pool_refused_batch_does_not_pin_later_destinations(files, monkey
 
 
 def _fake_api(lib):
-    """mo_pool_create's 8 CUDA entry points, from the library's CPU stand-ins (no set_device; no
-    event_query: no hot slots; no write_value: no signals)."""
+    """mo_pool_create's 7 CUDA entry points, from the library's CPU stand-ins (no set_device; no
+    event_query: no hot slots)."""
     import ctypes
 
     names = ("mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-             "mo_fake_event_sync", "mo_fake_event_destroy", None, None, None)
-    return (ctypes.c_void_p * 8)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
+             "mo_fake_event_sync", "mo_fake_event_destroy", None, None)
+    return (ctypes.c_void_p * 7)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
                                    for n in names])
 
 
@@ -660,26 +660,26 @@ def test_native_pool_planning_edges():
                                    zip(np.cumsum([0] + [int(n) + 7 for n in lens[:-1]]), lens)])
             trip = np.array(trip, dtype=np.uint64)
             status = np.zeros(5, dtype=np.int64)
-            n = lib.mo_pool_submit(pool, trip.ctypes.data, len(lens), chunk_bytes, status.ctypes.data, None, 0, 0)
+            n = lib.mo_pool_submit(pool, trip.ctypes.data, len(lens), chunk_bytes, status.ctypes.data, None)
             assert n == status[0] >= sum(lens) // chunk_bytes
             assert lib.mo_pool_wait(pool, status.ctypes.data) == 0 and status[2] == 1
             ev = ctypes.c_void_p()
             lib.mo_fake_event_create(ctypes.byref(ev), 0)
             status2 = np.zeros(5, dtype=np.int64)  # nothing to copy: issued at once, event marks now
-            assert lib.mo_pool_submit(pool, None, 0, chunk_bytes, status2.ctypes.data, ev, 0, 0) == 0
+            assert lib.mo_pool_submit(pool, None, 0, chunk_bytes, status2.ctypes.data, ev) == 0
             assert status2[2] == 1
             lib.mo_fake_event_sync(ev)
             lib.mo_fake_event_destroy(ev)
             assert np.array_equal(dst[:-1], want) and dst[-1] == 0
         status = np.zeros(5, dtype=np.int64)
         one = np.array([src.ctypes.data, ring.ctypes.data, 1], dtype=np.uint64)
-        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, slot + 1, status.ctypes.data, None, 0, 0) == -2
-        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 0, status.ctypes.data, None, 0, 0) == -2
-        assert lib.mo_pool_submit(None, one.ctypes.data, 1, 64, status.ctypes.data, None, 0, 0) == -2
+        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, slot + 1, status.ctypes.data, None) == -2
+        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 0, status.ctypes.data, None) == -2
+        assert lib.mo_pool_submit(None, one.ctypes.data, 1, 64, status.ctypes.data, None) == -2
         assert lib.mo_pool_wait(None, status.ctypes.data) == -1  # no pool will ever issue it
         lib.mo_pool_shutdown(pool)
         lib.mo_pool_shutdown(pool)  # idempotent
-        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 64, status.ctypes.data, None, 0, 0) == -1
+        assert lib.mo_pool_submit(pool, one.ctypes.data, 1, 64, status.ctypes.data, None) == -1
     finally:
         lib.mo_pool_destroy(pool)
         lib.mo_fake_stream_destroy(stream)
@@ -697,15 +697,15 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
         from mmap_offload.transfer import native_copy_lib
         lib = native_copy_lib()
         stream = lib.mo_fake_stream_create(0)
-        api = (ctypes.c_void_p * 8)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+        api = (ctypes.c_void_p * 7)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
             "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None, None)
+            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None)
         ring = np.zeros(2 * 4096, dtype=np.uint8)
         pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0)
         status = np.zeros(5, dtype=np.int64)
         for n, cb in ((1 << 63, 1), ((1 << 64) - 1, 1), (1 << 40, 64)):  # never read: refused first
             trip = np.array([ring.ctypes.data, ring.ctypes.data, n], dtype=np.uint64)
-            print(lib.mo_pool_submit(pool, trip.ctypes.data, 1, cb, status.ctypes.data, None, 0, 0))
+            print(lib.mo_pool_submit(pool, trip.ctypes.data, 1, cb, status.ctypes.data, None))
         lib.mo_pool_destroy(pool)
         lib.mo_fake_stream_destroy(stream)
     """
@@ -824,71 +824,3 @@ def test_cpu_stream_close_then_reuse_does_not_hang():
         b.zero_()
         st.close()
     assert st._thread is None
-
-
-# --- device signals (stream_signal.py): a word set after a batch's last copy ------------------------
-
-
-@needs_native
-def test_native_pool_signal_word_is_set_after_the_batchs_last_copy(files):
-    """The pool writes a batch's signal word on its stream after every copy of the batch (the
-    CPU stream runs each op 2 ms late): the word is not set before, and once it is, every byte of
-    the batch is in place; each batch its own word and value."""
-    p, data = max(files.items(), key=lambda kv: len(kv[1]))
-    eng = make_engine("mmap", "cpu", pinned_bytes=4 * 65536, slot_bytes=65536, threads=3, native=True,
-                      stream_delay_us=2000, device_signals=True)
-    try:
-        assert eng.signals is not None and eng.metrics["device_signals"]
-        n = 6 * 65536
-        dsts = [torch.zeros(n, dtype=torch.uint8) for _ in range(3)]
-        tickets = [eng.submit([Copy(Extent(p, 0, n), [(0, n, d)])]) for d in dsts]
-        sigs = [t.signal for t in tickets]
-        assert len({a for a, _ in sigs}) == 3 and len({v for _, v in sigs}) == 3
-        assert eng.signals.value_at(sigs[0][0]) != sigs[0][1]  # 6+ copies of 2 ms each still ahead
-        for t, d, (addr, value) in zip(tickets, dsts, sigs):
-            deadline = time.monotonic() + 10
-            while eng.signals.value_at(addr) != value:
-                assert time.monotonic() < deadline, "the signal word was never written"
-                time.sleep(0.0005)
-            assert np.array_equal(d.numpy(), data[:n])  # set only once the batch landed
-            assert eng.check(t, block=True)
-        # on the CPU nothing waits on a device stream: wait_on_device is wait
-        d = torch.zeros(n, dtype=torch.uint8)
-        assert eng.wait_on_device(eng.submit([Copy(Extent(p, 0, n), [(0, n, d)])])) is True
-        assert np.array_equal(d.numpy(), data[:n])
-    finally:
-        eng.close()
-
-
-@needs_native
-def test_a_failed_batch_still_sets_its_signal_and_check_raises(files):
-    """A stream waiting on a failed batch must not hang: the word is written anyway, and the
-    host learns the failure from check()."""
-    p, data = max(files.items(), key=lambda kv: len(kv[1]))
-    eng = make_engine("mmap", "cpu", pinned_bytes=2 * 65536, slot_bytes=65536, threads=2, native=True,
-                      stream_delay_us=100, device_signals=True)
-    try:
-        n = 8 * 65536
-        eng._pool.lib.mo_fake_stream_fail(eng._pool._fake_stream, 0, 2, 719)
-        t = eng.submit([Copy(Extent(p, 0, n), [(0, n, torch.zeros(n, dtype=torch.uint8))])])
-        with pytest.raises(RuntimeError, match="CUDA error 719"):
-            eng.check(t, block=True)
-        addr, value = t.signal
-        deadline = time.monotonic() + 10
-        while eng.signals.value_at(addr) != value:
-            assert time.monotonic() < deadline, "a failed batch left its signal word unset"
-            time.sleep(0.0005)
-    finally:
-        eng.close()
-
-
-def test_engines_without_signals_wait_on_the_host(files):
-    p, data = next(iter(files.items()))
-    eng = make_engine("pread", "cpu", pinned_bytes=2 * 65536, slot_bytes=65536, threads=2)
-    try:
-        d = torch.zeros(len(data), dtype=torch.uint8)
-        t = eng.submit([Copy(Extent(p, 0, len(data)), [(0, len(data), d)])])
-        assert t.signal is None and eng.wait_on_device(t) is True
-        assert np.array_equal(d.numpy(), data)
-    finally:
-        eng.close()

@@ -21,7 +21,6 @@ from . import native_pool
 from .native_pool import _ERR_FAULT, _NATIVE_COPY_KINDS, _has_erms, _NativePool, _pool_error
 from .pagecache import _MappedFile
 from .ring import MIN_CHUNK_BYTES, _RingEngine, _WorkerStats
-from .stream_signal import StreamSignals
 from .ticket import Copy, Ticket, _Chunk
 
 NATIVE_MIN_CHUNK_BYTES = 512 << 10  # MIN_CHUNK_BYTES for the native pool (no Python per chunk)
@@ -35,12 +34,7 @@ class MmapEngine(_RingEngine):
     (``native=False`` picks them on purpose, for comparison). Knobs kept because a measured case
     prefers them (docs/TRANSFER.md): ``slot_reuse="oldest"`` (better than "hot" with ``nt4``, the
     kernel of CPUs without ERMS), ``copy_impl="nt4"``; the others are test hooks or switch off a
-    default (``populate``, ``hugepage``, ``ring_hugepage``, ``blocking_events``).
-
-    ``device_signals`` (default: on CUDA where the driver has stream memory operations): every
-    batch of the native pool sets a device word after its last copy (stream_signal.py), so
-    ``wait_on_device`` can order a compute stream after copies still being issued; True on the
-    CPU gives the pool's CPU stream the same words in host memory (tests)."""
+    default (``populate``, ``hugepage``, ``ring_hugepage``, ``blocking_events``)."""
 
     kind = "mmap"
 
@@ -48,8 +42,7 @@ class MmapEngine(_RingEngine):
                  slot_bytes: int = 4 << 20, threads: int = 8, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", native: bool | str = "auto",
                  stream_delay_us: int = 0, chunks_per_thread: int | None = None,
-                 min_chunk_bytes: int | None = None, ring_hugepage: bool = True, slot_reuse: str = "auto",
-                 device_signals: bool | None = None):
+                 min_chunk_bytes: int | None = None, ring_hugepage: bool = True, slot_reuse: str = "auto"):
         if slot_reuse not in ("auto", "oldest", "hot"):
             raise ValueError(f"slot_reuse must be 'auto', 'oldest' or 'hot', got {slot_reuse!r}")
         if copy_impl not in COPY_IMPLS:
@@ -86,16 +79,11 @@ class MmapEngine(_RingEngine):
                          ring_hugepage=ring_hugepage)
         self.native = pool
         self._pool: _NativePool | None = None
-        self.signals: StreamSignals | None = None
-        if pool and device_signals is not False:
-            self.signals = (StreamSignals.for_device(device) if device.type == "cuda"
-                            else StreamSignals.for_cpu_stream(lib) if device_signals else None)
         if pool:
             try:
                 self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
                                          _NATIVE_COPY_KINDS[self.copy_impl], stream_delay_us,
-                                         hot_slots=self.slot_reuse == "hot",
-                                         write_value=self.signals.write_fn if self.signals else None)
+                                         hot_slots=self.slot_reuse == "hot")
             except BaseException:
                 self.ring.close()
                 self.stream.close()
@@ -128,14 +116,9 @@ class MmapEngine(_RingEngine):
         triples = np.array(flat, dtype=np.uint64)
         ticket = Ticket(total, 1)
         if after is not None:
-            if self._device_waited:
-                self._settle_device_waited()
             self.stream.wait_event(after)
-        if self.signals is not None:
-            ticket.signal = self.signals.next()
         nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket,
-                                    describe_fault=lambda addr: self._fault_error(addr, copies),
-                                    signal=ticket.signal)
+                                    describe_fault=lambda addr: self._fault_error(addr, copies))
         # after the submit (``copies`` holds the destinations meanwhile): a refused batch, never
         # issued, would otherwise stay at the head of _inflight and pin everything behind it
         self._retain(ticket, copies)
@@ -198,8 +181,6 @@ class MmapEngine(_RingEngine):
         if self._pool is not None:
             m.update(self._pool.stats())
             m["sigbus_guarded"] = bool(self._pool.lib.mo_sigbus_guarded())  # csrc/copy_pool.c
-        m["device_signals"] = self.signals is not None
-        m["device_waits"] = self.signals.waits if self.signals is not None else 0
         return m
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from .ticket import Ticket
 _ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_FAULT, _ST_LEN = 0, 1, 2, 3, 4, 5  # csrc/copy_pool.c
 _ERR_CANCELLED, _ERR_FAULT = -1, -2  # status[_ST_ERROR] below 0; above 0 it is a CUDA error code
 
-NATIVE_POOL_ABI = 7  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 6  # csrc/copy_pool.c MO_POOL_ABI
 _native_lock = threading.Lock()
 
 
@@ -56,7 +56,7 @@ def _typed(lib: Any) -> bool:
         lib.mo_pool_create.argtypes = [vp, ctypes.c_int, vp, vp, sz, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_int, ctypes.c_int]
         lib.mo_pool_submit.restype = ctypes.c_int64
-        lib.mo_pool_submit.argtypes = [vp, vp, sz, sz, vp, vp, ctypes.c_uint64, ctypes.c_uint32]
+        lib.mo_pool_submit.argtypes = [vp, vp, sz, sz, vp, vp]
         lib.mo_pool_wait.restype = ctypes.c_int64
         lib.mo_pool_wait.argtypes = [vp, vp]
         lib.mo_pool_stats.argtypes = [vp, vp]
@@ -72,7 +72,6 @@ def _typed(lib: Any) -> bool:
         lib.mo_fake_event_done.argtypes = [vp]
         lib.mo_fake_event_sync.argtypes = [vp]
         lib.mo_fake_event_destroy.argtypes = [vp]
-        lib.mo_fake_write_value.argtypes = [vp, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     except AttributeError:
         return False
     return True
@@ -139,8 +138,7 @@ class _NativePool:
     and after the last user left. ``handle`` stays set until then."""
 
     def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
-                 copy_kind: int, stream_delay_us: int = 0, hot_slots: bool = False,
-                 write_value: int | None = None) -> None:
+                 copy_kind: int, stream_delay_us: int = 0, hot_slots: bool = False) -> None:
         self.lib = lib
         self.device = device
         self._fake_stream = None
@@ -153,7 +151,6 @@ class _NativePool:
             api = _cuda_runtime_api()
             if api is None:
                 raise UnsupportedError("the CUDA runtime torch uses was not found", "use native=False")
-            api = api + [write_value]  # cuStreamWriteValue32 (stream_signal.py), or None
             handle, index = stream.handle, device.index
         else:
             self._fake_stream = lib.mo_fake_stream_create(int(stream_delay_us))
@@ -161,7 +158,7 @@ class _NativePool:
                 raise MemoryError("the native copy pool's CPU stream could not start")
             api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None for n in (
                 "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_event_query", "mo_fake_write_value")]
+                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_event_query")]
             handle, index = self._fake_stream, -1
         self._api = (ctypes.c_void_p * len(api))(*api)
         self.stream = stream
@@ -194,18 +191,10 @@ class _NativePool:
             if not self._users:
                 self._cv.notify_all()
 
-    @property
-    def can_signal(self) -> bool:
-        """Batches can set a 32-bit word on the stream after their last copy (``submit(signal=)``)."""
-        return bool(self._api[7])
-
     def submit(self, triples: np.ndarray, chunk_bytes: int, ticket: Ticket,
-               describe_fault: Callable[[int], BaseException] | None = None,
-               signal: tuple[int, int] | None = None) -> int:
+               describe_fault: Callable[[int], BaseException] | None = None) -> int:
         """``triples``: flat uint64 (src address, dst address, nbytes) per piece. A chunk whose read
-        of the mapping raised SIGBUS fails the ticket with ``describe_fault(address)``. ``signal``:
-        (address, value): the stream sets that 32-bit word to value after the batch's last copy,
-        whatever its outcome."""
+        of the mapping raised SIGBUS fails the ticket with ``describe_fault(address)``."""
         status = np.zeros(_ST_LEN, dtype=np.int64)
         ev, handle = self.new_event()
         ticket._status, ticket._native_event = status, ev  # alive (with the ticket) until issued
@@ -213,9 +202,8 @@ class _NativePool:
         ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
         h = self._enter(closing_ok=False)
         try:
-            addr, value = signal or (0, 0)
             n = self.lib.mo_pool_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
-                                        status.ctypes.data, handle, addr, value) if h else -1
+                                        status.ctypes.data, handle) if h else -1
         finally:
             if h:
                 self._leave()

@@ -56,7 +56,6 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
-        self.signal: tuple[int, int] | None = None  # (word address, value) set after its last copy (stream_signal.py)
         # native pool (csrc/copy_pool.c): status words it writes, the event it records last, and
         # what turns its error code into the exception (native_pool._NativePool.submit sets them)
         self._status: np.ndarray | None = None
@@ -135,8 +134,6 @@ class TransferEngine:
         # raw destination addresses, so the engine keeps the destination tensors alive meanwhile
         self._inflight: deque = deque()
         self._inflight_lock = threading.Lock()
-        # tickets a stream waits for on the device (wait_on_device) that were still being issued
-        self._device_waited: list[Ticket] = []
 
     def _retain(self, ticket: "Ticket", copies: Sequence[Copy]) -> None:
         with self._inflight_lock:
@@ -239,41 +236,6 @@ class TransferEngine:
             ev.synchronize()
             with self._stall_lock:
                 self._stall += time.perf_counter() - t0
-
-    def wait_on_device(self, ticket: Ticket, stream: Any = None) -> bool:
-        """Order ``stream`` (default: the current one) after the ticket's copies without blocking
-        the host where the engine can (a ticket with a device signal, still being issued): returns
-        False then, and the caller must ``check`` the ticket before trusting what the stream
-        computed from its bytes. Otherwise it is ``wait`` (read errors raised here) and returns True."""
-        signals = getattr(self, "signals", None)
-        if (signals is not None and ticket.signal is not None and self.device.type == "cuda"
-                and not ticket.issued()):
-            signals.wait(stream or torch.cuda.current_stream(self.device), *ticket.signal)
-            with self._inflight_lock:
-                self._device_waited.append(ticket)
-            return False
-        self.wait(ticket, stream)
-        return True
-
-    def _settle_device_waited(self) -> None:
-        """Before the copy stream is told to wait for an event of a compute stream: every ticket
-        that stream waits for on the device must have all its copies enqueued already. Else a
-        late chunk of it would queue behind that wait, whose event lies behind the compute
-        stream's wait for the same ticket: both streams would wait forever. Errors stay for check()."""
-        with self._inflight_lock:
-            pending, self._device_waited = self._device_waited, []
-        for t in pending:
-            if t._status is not None and not t.issued():
-                self._wait_native(t)
-            t._issued.wait()
-
-    def check(self, ticket: Ticket, block: bool = True) -> bool:
-        """After ``wait_on_device`` returned False: raise the ticket's read error, if any; True once
-        it is known (``block=False``: False while its copies are still being issued)."""
-        if not block and not ticket.issued():
-            return False
-        self._wait_issued(ticket)
-        return True
 
     def synchronize(self, ticket: Ticket) -> None:
         """Block the host until every byte of the ticket is on the device."""

@@ -445,7 +445,8 @@ class MmapOffloader(_OffloaderBase):
         self.residency = Residency(self, capacity)
         for t in self.targets:
             route_through(t.router, lambda w, ids, x, t=t: self.residency.route(t, w, ids, x))
-            add_after_experts(t.experts, lambda out, t=t: self.residency.after_experts(t, out))
+            if self.residency.host is not None:
+                add_after_experts(t.experts, lambda out, t=t: self.residency.host.add_to(t, out))
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""

@@ -19,10 +19,10 @@ distinct routed experts:
               (prefill, large batches): the whole layer comes through the ``LayerPrefetcher``
               buffers (the next layer is started ahead), ids pass unchanged.
 
-The host learns the routed experts with one small device->host copy per layer (a bincount over
-the ids, E integers), the price of fetching only what is routed. Per call nothing else is
-allocated but the slot ids (and the bincount) from vLLM's caching allocator: the pools, maps and
-pinned staging are made once.
+The host learns the routed experts with one small device->host copy per layer (the ids
+themselves, into pinned staging), the price of fetching only what is routed. Per call nothing
+else is allocated but the slot ids from vLLM's caching allocator: the pools, maps and pinned
+staging are made once; a layer's map is copied to the device only when its pool changed.
 
 ``routing_trace`` (a benchmark option) replaces the router's ids by a CSV trace's, to measure real
 routing on a random model; outputs then differ from the model's own (clearly labelled in metrics).
@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 from ..expert_cache import ExpertCache
-from .patches import log
 from ..transfer import Copy
 
 
@@ -53,7 +52,7 @@ class Residency:
         self.layers = [t.layer for t in off.targets]
         self.ec = ExpertCache(
             off.cache, off.engine, self.device, capacity_bytes=int(capacity_bytes), layers=self.layers,
-            verify_first_use=opts.verify_first_use, async_copies=True,
+            verify_first_use=opts.verify_first_use,
         )
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
@@ -65,7 +64,6 @@ class Residency:
         self._ids_staging: dict[torch.dtype, torch.Tensor] = {}  # pinned, per ids dtype (grown on demand)
         self._event = torch.cuda.Event() if pin else None
         self._map_event: dict[int, Any] = {}  # target index -> event after its map's last H2D copy
-        self._unchecked: list = []  # sparse rows' tickets ordered on the device, outcome not yet seen
         self._bound: dict[int, str] = {}  # target index -> "pool" | "layer"
         self._twins: dict[str, torch.Tensor] = {}  # CPU platform transform: kernel layout of the pool
         self.trace = None
@@ -79,13 +77,13 @@ class Residency:
         self._ids_host = self._w_host = self._mask_host = None  # hybrid: made on first use
         self.host = None
         if opts.hybrid:
-            from .host_experts import HostExperts, default_threads
+            from .host_experts import HostExperts
 
-            self.host = HostExperts(off, threads=opts.host_threads or default_threads(off.tp_size or 1))
+            self.host = HostExperts(off, threads=opts.host_threads)  # 0: its default (cores, TP, copy threads)
         # route_s: host time in route() (sync_s of it waiting for the router's ids, ensure_s in the
         # pool's ensure, misses' copies included); map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
-                                            sync_s=0.0, ensure_s=0.0, check_s=0.0, map_copies=0,
+                                            sync_s=0.0, ensure_s=0.0, map_copies=0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -159,8 +157,11 @@ class Residency:
         to_host, to_copy = host.split(misses, tokens)
         if len(to_host) and not len(hits) and not len(to_copy):  # one expert must be resident for the masked pairs
             to_host, to_copy = to_host[1:], to_host[:1]
-        if not len(to_host):
-            return weights, self._expert_mode(t, ids, used)
+        if not len(to_host):  # every miss copied: the model still learns the link from it
+            moved, stalled = ec.metrics["miss_bytes"], ec.metrics["stall_s"]
+            slot_ids = self._expert_mode(t, ids, used)
+            host.note_copy(ec.metrics["miss_bytes"] - moved, ec.metrics["stall_s"] - stalled)
+            return weights, slot_ids
         self.metrics["hybrid_calls"] += 1
         host.start(t, x_h, ids_h, w_h, to_host)  # runs while the copies below are read and issued
         gpu = np.sort(np.concatenate([hits, to_copy]))
@@ -183,8 +184,6 @@ class Residency:
     def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor | None = None):
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
         t0 = time.perf_counter()
-        if self.ec._unchecked or self._unchecked:  # copies of earlier layers ordered on the device: any failed?
-            self._check(block=False)
         with torch.inference_mode(False):
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
@@ -210,39 +209,8 @@ class Residency:
         self.metrics["route_s"] += time.perf_counter() - t0
         return topk_weights, out
 
-    def after_experts(self, t, out):
-        """Patch 4b, after layer ``t``'s expert kernel was launched: add the host's rows (hybrid);
-        after the last MoE layer, wait until every copy the step ordered on the device is issued
-        and raise a read error before the step's output can be used (copies usually finished
-        while the host launched the layers after them)."""
-        if self.host is not None:
-            out = self.host.add_to(t, out)
-        if t.index == len(self.off.targets) - 1 and (self.ec._unchecked or self._unchecked):
-            t0 = time.perf_counter()
-            self._check(block=True)
-            self.metrics["check_s"] += time.perf_counter() - t0
-        return out
-
-    def _check(self, block: bool) -> None:
-        """Raise the read error of any copy ordered on the device (pool fills, sparse rows)."""
-        keep, err = [], None
-        for ticket in self._unchecked:
-            try:
-                if not self.off.engine.check(ticket, block=block):
-                    keep.append(ticket)
-            except BaseException as e:
-                err = err or e
-        self._unchecked = keep
-        try:
-            self.ec.check(block=block)
-        finally:
-            if err is not None:
-                raise err
-
     def _layer_mode(self, t, ids: torch.Tensor, ahead: bool) -> torch.Tensor:
         self.metrics["layer_calls"] += 1
-        if self._unchecked:  # sparse rows still being issued would land in a buffer loaded again
-            self._check(block=True)
         self._bind_layer(t, self.off._layer_tensors(t))
         if ahead and len(self.off.targets) > 1:
             pf = self.off.prefetcher
@@ -252,8 +220,6 @@ class Residency:
     def _sparse_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
         self.metrics["sparse_calls"] += 1
         off, ec = self.off, self.ec
-        if self._unchecked:  # the same for the rows of an earlier sparse call
-            self._check(block=True)
         row = ec.slot_map(t.layer)
         slots = row[used]
         misses, hits = used[slots < 0], used[slots >= 0]
@@ -278,8 +244,8 @@ class Residency:
             for name in t.served:
                 dst = tensors[name].data
                 dst.index_copy_(0, idx[0], pool[name].index_select(0, idx[1]))
-        if len(misses) and not off.engine.wait_on_device(ticket):  # ordered on the device: checked later
-            self._unchecked.append(ticket)
+        if len(misses):
+            off.engine.wait(ticket)
         layer_tensors = tensors
         if off._transforms:  # CPU prepacked kernels: the buffer's kernel-layout twin, whole
             b = off.prefetcher.buffer_index(t.layer)
@@ -337,16 +303,13 @@ class Residency:
         out["pool_bytes"] = self.ec.capacity_bytes
         out["layer_stream_threshold"] = self.threshold
         if self.host is not None:
-            out.update({f"host_{k}": v for k, v in self.host.metrics.items()})
+            out.update({f"host_{k}": v for k, v in self.host.summary().items()})
             out["host_rate_gbps"] = self.host.host_rate / 1e9
             out["copy_rate_gbps"] = self.host.copy_rate / 1e9
         return out
 
     def close(self) -> None:
-        try:
-            self.ec.sync()
-        except Exception as e:  # a failed copy of the last step: already reported by that step
-            log.debug("mmap-offload: closing the expert cache: %s", e)
+        self.ec.sync()
         if self.host is not None:
             self.host.close()
 
