@@ -260,7 +260,7 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
             t += decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else [])
         return t
 
-    mm = {"cache_dir": str(cache), "lookahead": 1}
+    mm = {"cache_dir": str(cache), "lookahead": 1, **mmap_options(args.mmap_option)}
     specs = []
     for cfg in [c for c in args.configs.split(",") if c]:
         if cfg not in CONFIGS:
@@ -293,6 +293,20 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                               "llm": {**common, "offload_backend": "mmap",
                                       "additional_config": {"mmap_offload": pool}}})
     return specs
+
+
+def mmap_options(items) -> dict:
+    """``--mmap-option KEY=VALUE`` pairs as backend options (VALUE parsed as JSON where it parses)."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--mmap-option {item!r}: write KEY=VALUE, e.g. threads=14")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def budget_bytes(args, expert_bytes: int) -> int:
@@ -619,6 +633,9 @@ def parse_args(argv=None):
     p.add_argument("--min-child-s", type=float, default=45.0, help="do not start a child with less time left")
     p.add_argument("--no-cgroup", action="store_true", help="do not put children in a memory cgroup")
     p.add_argument("--python", default=None, help="interpreter of the children (default: this one)")
+    p.add_argument("--mmap-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an mmap_offload option for every mmap config (e.g. threads=14, verify_first_use=false); "
+                        "repeat for several; values are JSON where they parse as JSON")
     p.add_argument("--write-traces", default=None, metavar="DIR", help="write the sample traces into DIR and exit")
     a = p.parse_args(argv)
     shp = TINY_SHAPES if a.tiny else USER_SHAPES

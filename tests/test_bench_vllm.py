@@ -294,3 +294,19 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
     assert res["trace"]["shape"][1:] == [2, 64, 2]  # layers, batch rows, top-k
     assert r.returncode == 0
+
+
+def test_mmap_options_reach_every_mmap_config(tmp_path):
+    import bench_vllm
+
+    assert bench_vllm.mmap_options(["threads=14", "verify_first_use=false", "engine=mmap"]) == {
+        "threads": 14, "verify_first_use": False, "engine": "mmap"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench_vllm.mmap_options(["threads"])
+    args = bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "uva,mmap-layer,mmap-cache",
+                                  "--routings", "uniform", "--mmap-option", "threads=14"])
+    specs = bench_vllm.child_specs(args, tmp_path / "ckpt", tmp_path / "cache", None, expert_bytes=8 << 30,
+                                   layer_bytes=1 << 30, deadline_at=0.0)
+    mm = [s["llm"]["additional_config"]["mmap_offload"] for s in specs if s["config"].startswith("mmap")]
+    assert len(mm) == 2 and all(o["threads"] == 14 for o in mm)
+    assert "additional_config" not in next(s for s in specs if s["config"] == "uva")["llm"]
