@@ -222,7 +222,7 @@ def decode_tasks(args, routing: str) -> list[dict]:
         if w.startswith("decode-"):
             b = int(w.split("-")[1])
             out.append({"kind": "decode", "name": f"{routing}/{w}", "batch": b, "tokens": args.decode_tokens,
-                        "prompt_len": 16})
+                        "prompt_len": 16, "warmup_tokens": args.decode_warmup_tokens})
     return out
 
 
@@ -621,6 +621,10 @@ def parse_args(argv=None):
     p.add_argument("--routings", default="uniform,skewed")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
     p.add_argument("--decode-tokens", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--decode-warmup-tokens", type=int, default=32,
+                   help="untimed decode steps first, per batch size: the pool fills and each expert's "
+                        "first-use check is paid before timing (sessions 4-5 used 4, so their decode rows "
+                        "include pool warm-up)")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--prefill-skewed", action="store_true", help="also prefill with the trace's routing")
