@@ -303,6 +303,44 @@ def test_check_layer_once_raises_for_a_flipped_bit_and_passes_clean_layers(tmp_p
     assert cache.verify_layer(LAYERS[2]) == []
 
 
+def test_background_check_finds_a_flip_first_and_first_uses_read_nothing_more(tmp_path, monkeypatch):
+    """Cache.check_in_background: every expert checked in a background thread; afterwards the
+    serving path's first-use checks read no byte (clean experts pass, whole clean layers count as
+    checked for layer streaming), and the flipped expert is refused by name while its layer's
+    other experts stay servable."""
+    write(tmp_path)
+    cache = open_cache(tmp_path)
+    _flip(cache, LAYERS[1], 1, "w13")
+    bg = cache.check_in_background()
+    assert bg.wait(60) and bg.error is None
+    s = bg.summary()
+    assert s["experts"] == len(LAYERS) * cache.num_experts and s["mismatches"] == 1 and s["done"]
+    reads = []
+    real = cache._verify_records
+    monkeypatch.setattr(cache, "_verify_records", lambda *a, **k: reads.append(a) or real(*a, **k))
+    cache.check_experts_once(LAYERS[0], range(cache.num_experts))
+    cache.check_layer_once(LAYERS[0])  # all clean: known whole
+    cache.check_experts_once(LAYERS[1], [0, 2])
+    with pytest.raises(CorruptCacheError, match=f"layer {LAYERS[1]} expert 1 w13"):
+        cache.check_experts_once(LAYERS[1], [1])
+    assert reads == []
+    with pytest.raises(CorruptCacheError, match=f"layer {LAYERS[1]} expert 1 w13"):
+        cache.check_layer_once(LAYERS[1])  # a layer with a bad expert is read whole, and refused
+
+
+def test_background_check_skips_what_serving_checked_and_stops(tmp_path):
+    write(tmp_path)
+    cache = open_cache(tmp_path)
+    cache.check_layer_once(LAYERS[0])
+    cache.check_experts_once(LAYERS[1], [0, 1])
+    bg = cache.check_in_background()
+    assert bg.wait(60)
+    assert bg.experts == (len(LAYERS) - 1) * cache.num_experts - 2  # none read twice
+    stopped = cache.check_in_background()
+    stopped.stop()
+    assert stopped.done
+
+
 def test_layer_buffer_is_the_whole_file_zero_copy(tmp_path):
     write(tmp_path)
     cache = open_cache(tmp_path)

@@ -151,9 +151,21 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
         out = toy.run(layers, x)  # post_init runs lazily on the first wait (as on vLLM's CPU runner)
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
         assert off.summary()["prefetch_loads"] >= 3 * toy.LAYERS - 1
+        # verify_in_background (default): every expert ends up checked, by the thread or by serving
+        bg = off._background_check
+        assert bg is not None and bg.wait(60) and bg.error is None
+        assert all(off.cache._expert_checked(l, e) for l in off.cache.layers for e in range(off.cache.num_experts))
+        assert off.summary()["check_bg_done"] is True
     finally:
         off.close()
         set_offloader(None)
+    off2 = MmapOffloader(MmapOptions(cache_dir=str(tmp_path / "cache"), lookahead=0, pinned_mib=8,
+                                     verify_in_background=False), checkpoint=ckpt, device="cpu")
+    try:
+        off2.wrap_modules(iter(toy.build(ckpt, "cpu", False)))
+        assert off2._background_check is None and "check_bg_done" not in off2.summary()
+    finally:
+        off2.close()
 
 
 # -- no vLLM needed ------------------------------------------------------------------------------------
@@ -161,10 +173,12 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
 
 def test_launcher_translates_flags_and_adds_backend():
     argv = launcher_argv(["serve", "/m", "--tensor-parallel-size", "2", "--mmap-cache-dir", "/c", "--mmap-lookahead", "2",
+                          "--mmap-no-background-check",
                           "--additional-config", '{"x": 1, "mmap_offload": {"engine": "pread"}}'])
     assert argv[:4] == ["serve", "/m", "--tensor-parallel-size", "2"]
     i = argv.index("--additional-config")
-    assert json.loads(argv[i + 1]) == {"x": 1, CONFIG_KEY: {"engine": "pread", "cache_dir": "/c", "lookahead": 2}}
+    assert json.loads(argv[i + 1]) == {"x": 1, CONFIG_KEY: {"engine": "pread", "cache_dir": "/c", "lookahead": 2,
+                                                           "verify_in_background": False}}
     assert argv[argv.index("--offload-backend") + 1] == "mmap"
     assert "--enforce-eager" in argv
 

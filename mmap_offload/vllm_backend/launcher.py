@@ -23,6 +23,7 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-warmup-device": ("warmup_device", {}),
     "--mmap-verify": ("verify", {"action": "store_true", "default": None}),
     "--mmap-no-verify-first-use": ("verify_first_use", {"action": "store_false", "default": None}),
+    "--mmap-no-background-check": ("verify_in_background", {"action": "store_false", "default": None}),
     "--mmap-no-rebuild": ("rebuild", {"action": "store_false", "default": None}),
     "--mmap-expert-cache-gib": ("expert_cache_gib", {}),
 }

@@ -102,6 +102,7 @@ class MmapOffloader(_OffloaderBase):
         self.targets: list[_Target] = []
         self.cache = None
         self.engine = None
+        self._background_check = None  # cache_reader.BackgroundCheck (verify_in_background)
         self.prefetcher = None
         self.residency = None  # residency.Residency when the expert cache is on
         self._vcfg = None
@@ -314,6 +315,8 @@ class MmapOffloader(_OffloaderBase):
                            device=self._warmup_device(), repair=True, progress=self.tp_rank == 0)
                     continue
             self.cache = cache
+            if opts.verify_first_use and opts.verify_in_background and not opts.verify:
+                self._background_check = cache.check_in_background()
             return cache
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -529,6 +532,8 @@ class MmapOffloader(_OffloaderBase):
         device memory (vLLM keeps the offloader in a global: a second engine in the same process
         would otherwise find the first one's buffers still allocated while it profiles memory)."""
         set_skipped_checkpoint_names(())
+        if self._background_check is not None:
+            self._background_check.stop()
         if self.prefetcher is not None:
             self.prefetcher.sync()
         if self.residency is not None:
@@ -550,6 +555,8 @@ class MmapOffloader(_OffloaderBase):
             out.update({f"engine_{k}": v for k, v in dict(self.engine.metrics).items() if isinstance(v, (int, float))})
         if self.residency is not None:
             out.update({f"residency_{k}": v for k, v in self.residency.summary().items()})
+        if self._background_check is not None:
+            out.update({f"check_bg_{k}": v for k, v in self._background_check.summary().items()})
         return out
 
 

@@ -29,6 +29,9 @@ class MmapOptions:
     rebuild: bool = True  # build a missing/stale/corrupt cache at start; False: refuse
     verify: bool = False  # read and checksum the whole cache at start
     verify_first_use: bool = True  # checksum each layer before this process first serves it
+    # with verify_first_use: a low-priority thread checks every expert from start-up on, so first
+    # uses find them checked instead of reading them on the decode path (cache_reader.BackgroundCheck)
+    verify_in_background: bool = True
     warmup_device: str = "auto"  # where a cold start repacks: auto (this rank's GPU) | cpu | cuda
     pinned_mib: int = 256  # pinned staging of the mmap/pread engines (exact size)
     threads: int = 8  # copy threads of the engine
