@@ -180,7 +180,7 @@ class ExpertCache:
 
         self.metrics: dict[str, float] = dict(
             calls=0, hits=0, misses=0, evictions=0, routed_bytes=0, miss_bytes=0, bytes_moved=0,
-            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0,
+            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, admitted=0,
         )
 
     # -- set-up -------------------------------------------------------------------------------
@@ -433,6 +433,57 @@ class ExpertCache:
         if out_device is None:
             return out
         return _to_device(out.to(out_dtype), out_device)
+
+    def admit(self, layer: int, routed, rows: dict[str, torch.Tensor], fetched, read_slots=()) -> list[tuple[int, int]]:
+        """A call that served ``layer`` without the pool (more distinct experts than slots: the
+        caller copied its misses ``fetched`` into ``rows``, a ``{name: [E, ...]}`` layer buffer
+        whose copies the current stream already waits for). Count the routed experts' use, as
+        ``ensure`` does, and copy into the pool, on the device, those fetched experts whose decayed
+        use beats the slot they would take (never a slot this call read, nor one with a copy in
+        flight), so a pool too small for a step still learns what is hot. Returns the
+        (expert, slot) pairs filled; their bytes are the rows' (copied in stream order).
+        ``read_slots``: pool slots the caller's call read on the device (its hits, gathered into
+        the rows): like the filled ones, a later refill waits for this call's work first."""
+        li = self._li(layer)
+        pool = self._pool_of[li]
+        routed = np.unique(np.asarray(routed, dtype=np.int64))
+        self._now += 1
+        self._fence()  # a call like ensure's: later refills wait for the kernels enqueued so far
+        self._touch(li, routed)
+        read = [int(x) for x in read_slots]
+        if read:
+            pool.used[read] = True
+            pool.use_call[read] = self._now
+        want = np.array([e for e in np.unique(np.asarray(fetched, dtype=np.int64)) if self._lut[li, e] < 0],
+                        dtype=np.int64)
+        if not want.size:
+            return []
+        # the slots of the latest ensure may go: the copies here run on the compute stream, after
+        # every kernel enqueued before them (hints, on the copy stream, must spare those slots)
+        protected = set(pool.pending) | set(read)
+        victims = self._victims(pool, int(want.size), protected)
+        if not victims:
+            return []
+        # the hottest fetched experts first, each only where it beats the slot's holder
+        order = np.argsort(-self._decayed(li, want), kind="stable")
+        want = want[order][: len(victims)]
+        occupied = [i for i, s in enumerate(victims) if pool.owner_li[s] >= 0]
+        keep = np.ones(len(victims), dtype=bool)
+        if occupied:
+            vs = np.array([victims[i] for i in occupied])
+            keep[occupied] = self._decayed(li, want[occupied]) > self._decayed(pool.owner_li[vs], pool.owner_e[vs])
+        pairs = [(int(e), int(s)) for e, s, k in zip(want, victims, keep) if k]
+        for e, s in pairs:
+            self._evict(pool, s)  # the refill is a device copy on the current stream: kernels enqueued before it are done reading
+            for name, t in pool.tensors.items():
+                t[s].copy_(rows[name][e], non_blocking=True)
+            pool.owner_li[s], pool.owner_e[s] = li, e
+            self._lut[li, e] = s
+            pool.hinted[s] = False
+            pool.used[s] = True  # written on the compute stream: a refill waits for a later fence
+            pool.use_call[s] = self._now
+        self.metrics["admitted"] += len(pairs)
+        return pairs
 
     def prefetch_hint(self, layer: int, expert_ids, max_fetch: int | None = None) -> int:
         """Start fetching likely experts of ``layer`` without waiting; returns how many were started.

@@ -183,6 +183,33 @@ def test_failed_copy_is_never_served(cache):
     check_call(ec, cache, 0, [3, 1], ec.ensure(0, [3, 1]))
 
 
+def test_admit_copies_hot_misses_of_a_call_served_without_the_pool(cache):
+    """admit (the vLLM backend's sparse path: more distinct experts than slots, misses copied into a
+    layer buffer): the hottest fetched experts whose use beats a slot's holder are copied into the
+    pool from the rows (bytes exact, later ensure calls hit them); the slots the call read are
+    never taken; a cold expert does not displace a hot one."""
+    eng = SyncEngine()
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=2 * len(LAYERS))
+    layer = LAYERS[0]
+    ec.ensure(layer, [1, 2])
+    rows = {s.name: torch.stack([cache.tensor(layer, e, s.name) for e in range(E)]) for s in cache.expert_specs}
+    s1 = ec.resident(layer)[1]
+    for _ in range(3):  # experts 3 and 4 routed often in calls the pool could not serve
+        pairs = ec.admit(layer, [1, 3, 4, 5], rows, fetched=[3, 4, 5], read_slots=[s1])
+    assert ec.resident(layer)[1] == s1  # read by the call: kept
+    assert len(ec.resident(layer)) == 2 and ec.metrics["admitted"] >= 1
+    got = [e for e in ec.resident(layer) if e != 1]
+    assert got and got[0] in (3, 4, 5)
+    check_call(ec, cache, layer, [1, got[0]], ec.ensure(layer, [1, got[0]]))  # bytes exact, no fetch
+    submits = eng.submits
+    ec.ensure(layer, [got[0]])
+    assert eng.submits == submits  # a hit
+    for _ in range(20):  # make both residents hot
+        ec.ensure(layer, [1, got[0]])
+    assert ec.admit(layer, [6], rows, fetched=[6]) == []  # a cold one does not displace them
+    assert 6 not in ec.resident(layer)
+
+
 def test_bad_ids_and_layers(cache):
     ec = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=3 * len(LAYERS))
     with pytest.raises(IndexError):

@@ -14,7 +14,9 @@ distinct routed experts:
               the layer (decode at larger batches): the layer's slot buffer ``[E, ...]`` gets only
               the routed experts: hits copied from the pool on the device (one gather per
               tensor), misses read from the cache straight into their rows; ids pass unchanged.
-              Bytes over PCIe = the routed misses, as UVA's; the pool is not changed.
+              Bytes over PCIe = the routed misses, as UVA's. The pool still learns: the
+              routed experts' use is counted and the hottest misses are copied from their
+              rows into the pool on the device (``ExpertCache.admit``).
     layer     the step routes more than ``layer_stream_fraction`` of the layer's experts
               (prefill, large batches): the whole layer comes through the ``LayerPrefetcher``
               buffers (the next layer is started ahead), ids pass unchanged.
@@ -246,6 +248,15 @@ class Residency:
                 dst.index_copy_(0, idx[0], pool[name].index_select(0, idx[1]))
         if len(misses):
             off.engine.wait(ticket)
+            # the pool learns from this step too: the hottest misses are copied into it on the
+            # device (a pool smaller than a step's experts would otherwise never change here)
+            pool = ec.slots(t.layer)
+            admitted = ec.admit(t.layer, used, {name: tensors[name].data for name in pool}, misses,
+                                read_slots=slots[slots >= 0])
+            if admitted and off._transforms:  # CPU prepacked kernels: their twins too
+                for e, s in admitted:
+                    for name, fn in off._transforms.items():
+                        fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
         layer_tensors = tensors
         if off._transforms:  # CPU prepacked kernels: the buffer's kernel-layout twin, whole
             b = off.prefetcher.buffer_index(t.layer)
