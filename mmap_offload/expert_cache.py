@@ -434,7 +434,8 @@ class ExpertCache:
             return out
         return _to_device(out.to(out_dtype), out_device)
 
-    def admit(self, layer: int, routed, rows: dict[str, torch.Tensor], fetched, read_slots=()) -> list[tuple[int, int]]:
+    def admit(self, layer: int, routed, rows: dict[str, torch.Tensor], fetched, read_slots=(),
+              max_admit: int = 4) -> list[tuple[int, int]]:
         """A call that served ``layer`` without the pool (more distinct experts than slots: the
         caller copied its misses ``fetched`` into ``rows``, a ``{name: [E, ...]}`` layer buffer
         whose copies the current stream already waits for). Count the routed experts' use, as
@@ -443,7 +444,9 @@ class ExpertCache:
         flight), so a pool too small for a step still learns what is hot. Returns the
         (expert, slot) pairs filled; their bytes are the rows' (copied in stream order).
         ``read_slots``: pool slots the caller's call read on the device (its hits, gathered into
-        the rows): like the filled ones, a later refill waits for this call's work first."""
+        the rows): like the filled ones, a later refill waits for this call's work first.
+        ``max_admit``: at most this many per call (each is one device copy per tensor, launched
+        from the host on the decode path; the pool converges over a few steps anyway)."""
         li = self._li(layer)
         pool = self._pool_of[li]
         routed = np.unique(np.asarray(routed, dtype=np.int64))
@@ -461,7 +464,7 @@ class ExpertCache:
         # the slots of the latest ensure may go: the copies here run on the compute stream, after
         # every kernel enqueued before them (hints, on the copy stream, must spare those slots)
         protected = set(pool.pending) | set(read)
-        victims = self._victims(pool, int(want.size), protected)
+        victims = self._victims(pool, min(int(want.size), max(0, int(max_admit))), protected)
         if not victims:
             return []
         # the hottest fetched experts first, each only where it beats the slot's holder

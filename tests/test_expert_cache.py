@@ -208,6 +208,9 @@ def test_admit_copies_hot_misses_of_a_call_served_without_the_pool(cache):
         ec.ensure(layer, [1, got[0]])
     assert ec.admit(layer, [6], rows, fetched=[6]) == []  # a cold one does not displace them
     assert 6 not in ec.resident(layer)
+    fresh = ExpertCache(cache, SyncEngine(), "cpu", capacity_experts=2 * len(LAYERS))
+    assert len(fresh.admit(layer, [3, 4], rows, fetched=[3, 4], max_admit=1)) == 1  # the per-call cap
+    assert len(fresh.resident(layer)) == 1
 
 
 def test_bad_ids_and_layers(cache):
