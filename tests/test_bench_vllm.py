@@ -33,22 +33,7 @@ def test_trace_csv_round_trip(tmp_path):
     back = traces.read_csv(p)
     assert back.dtype == np.int64 and back.shape == (6, 3, 5, 4)
     assert (back == tr).all()
-
-
-@pytest.mark.parametrize("body, what", [
-    ("0,0,1,2\n0,0,3\n", "fields"),
-    ("0,0,1,2\n0,1,1,2\n1,0,1,2\n", "step 1 layer 1 has 0 rows"),
-    ("0,0,1,2\n0,0,3,4\n0,1,1,2\n", "step 0 layer 1 has 1 rows, expected 2"),
-    ("0,0,1,x\n", "not integers"),
-    ("0,0,1,-2\n", "negative"),
-    ("# nothing\n", "no rows"),
-])
-def test_trace_csv_errors_name_the_problem(tmp_path, body, what):
-    p = tmp_path / "bad.csv"
-    p.write_text(body)
-    with pytest.raises(UnsupportedError, match=what):
-        traces.read_csv(p)
-    with pytest.raises(UnsupportedError, match="cannot be read"):
+    with pytest.raises(UnsupportedError, match="cannot be read"):  # the other errors: test_hybrid.py
         traces.read_csv(tmp_path / "missing.csv")
 
 

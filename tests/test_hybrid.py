@@ -307,6 +307,12 @@ def test_trace_csv_round_trip_with_weights(tmp_path):
 
 
 @pytest.mark.parametrize("body, what", [
+    ("0,0,1,2\n0,0,3\n", "fields"),
+    ("0,0,1,2\n0,1,1,2\n1,0,1,2\n", "step 1 layer 1 has 0 rows"),
+    ("0,0,1,2\n0,0,3,4\n0,1,1,2\n", "step 0 layer 1 has 1 rows, expected 2"),
+    ("0,0,1,x\n", "not integers"),
+    ("0,0,1,-2\n", "negative"),
+    ("# nothing\n", "no rows"),
     ("0,0,1,1\n", "repeats an expert id"),
     ("0,0,1,2,0.5\n", "fields"),
     ("0,0,1,2,0.5,-1.0\n", "negative or non-finite weight"),
@@ -315,7 +321,7 @@ def test_trace_csv_round_trip_with_weights(tmp_path):
     ("step,layer,e0,e1,w0,w1\n0,0,1,2,0.5,abc\n", "weight that is not a number"),
     ("0,0,1.5,2,0.5,0.5\n", "not integers"),
 ])
-def test_trace_csv_malformed_weights_are_one_line_errors(tmp_path, body, what):
+def test_trace_csv_errors_are_one_line_naming_file_and_problem(tmp_path, body, what):
     p = tmp_path / "bad.csv"
     p.write_text(body)
     with pytest.raises(UnsupportedError, match=what) as ei:
