@@ -286,6 +286,45 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
     eng.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_admit_between_ensures_keeps_every_slot_exact(tmp_path):
+    """CUDA: sparse-style calls (rows of a device layer buffer admitted into the pool, on the
+    current stream) between ensure calls whose refills run on the copy stream, the stream kept
+    busy: every slot a later call hands out holds its expert (checked in stream order)."""
+    c = make_cache(tmp_path, layers=(0, 1), num_experts=16,
+                   specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
+    eng = cuda_engine("real")
+    dev = torch.device("cuda")
+    want = {(l, e): {s.name: c.tensor(l, e, s.name).contiguous().view(-1).view(torch.uint8).sum().item()
+                     for s in c.expert_specs} for l in c.layers for e in range(16)}
+    rows = {l: {s.name: torch.stack([c.tensor(l, e, s.name) for e in range(16)]).to(dev) for s in c.expert_specs}
+            for l in c.layers}
+    tr = skewed_trace(40, 2, 16, top_k=2, batch=4, seed=3)
+    stream = torch.cuda.Stream(dev)
+    got = []
+    with torch.cuda.stream(stream):
+        ec = ExpertCache(c, eng, dev, capacity_experts=4 * 2)
+        for t in range(tr.shape[0]):
+            for li, layer in enumerate(c.layers):
+                ids = np.unique(tr[t, li])
+                x = torch.randn(1024, 1024, device=dev)
+                x = x @ x  # keep the stream busy
+                if len(ids) > 4 or t % 3 == 2:  # served from the rows: admit the hot ones
+                    ec.admit(layer, ids, rows[layer], fetched=ids)
+                    continue
+                out = ec.ensure(layer, torch.from_numpy(ids).to(dev))
+                slots = ec.slots(layer)
+                for e, s in zip(ids.tolist(), out.reshape(-1).tolist()):
+                    got.append(((layer, e), {n: v[s].view(-1).view(torch.uint8).sum() for n, v in slots.items()}))
+        ec.sync()
+        torch.cuda.synchronize()
+    assert ec.metrics["admitted"] > 0 and got
+    for key, sums in got:
+        assert {n: v.item() for n, v in sums.items()} == want[key]
+    eng.close()
+
+
 def test_verify_first_use_refuses_a_corrupt_layer_before_evicting_anything(tmp_path):
     cache = make_cache(tmp_path, layers=(0, 1), num_experts=4)
     flip_byte(cache.layer_file(1), 3 * cache.record_nbytes + cache.expert_specs[-1].offset)
