@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,8 +273,6 @@ class BackgroundCheck:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # this thread only (Linux)

@@ -159,18 +159,16 @@ class Residency:
         to_host, to_copy = host.split(misses, tokens)
         if len(to_host) and not len(hits) and not len(to_copy):  # one expert must be resident for the masked pairs
             to_host, to_copy = to_host[1:], to_host[:1]
-        if not len(to_host):  # every miss copied: the model still learns the link from it
-            moved, stalled = ec.metrics["miss_bytes"], ec.metrics["stall_s"]
-            slot_ids = self._expert_mode(t, ids, used)
-            host.note_copy(ec.metrics["miss_bytes"] - moved, ec.metrics["stall_s"] - stalled)
-            return weights, slot_ids
-        self.metrics["hybrid_calls"] += 1
-        host.start(t, x_h, ids_h, w_h, to_host)  # runs while the copies below are read and issued
+        if len(to_host):
+            self.metrics["hybrid_calls"] += 1
+            host.start(t, x_h, ids_h, w_h, to_host)  # runs while the copies below are read and issued
         gpu = np.sort(np.concatenate([hits, to_copy]))
         moved, stalled = ec.metrics["miss_bytes"], ec.metrics["stall_s"]
         slot_ids = self._expert_mode(t, ids, gpu)
-        host.note_copy(ec.metrics["miss_bytes"] - moved, ec.metrics["stall_s"] - stalled)
+        host.note_copy(ec.metrics["miss_bytes"] - moved, ec.metrics["stall_s"] - stalled)  # the model's link
         host.metrics["copied_experts"] += len(to_copy)
+        if not len(to_host):  # every miss copied
+            return weights, slot_ids
         dummy = int(ec.slot_map(t.layer)[gpu[0]])
         n = ids.shape[0]
         mh = self._mask_host[:n]
