@@ -216,12 +216,14 @@ class Cache:
         if bad:
             self._raise_corrupt(layer, bad)
 
-    def check_in_background(self, layers=None, nice: int = 19) -> "BackgroundCheck":
+    def check_in_background(self, layers=None, nice: int = 19, after_layer=None) -> "BackgroundCheck":
         """Start checking every expert of ``layers`` (default: all) in a low-priority thread, so
         that first uses find their experts already checked instead of reading them on the serving
-        path (``check_experts_once`` / ``check_layer_once`` use what it found). Returns the handle
-        (``stop()``, counters)."""
-        return BackgroundCheck(self, self.layers if layers is None else list(layers), nice=nice)
+        path (``check_experts_once`` / ``check_layer_once`` use what it found). ``after_layer(layer)``
+        runs in that thread once a layer is checked (the vLLM backend pre-faults the engine's
+        mapping of it there). Returns the handle (``stop()``, counters)."""
+        return BackgroundCheck(self, self.layers if layers is None else list(layers), nice=nice,
+                               after_layer=after_layer)
 
     def _record_expert_check(self, layer: int, expert: int, bad: list) -> None:
         """A check of one expert made outside ``check_experts_once`` (the background thread)."""
@@ -255,10 +257,12 @@ class BackgroundCheck:
     needs that expert (or layer), nothing is served from it. Errors reading a file (truncated,
     EIO) end the thread and are left to the serving path's own check, which reports them."""
 
-    def __init__(self, cache: Cache, layers: list[int], nice: int = 19):
+    def __init__(self, cache: Cache, layers: list[int], nice: int = 19, after_layer=None):
         self.cache = cache
         self.layers = layers
         self.nice = nice
+        self.after_layer = after_layer
+        self.layers_done = 0
         self.experts = 0  # checked by this thread
         self.bytes = 0
         self.seconds = 0.0
@@ -292,6 +296,9 @@ class BackgroundCheck:
                     self.experts += 1
                     self.bytes += c.record_nbytes
                     self.mismatches += len(bad)
+                if self.after_layer is not None:
+                    self.after_layer(layer)
+                self.layers_done += 1
         except Exception as e:  # noqa: BLE001 - the serving path's own check reports it
             self.error = f"{type(e).__name__}: {e}"
         finally:
@@ -309,7 +316,7 @@ class BackgroundCheck:
 
     def summary(self) -> dict:
         return dict(experts=self.experts, bytes=self.bytes, seconds=round(self.seconds, 3),
-                    mismatches=self.mismatches, done=self.done, error=self.error)
+                    layers=self.layers_done, mismatches=self.mismatches, done=self.done, error=self.error)
 
 
 def open_cache(

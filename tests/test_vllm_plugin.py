@@ -151,21 +151,31 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
         out = toy.run(layers, x)  # post_init runs lazily on the first wait (as on vLLM's CPU runner)
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
         assert off.summary()["prefetch_loads"] >= 3 * toy.LAYERS - 1
-        # verify_in_background (default): every expert ends up checked, by the thread or by serving
+        # verify_in_background (default): every expert ends up checked, by the thread or by serving,
+        # and each layer's mapping in the engine is pre-faulted once its pages were read
         bg = off._background_check
         assert bg is not None and bg.wait(60) and bg.error is None
         assert all(off.cache._expert_checked(l, e) for l in off.cache.layers for e in range(off.cache.num_experts))
-        assert off.summary()["check_bg_done"] is True
+        s = off.summary()
+        assert s["check_bg_done"] is True and s["check_bg_layers"] == toy.LAYERS
+        if off.engine._populate_ok:  # MADV_POPULATE_READ (Linux >= 5.14)
+            maps = off.engine._maps
+            assert all(maps[str(off.cache.layer_file(l))].populated.all() for l in off.cache.layers)
     finally:
         off.close()
         set_offloader(None)
     off2 = MmapOffloader(MmapOptions(cache_dir=str(tmp_path / "cache"), lookahead=0, pinned_mib=8,
                                      verify_in_background=False), checkpoint=ckpt, device="cpu")
+    set_offloader(off2)
     try:
-        off2.wrap_modules(iter(toy.build(ckpt, "cpu", False)))
+        layers2 = toy.build(ckpt, "cpu", False)
+        off2.wrap_modules(iter(layers2))
+        out = toy.run(layers2, x)  # post_init: no background thread
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
         assert off2._background_check is None and "check_bg_done" not in off2.summary()
     finally:
         off2.close()
+        set_offloader(None)
 
 
 # -- no vLLM needed ------------------------------------------------------------------------------------

@@ -315,8 +315,6 @@ class MmapOffloader(_OffloaderBase):
                            device=self._warmup_device(), repair=True, progress=self.tp_rank == 0)
                     continue
             self.cache = cache
-            if opts.verify_first_use and opts.verify_in_background and not opts.verify:
-                self._background_check = cache.check_in_background()
             return cache
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -407,6 +405,7 @@ class MmapOffloader(_OffloaderBase):
                     p = getattr(t.experts, name)
                     buf = kernel.get(name, slot[name])
                     p.data = buf.data if isinstance(buf, torch.nn.Parameter) else buf
+            self._start_background_check()
             self._start_residency()
             if self.residency is None:
                 for t in self.targets[: min(opts.lookahead + 1, len(self.targets))]:
@@ -419,6 +418,21 @@ class MmapOffloader(_OffloaderBase):
                 f"expert cache {self.residency.ec.capacity_bytes / 2**30:.2f} GiB "
                 f"({self.residency.slots} slots per layer, layer streaming above {self.residency.threshold} experts)",
             )
+
+    def _start_background_check(self) -> None:
+        """``verify_in_background``: check every expert in a low-priority thread, and pre-fault the
+        engine's mapping of each layer once it is checked (its pages were just read), so first uses
+        at decode neither read to check nor fault pages in (pagecache.py: a fresh mapping faults per
+        page on first touch)."""
+        opts = self.options
+        if not (opts.verify_first_use and opts.verify_in_background) or opts.verify:
+            return
+        engine, cache = self.engine, self.cache
+        prefault = getattr(engine, "prefault", None)
+        self._background_check = cache.check_in_background(
+            layers=[t.layer for t in self.targets],
+            after_layer=(lambda layer: prefault([cache.layer_file(layer)])) if prefault else None,
+        )
 
     def _start_residency(self) -> None:
         """Build the expert pools and route each layer's top-k through them (patch 4), if asked."""
