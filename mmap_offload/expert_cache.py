@@ -253,6 +253,16 @@ class ExpertCache:
             self._logscore[li, experts] = np.logaddexp(self._decayed(li, experts), 0.0)
         self._last[li, experts] = float(self._now)
 
+    def _displaces(self, pool: _Pool, victims: list[int], scores: np.ndarray) -> np.ndarray:
+        """Admission: ``scores[i]`` (a newcomer's decayed use) may take ``victims[i]`` if the slot is
+        free or its holder's decayed use is lower. Returns the mask of the pairs that may."""
+        keep = np.ones(len(victims), dtype=bool)
+        occupied = [i for i, s in enumerate(victims) if pool.owner_li[s] >= 0]
+        if occupied:
+            vs = np.array([victims[i] for i in occupied])
+            keep[occupied] = scores[occupied] > self._decayed(pool.owner_li[vs], pool.owner_e[vs])
+        return keep
+
     def _victims(self, pool: _Pool, n: int, protected: set[int]) -> list[int]:
         """``n`` slots to (re)fill: free ones first, then the lowest keys among unprotected ones
         (protected slots are always occupied). Returns fewer if not enough are unprotected."""
@@ -470,11 +480,7 @@ class ExpertCache:
         # the hottest fetched experts first, each only where it beats the slot's holder
         order = np.argsort(-self._decayed(li, want), kind="stable")
         want = want[order][: len(victims)]
-        occupied = [i for i, s in enumerate(victims) if pool.owner_li[s] >= 0]
-        keep = np.ones(len(victims), dtype=bool)
-        if occupied:
-            vs = np.array([victims[i] for i in occupied])
-            keep[occupied] = self._decayed(li, want[occupied]) > self._decayed(pool.owner_li[vs], pool.owner_e[vs])
+        keep = self._displaces(pool, victims, self._decayed(li, want))  # already counted by _touch
         pairs = [(int(e), int(s)) for e, s, k in zip(want, victims, keep) if k]
         for e, s in pairs:
             self._evict(pool, s)  # the refill is a device copy on the current stream: kernels enqueued before it are done reading
@@ -515,13 +521,7 @@ class ExpertCache:
         want = want[: len(victims)]
         if self.policy != "lru" and want.size:
             # admission: a guess may only displace an expert whose score is below the guess's score
-            occupied = [i for i, s in enumerate(victims) if pool.owner_li[s] >= 0]
-            keep = np.ones(len(victims), dtype=bool)
-            if occupied:
-                vs = np.array([victims[i] for i in occupied])
-                vscore = self._decayed(pool.owner_li[vs], pool.owner_e[vs])
-                wscore = np.logaddexp(self._decayed(li, want[occupied]), 0.0)
-                keep[occupied] = wscore > vscore
+            keep = self._displaces(pool, victims, np.logaddexp(self._decayed(li, want), 0.0))  # as if used once more
             victims = [s for s, k in zip(victims, keep) if k]
             want = want[keep]
         if not want.size:
