@@ -351,3 +351,31 @@ def test_calls_from_several_python_threads():
     k.close()
     with pytest.raises(RuntimeError, match="closed"):
         k.expert_mlp(xs[0], *args(cache), group=128)
+
+
+def test_late_workers_never_touch_a_finished_call():
+    """A call completes when its work is done, not when every worker has woken (csrc/host_kernel.c,
+    pool_run): workers woken late skip a closed call. More threads than CPUs, with pauses between calls
+    so that workers fall asleep and wake late, and calls of different sizes back to back (a late worker
+    taking a finished call's counters would compute the wrong slots or write a stale output): every
+    result equals the one-thread kernel's bytes."""
+    import time
+
+    shapes = [(384, 256, 128), (256, 128, 32)]
+    experts = {s: [expert(*s, seed=i)[0] for i in range(3)] for s in shapes}
+    one = HostKernel(threads=1, isa=AVAILABLE[0])
+    many = HostKernel(threads=2 * (os.cpu_count() or 2) + 1, isa=AVAILABLE[0])
+    for i in range(120):
+        H, I, g = shapes[i % 2]
+        n_jobs = 1 + i % 3
+        x = rand_x(1 + i % 4, H, torch.bfloat16, seed=i)
+        rows = torch.arange(x.shape[0])
+        jobs = [(rows, *args(experts[(H, I, g)][j]), g, None) for j in range(n_jobs)]
+        want, got = torch.zeros_like(x), torch.zeros_like(x)
+        one.experts_mlp(x, jobs, want)
+        many.experts_mlp(x, jobs, got)
+        assert torch.equal(got, want), f"call {i}"
+        if i % 3 == 0:
+            time.sleep(0.002)  # the workers' spin (~0.1-0.5 ms) ends: they sleep and are woken next call
+    one.close()
+    many.close()
