@@ -350,6 +350,8 @@ def rows_from_child(child: dict) -> list[dict]:
         if kind == "decode":
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
+            if r.get("host_profile"):  # MMO_SAMPLE_DECODE=1 (vllm_runner.HostSampler)
+                row["host_profile"] = r["host_profile"]
             s1, sT = r.get("summary_1") or [None, None], r.get("summary_T1") or [None, None]
             after = sT[1] or {}
 

@@ -298,3 +298,31 @@ def test_mmap_options_reach_every_mmap_config(tmp_path):
     # decode is timed after as many untimed steps (the pool's warm-up and first-use checks paid first)
     dec = [t for s in specs for t in s["tasks"] if t["kind"] == "decode"]
     assert dec and all(t["warmup_tokens"] == 32 == t["tokens"] for t in dec)
+
+
+def test_host_sampler_finds_where_the_thread_spends_its_time():
+    """MMO_SAMPLE_DECODE's sampler (vllm_runner.HostSampler): a thread busy in one function for 0.3 s
+    (holding the GIL: the sampler looks only at its switches) and asleep in another for 0.1 s shows ~3/4
+    and ~1/4 of the sampled time there, inclusive and on top."""
+    import time
+
+    from vllm_runner import HostSampler
+
+    def spin_here(seconds):
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            pass
+
+    def sleep_here(seconds):
+        time.sleep(seconds)
+
+    s = HostSampler(interval=0.002)
+    spin_here(0.3)
+    sleep_here(0.1)
+    prof = s.stop()
+    incl = dict(prof["inclusive"])
+    spin = next(v for k, v in incl.items() if k.endswith(":spin_here"))
+    sleep = next(v for k, v in incl.items() if k.endswith(":sleep_here"))
+    assert prof["samples"] > 40 and 0.35 < prof["seconds"] < 0.6
+    assert 0.55 < spin < 0.9 and 0.1 < sleep < 0.4, prof
+    assert any(k.rsplit(":", 2)[-2] == "spin_here" for k, _ in prof["self"][:3])
