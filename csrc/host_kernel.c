@@ -21,7 +21,7 @@ runs first and short ones to balance the end) and computes it as segments of adj
 outer, the segment's tiles inner, so each k-tile row is read as one contiguous run (the hardware's
 stream prefetchers follow it; the next tile is prefetched in software) and x is expanded once per block
 for the whole segment. Phase 1: gate and up segments, then silu(gate) * up into the job's fp32
-intermediate. A barrier. Phase 2: every job's w2 for the range's columns, weight * y summed into an fp32
+intermediate. Phase 2 starts once every phase-1 slot is done (a count, not a barrier of threads). Phase 2: every job's w2 for the range's columns, weight * y summed into an fp32
 accumulator per out row, rounded once into out. The pool's threads are this library's (vLLM workers run
 with OMP_NUM_THREADS=1); the calling thread is worker 0.
 */
@@ -34,6 +34,7 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -44,7 +45,7 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 #define CPU_RELAX() ((void)0)
 #endif
 
-#define MO_HOST_ABI 1
+#define MO_HOST_ABI 2
 
 enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
@@ -770,6 +771,7 @@ static size_t scratch_floats(int M) {
 /* ------------------------------------------------------------------ the pool */
 
 typedef struct pool pool_t;
+struct mlp_task_s;
 typedef void (*task_fn)(pool_t *, int tid, void *arg);
 
 struct pool {
@@ -777,7 +779,12 @@ struct pool {
     pthread_t *threads;
     pthread_mutex_t mu;          /* wakes idle workers */
     pthread_cond_t cv;
-    pthread_mutex_t call_mu;     /* one call at a time */
+    pthread_mutex_t call_mu;     /* guards busy */
+    pthread_cond_t idle_cv;      /* busy went 0 */
+    int busy;                    /* a call is in progress (1) or started and not yet waited for (2) */
+    struct mlp_task_s *async_task; /* the started call's task (mo_host_mlp_start) */
+    int async_empty;             /* it had nothing to compute */
+    int64_t async_t0, async_t1;  /* its start, and the end of its last unit of work (ns, atomic) */
     volatile int stop;
     int64_t gen;                 /* task generation (atomic) */
     task_fn fn;
@@ -835,6 +842,7 @@ void *mo_host_create(int nthreads) {
     pthread_mutex_init(&P->mu, NULL);
     pthread_cond_init(&P->cv, NULL);
     pthread_mutex_init(&P->call_mu, NULL);
+    pthread_cond_init(&P->idle_cv, NULL);
     P->threads = calloc((size_t)nthreads, sizeof(pthread_t));
     P->scratch = calloc((size_t)nthreads, sizeof(float *));
     if (!P->threads || !P->scratch) { free(P->threads); free(P->scratch); free(P); return NULL; }
@@ -853,9 +861,13 @@ void *mo_host_create(int nthreads) {
     return P;
 }
 
+int mo_host_mlp_wait(void *h, int64_t *ns, int *ready);
+
 void mo_host_destroy(void *h) {
     pool_t *P = h;
     if (!P) return;
+    if (P->busy == 2) mo_host_mlp_wait(P, NULL, NULL); /* a started call's workers finish before they stop */
+    free(P->async_task);
     pthread_mutex_lock(&P->mu);
     P->stop = 1;
     pthread_cond_broadcast(&P->cv);
@@ -873,23 +885,36 @@ void mo_host_destroy(void *h) {
 
 int mo_host_threads(void *h) { return ((pool_t *)h)->nthreads; }
 
-/* Runs fn on the calling thread (worker 0) and on every worker that joins while the call is open.
+/* A call runs fn on the calling thread (worker 0) and on every worker that joins while the call is open.
    fn takes work from shared counters and returns when none is left; the call is complete once
    *done >= total (work units completed, counted by fn), so it does not wait for workers that were slow
    to wake: those that joined are waited for (they are inside fn, finishing a unit or about to find
    none), the others see the call closed and skip it. Session 6 on the two-H200 host (32 cores, 23 of
    these threads beside 8 copy threads): a 2-expert decode call had a median of 3.7 ms and a minimum of
    0.32 ms, when every call waited for all 23 threads to wake. */
-static void pool_run(pool_t *P, task_fn fn, void *arg, int64_t *done, int64_t total) {
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void pool_open(pool_t *P, task_fn fn, void *arg) {
     P->fn = fn;
     P->arg = arg;
     pthread_mutex_lock(&P->mu);
-    const int64_t g = __atomic_load_n(&P->gen, __ATOMIC_RELAXED) + 1; /* only callers (call_mu) move gen */
+    const int64_t g = __atomic_load_n(&P->gen, __ATOMIC_RELAXED) + 1; /* only one call at a time (busy) moves gen */
     __atomic_store_n(&P->open_gen, g, __ATOMIC_SEQ_CST);  /* open before a worker can see g */
     __atomic_store_n(&P->gen, g, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&P->cv);
     pthread_mutex_unlock(&P->mu);
-    fn(P, 0, arg);
+}
+
+/* The caller takes part (worker 0) until no work is left, waits for *done >= total, then closes the
+   call and waits for the workers inside it. Returns 1 if the work was complete before the caller took
+   part (its time is then the workers' alone). */
+static int pool_finish(pool_t *P, int64_t *done, int64_t total) {
+    int ready = __atomic_load_n(done, __ATOMIC_ACQUIRE) >= total;
+    if (!ready) P->fn(P, 0, P->arg);
     for (int i = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < total; i++) {
         if (i < 4000) CPU_RELAX();
         else sched_yield();
@@ -899,6 +924,7 @@ static void pool_run(pool_t *P, task_fn fn, void *arg, int64_t *done, int64_t to
         if (i < 4000) CPU_RELAX();
         else sched_yield();
     }
+    return ready;
 }
 
 static int grow(void **p, size_t *have, size_t need, size_t elem) {
@@ -919,7 +945,7 @@ static int grow(void **p, size_t *have, size_t need, size_t elem) {
    computes it as segments of adjacent tiles (seg_fn): contiguous bytes of every k-tile row. */
 #define QUARTERS 4
 
-typedef struct {
+typedef struct mlp_task_s {
     const mo_job_t *jobs;
     int njobs;
     const void *x;
@@ -1058,7 +1084,7 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     const void **xrow = T->maxm <= 1024 ? rowp : NULL;
     if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
     const int64_t pairs = T->I / 64;
-    int64_t s, e;
+    int64_t s, e = 0;
     /* phase 1: w13, silu(gate) * up */
     int j = 0;
     while ((s = grab(&T->next1, T->slots1, T->nthreads, &e)) >= 0) {
@@ -1088,7 +1114,8 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
             s += piece(s, e, 0, &t0, &t1, &b0, &b1);
             phase2(P, T, t0, t1, b0, b1, xrow, scr, y0);
         }
-        __atomic_add_fetch(&T->done2, got, __ATOMIC_ACQ_REL);
+        if (__atomic_add_fetch(&T->done2, got, __ATOMIC_ACQ_REL) == T->slots2)
+            __atomic_store_n(&P->async_t1, now_ns(), __ATOMIC_RELEASE); /* the call's work ends here */
     }
     if (xrow != rowp) free(xrow);
 }
@@ -1096,12 +1123,13 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
    x: [x_rows, H] of xdt (bf16/fp16/fp32), out: the same shape and dtype. Returns 0, or -EINVAL /
    -ENOMEM / -ENOTSUP (isa not available). */
-int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
-                const mo_job_t *jobs, int njobs, void *out, int mode) {
-    pool_t *P = h;
-    if (!P || H <= 0 || I <= 0 || H % 64 || I % 64 || njobs < 0 || xdt < 0 || xdt > 2) return -EINVAL;
+/* Checks the arguments and fills *T (its inter_off malloc'd); the pool's buffers grown. 0, 1 (nothing
+   to compute), or -EINVAL / -ENOMEM / -ENOTSUP. The caller holds the pool (busy). */
+static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, int64_t x_rows, int64_t H,
+                       int64_t I, const mo_job_t *jobs, int njobs, void *out, int mode) {
+    if (H <= 0 || I <= 0 || H % 64 || I % 64 || njobs < 0 || xdt < 0 || xdt > 2) return -EINVAL;
     if (!mo_host_isa_available(isa)) return -ENOTSUP;
-    if (njobs == 0) return 0;
+    if (njobs == 0) return 1;
     int64_t maxm = 0, tot_m = 0;
     for (int j = 0; j < njobs; j++) {
         const mo_job_t *J = &jobs[j];
@@ -1111,9 +1139,8 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
         if (J->m > maxm) maxm = J->m;
         tot_m += J->m;
     }
-    if (maxm == 0) return 0;
+    if (maxm == 0) return 1;
     if (maxm > (1 << 20)) return -EINVAL;
-    pthread_mutex_lock(&P->call_mu);
     int rc = 0;
     size_t need = scratch_floats((int)maxm);
     if (P->scratch_n < need) {
@@ -1131,38 +1158,124 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
                 grow((void **)&P->mark, &P->mark_n, (size_t)x_rows, 1) ||
                 grow((void **)&P->uniq, &P->uniq_n, (size_t)tot_m, sizeof(int64_t))))
         rc = -ENOMEM;
-    if (rc) { free(inter_off); pthread_mutex_unlock(&P->call_mu); return rc; }
-    mlp_task T = {0};
-    T.jobs = jobs;
-    T.njobs = njobs;
-    T.x = x;
-    T.xdt = xdt;
-    T.H = H;
-    T.I = I;
-    T.out = out;
-    T.mode = mode;
-    T.seg = pick_seg(isa);
-    T.inter_off = inter_off;
-    T.slots1_pre = inter_off + njobs;
-    T.maxm = (int)maxm;
-    T.nthreads = P->nthreads;
+    if (rc) { free(inter_off); return rc; }
+    memset(T, 0, sizeof *T);
+    T->jobs = jobs;
+    T->njobs = njobs;
+    T->x = x;
+    T->xdt = xdt;
+    T->H = H;
+    T->I = I;
+    T->out = out;
+    T->mode = mode;
+    T->seg = pick_seg(isa);
+    T->inter_off = inter_off;
+    T->slots1_pre = inter_off + njobs;
+    T->maxm = (int)maxm;
+    T->nthreads = P->nthreads;
     int64_t off = 0, nu = 0, s1 = 0;
     memset(P->mark, 0, (size_t)x_rows);
     for (int j = 0; j < njobs; j++) {
         inter_off[j] = off;
         off += jobs[j].m * I;
-        T.slots1_pre[j] = s1; /* jobs without rows: no slots (the job search skips them) */
+        T->slots1_pre[j] = s1; /* jobs without rows: no slots (the job search skips them) */
         if (jobs[j].m) s1 += (I / 64) * QUARTERS;
         for (int64_t m = 0; m < jobs[j].m; m++) {
             int64_t r = jobs[j].rows[m];
             if (!P->mark[r]) { P->mark[r] = 1; P->uniq[nu++] = r; }
         }
     }
-    T.slots1 = s1;
-    T.slots2 = (H / 64) * QUARTERS;
-    T.nuniq = nu;
-    pool_run(P, mlp_run, &T, &T.done2, T.slots2);
-    free(inter_off);
+    T->slots1 = s1;
+    T->slots2 = (H / 64) * QUARTERS;
+    T->nuniq = nu;
+    return 0;
+}
+
+static int pool_acquire(pool_t *P, int wait) { /* 0, or -EBUSY (a started call not waited for, !wait) */
+    pthread_mutex_lock(&P->call_mu);
+    while (P->busy) {
+        if (!wait || P->busy == 2) { pthread_mutex_unlock(&P->call_mu); return -EBUSY; }
+        pthread_cond_wait(&P->idle_cv, &P->call_mu);
+    }
+    P->busy = 1;
     pthread_mutex_unlock(&P->call_mu);
+    return 0;
+}
+
+static void pool_release(pool_t *P) {
+    pthread_mutex_lock(&P->call_mu);
+    P->busy = 0;
+    pthread_cond_broadcast(&P->idle_cv);
+    pthread_mutex_unlock(&P->call_mu);
+}
+
+/* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
+   x: [x_rows, H] of xdt (bf16/fp16/fp32), out: the same shape and dtype. Returns 0, or -EINVAL /
+   -ENOMEM / -ENOTSUP (isa not available), -EBUSY (a call started with mo_host_mlp_start is not waited
+   for). Calls from several threads run one after the other. */
+int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
+                const mo_job_t *jobs, int njobs, void *out, int mode) {
+    pool_t *P = h;
+    if (!P) return -EINVAL;
+    int rc = pool_acquire(P, 1);
+    if (rc) return rc;
+    mlp_task T;
+    rc = mlp_prepare(P, &T, isa, x, xdt, x_rows, H, I, jobs, njobs, out, mode);
+    if (rc == 0) {
+        pool_open(P, mlp_run, &T);
+        pool_finish(P, &T.done2, T.slots2);
+        free(T.inter_off);
+    }
+    pool_release(P);
+    return rc < 0 ? rc : 0;
+}
+
+/* The same call, started on the pool's workers; the caller returns at once and collects it with
+   mo_host_mlp_wait (x, jobs, their rows and weights, and out must stay valid until then; nothing runs
+   on the calling thread meanwhile, so a Python caller keeps running while the experts are computed,
+   without a Python thread and the GIL between them). One started call at a time: -EBUSY if one is
+   not waited for. With one thread (no workers) the work runs in mo_host_mlp_wait. */
+int mo_host_mlp_start(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
+                      const mo_job_t *jobs, int njobs, void *out, int mode) {
+    pool_t *P = h;
+    if (!P) return -EINVAL;
+    int rc = pool_acquire(P, 1);
+    if (rc) return rc;
+    mlp_task *T = P->async_task;
+    if (!T && !(T = P->async_task = calloc(1, sizeof *T))) { pool_release(P); return -ENOMEM; }
+    rc = mlp_prepare(P, T, isa, x, xdt, x_rows, H, I, jobs, njobs, out, mode);
+    if (rc < 0) { pool_release(P); return rc; }
+    P->async_empty = rc == 1;
+    P->async_t0 = now_ns();
+    if (!P->async_empty) pool_open(P, mlp_run, T);
+    pthread_mutex_lock(&P->call_mu);
+    P->busy = 2;
+    pthread_mutex_unlock(&P->call_mu);
+    return 0;
+}
+
+/* Collects the call of mo_host_mlp_start: the caller takes part in what is left, then returns 0 with
+   *ns = nanoseconds from the start to the end of its work and *ready = 1 if that work was complete
+   before this call (then *ns is the workers' time alone; else it may include the caller's delay).
+   -EINVAL if no call was started. */
+int mo_host_mlp_wait(void *h, int64_t *ns, int *ready) {
+    pool_t *P = h;
+    if (!P) return -EINVAL;
+    pthread_mutex_lock(&P->call_mu);
+    int started = P->busy == 2;
+    if (started) P->busy = 1;
+    pthread_mutex_unlock(&P->call_mu);
+    if (!started) return -EINVAL;
+    mlp_task *T = P->async_task;
+    int r = 1;
+    if (!P->async_empty) {
+        r = pool_finish(P, &T->done2, T->slots2);
+        free(T->inter_off);
+        T->inter_off = NULL;
+    }
+    int64_t end = __atomic_load_n(&P->async_t1, __ATOMIC_ACQUIRE);
+    if (ns) *ns = (P->async_empty || end < P->async_t0) ? 0 : end - P->async_t0;
+    if (ready) *ready = r;
+    pool_release(P);
     return 0;
 }

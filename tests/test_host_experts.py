@@ -317,3 +317,37 @@ def test_every_job_and_copy_updates_the_model(setup):
     he.add_to(t, torch.zeros(2, he.hidden, dtype=torch.bfloat16))
     assert he.model.observed["gap"] == 1
     he.close()
+
+
+def test_host_job_runs_on_the_kernels_threads_while_the_caller_works(setup):
+    """W4A16: the job starts on the kernel's own threads (HostKernel.experts_mlp_start), not in a Python
+    thread that would need the GIL the caller holds while it launches the layer's GPU work. The caller
+    here spins in Python (holding the GIL) far longer than the job takes; the job was done without it
+    (ready), and the rows equal those of a job collected at once. A job left pending by a failed step
+    is dropped by the next start."""
+    import time
+
+    from mmap_offload.vllm_backend.host_experts import HostExperts
+
+    cache, layer, _ = setup
+    off = SimpleNamespace(cache=cache, device=torch.device("cpu"))
+    he = HostExperts(off, threads=3, calibrate=False, populate=False)
+    H = he.hidden
+    x = he.staging(torch.bfloat16)[:2]
+    x.copy_((torch.randn(2, H, generator=torch.Generator().manual_seed(1)) * 0.5).to(torch.bfloat16))
+    ids, w = np.array([[0, 1], [1, 2]]), np.full((2, 2), 0.5, dtype=np.float32)
+    t = SimpleNamespace(index=0, layer=layer)
+    he.start(t, x, ids, w, np.array([1]))
+    want = he.add_to(t, torch.zeros(2, H, dtype=torch.bfloat16))
+    he.start(t, x, ids, w, np.array([1]))
+    job = he._pending[0]
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.3:  # Python holding the GIL, as vLLM's launches do
+        pass
+    got = he.add_to(t, torch.zeros(2, H, dtype=torch.bfloat16))
+    assert job.fut.ready and job.fut.seconds < 0.3
+    assert torch.equal(got, want)
+    he.start(SimpleNamespace(index=1, layer=layer), x, ids, w, np.array([1]))  # its add_to never comes
+    he.start(t, x, ids, w, np.array([1]))
+    assert list(he._pending) == [0] and torch.equal(he.add_to(t, torch.zeros(2, H, dtype=torch.bfloat16)), want)
+    he.close()

@@ -379,3 +379,69 @@ def test_late_workers_never_touch_a_finished_call():
             time.sleep(0.002)  # the workers' spin (~0.1-0.5 ms) ends: they sleep and are woken next call
     one.close()
     many.close()
+
+
+def _jobs_of(experts, x, g):
+    rows = torch.arange(x.shape[0])
+    w = torch.linspace(0.5, 1.5, x.shape[0])
+    return [(rows, *args(c), g, w) for c in experts]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_started_call_equals_the_blocking_one(threads):
+    """experts_mlp_start + wait writes the bytes experts_mlp writes; with one thread (no workers) the
+    work is done in wait(); one started call at a time, and no blocking call while one is started."""
+    experts = [expert(384, 256, 128, seed=i)[0] for i in range(3)]
+    x = rand_x(3, 384, torch.bfloat16, seed=7)
+    k = HostKernel(threads=threads, isa=AVAILABLE[0])
+    want = torch.zeros_like(x)
+    k.experts_mlp(x, _jobs_of(experts, x, 128), want)
+    got = torch.zeros_like(x)
+    call = k.experts_mlp_start(x, _jobs_of(experts, x, 128), got)
+    with pytest.raises(RuntimeError, match="not waited for"):
+        k.experts_mlp_start(x, _jobs_of(experts, x, 128), torch.zeros_like(x))
+    with pytest.raises(RuntimeError, match="not waited for"):
+        k.experts_mlp(x, _jobs_of(experts, x, 128), torch.zeros_like(x))
+    assert call.wait() is call and call.seconds >= 0
+    assert torch.equal(got, want)
+    if threads == 1:
+        assert call.ready is False  # nobody else could compute it
+    again = torch.zeros_like(x)
+    k.experts_mlp_start(x, _jobs_of(experts, x, 128), again).wait()  # the next call may start
+    assert torch.equal(again, want)
+    empty = k.experts_mlp_start(x, [], torch.zeros_like(x)).wait()
+    assert empty.seconds == 0.0
+    k.close()
+
+
+def test_started_call_runs_while_the_caller_does_something_else():
+    """The point of experts_mlp_start: the pool's workers compute while the calling thread is busy
+    elsewhere (in vLLM: launching the layer's GPU work, holding the GIL). The caller sleeps far longer
+    than the call takes; by then the workers have written the output (ready: wait() had nothing left)."""
+    import time
+
+    experts = [expert(384, 256, 128, seed=i)[0] for i in range(2)]
+    x = rand_x(2, 384, torch.bfloat16, seed=3)
+    k = HostKernel(threads=3, isa=AVAILABLE[0])
+    want = torch.zeros_like(x)
+    k.experts_mlp(x, _jobs_of(experts, x, 128), want)
+    for _ in range(3):
+        got = torch.zeros_like(x)
+        call = k.experts_mlp_start(x, _jobs_of(experts, x, 128), got)
+        time.sleep(0.3)
+        call.wait()
+        assert call.ready and torch.equal(got, want)
+        assert 0 < call.seconds < 0.3  # the workers' time, not the caller's sleep
+    k.close()
+
+
+def test_close_waits_for_a_started_call():
+    experts = [expert(384, 256, 128, seed=i)[0] for i in range(2)]
+    x = rand_x(2, 384, torch.bfloat16, seed=5)
+    k = HostKernel(threads=2, isa=AVAILABLE[0])
+    want = torch.zeros_like(x)
+    k.experts_mlp(x, _jobs_of(experts, x, 128), want)
+    got = torch.zeros_like(x)
+    call = k.experts_mlp_start(x, _jobs_of(experts, x, 128), got)
+    k.close()
+    assert torch.equal(got, want) and call.wait().seconds is not None

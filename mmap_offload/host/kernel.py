@@ -43,12 +43,12 @@ import torch
 
 from ..errors import UnsupportedError
 
-__all__ = ["HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
+__all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
 ISAS = ("avx512bf16", "avx512", "avx2", "plain")  # fastest first
 _ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-ABI = 1
+ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 
 
 if sys.byteorder != "little":  # pragma: no cover - the job words pack int32 pairs little-endian
@@ -95,6 +95,11 @@ def library() -> ctypes.CDLL:
                                         ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_Job), ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_int]
             lib.mo_host_mlp.restype = ctypes.c_int
+            lib.mo_host_mlp_start.argtypes = lib.mo_host_mlp.argtypes
+            lib.mo_host_mlp_start.restype = ctypes.c_int
+            lib.mo_host_mlp_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
+                                             ctypes.POINTER(ctypes.c_int)]
+            lib.mo_host_mlp_wait.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -134,14 +139,19 @@ class HostKernel:
         self.threads: int = int(threads) if threads and threads > 0 else _default_threads()
         self._lib = lib
         self._geo: dict[tuple, tuple] = {}  # tensor geometry checked once per (shapes, dtypes, group)
+        self._started: HostCall | None = None  # experts_mlp_start's call not yet waited for
         self._pool = lib.mo_host_create(self.threads)
         if not self._pool:
             raise MemoryError(f"mo_host_create({self.threads}) failed (threads or memory)")
 
     def close(self) -> None:
+        started = getattr(self, "_started", None)
+        if started is not None and getattr(self, "_pool", None):
+            started.wait()  # its output is written and its tensors released before the pool goes
         pool, self._pool = getattr(self, "_pool", None), None
         if pool:
-            self._lib.mo_host_destroy(pool)
+            self._lib.mo_host_destroy(pool)  # waits for a started call first
+            self._started = None
 
     def __del__(self) -> None:
         try:
@@ -176,8 +186,23 @@ class HostKernel:
         summed in fp32 and rounded once."""
         self._run(_rows(x, "x"), list(jobs), out, mode=1)
 
+    def experts_mlp_start(self, x: torch.Tensor, jobs: Sequence[tuple], out: torch.Tensor) -> "HostCall":
+        """``experts_mlp`` started on the pool's threads; returns at once with a ``HostCall`` whose
+        ``wait()`` collects it (the calling thread takes part in what is left). Meanwhile the caller
+        runs on, and no Python thread or GIL stands between it and the kernel. x, out and the jobs'
+        tensors are kept alive by the HostCall; do not change them before ``wait()``. One started
+        call at a time: starting another (or a blocking call) before waiting raises RuntimeError."""
+        if self._started is not None:
+            raise RuntimeError("HostKernel: the previous experts_mlp_start call was not waited for (call its wait())")
+        call = HostCall(self)
+        self._run(_rows(x, "x"), list(jobs), out, mode=1, call=call)
+        self._started = call
+        return call
+
     # -- the call -----------------------------------------------------------------------------------
-    def _run(self, x: torch.Tensor, jobs: list, out: torch.Tensor, mode: int) -> None:
+    def _run(self, x: torch.Tensor, jobs: list, out: torch.Tensor, mode: int, call: "HostCall | None" = None) -> None:
+        if call is None and self._started is not None:
+            raise RuntimeError("HostKernel: an experts_mlp_start call is not waited for (call its wait() first)")
         if self._pool is None:
             raise RuntimeError("HostKernel is closed")
         if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device.type != "cpu":
@@ -226,15 +251,51 @@ class HostKernel:
         if not jobs:
             if mode == 0:
                 out.zero_()
+            if call is not None:
+                call._empty = True
             return
         arr = (ctypes.c_int64 * len(vals))(*vals)
-        rc = self._lib.mo_host_mlp(self._pool, _ISA_CODE[self.isa], x.data_ptr(), _DT_CODE[x.dtype], n, hidden,
-                                   inter, ctypes.cast(arr, ctypes.POINTER(_Job)), len(jobs), out.data_ptr(), mode)
+        fn = self._lib.mo_host_mlp if call is None else self._lib.mo_host_mlp_start
+        rc = fn(self._pool, _ISA_CODE[self.isa], x.data_ptr(), _DT_CODE[x.dtype], n, hidden,
+                inter, ctypes.cast(arr, ctypes.POINTER(_Job)), len(jobs), out.data_ptr(), mode)
         if rc == -errno.EINVAL:
             raise ValueError(f"a job's rows must index x's {n} rows (or its group sizes are invalid)")
         if rc != 0:
             raise RuntimeError(f"mo_host_mlp failed ({os.strerror(-rc) if rc < 0 else rc})")
+        if call is not None:  # the C call reads all of these until it is waited for
+            call._keep = (x, out, jobs, keep, arr)
         del keep
+
+
+class HostCall:
+    """A started ``HostKernel.experts_mlp_start`` call (one per kernel at a time)."""
+
+    def __init__(self, kernel: HostKernel):
+        self._kernel = kernel
+        self._keep: Any = None
+        self._empty = False
+        self.seconds: float | None = None  # from the start to the end of the work
+        self.ready: bool | None = None  # the work was complete when wait() was called
+
+    def wait(self) -> "HostCall":
+        """Block (the GIL released) until the call's output is written; returns self. Idempotent."""
+        if self.seconds is not None:
+            return self
+        k = self._kernel
+        if self._empty:
+            self.seconds, self.ready = 0.0, True
+        else:
+            if k._pool is None:
+                raise RuntimeError("HostKernel is closed")
+            ns, ready = ctypes.c_int64(0), ctypes.c_int(0)
+            rc = k._lib.mo_host_mlp_wait(k._pool, ctypes.byref(ns), ctypes.byref(ready))
+            if rc != 0:
+                raise RuntimeError(f"mo_host_mlp_wait failed ({os.strerror(-rc) if rc < 0 else rc})")
+            self.seconds, self.ready = ns.value / 1e9, bool(ready.value)
+        self._keep = None
+        if k._started is self:
+            k._started = None
+        return self
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:

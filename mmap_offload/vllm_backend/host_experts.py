@@ -11,8 +11,10 @@ output rows. Per layer, with the expert cache (residency.py):
                                of ``host/cost.py``, the same one bench_moe's HybridMoE uses); the
                                (token, expert) pairs given to the host get weight 0 and a resident
                                slot in the GPU kernel's ids (they add nothing there); the host job
-                               (prepared here, on the calling thread) starts in a thread: the C
-                               kernel releases the GIL and runs its own pthreads
+                               (prepared here, on the calling thread) starts on the C kernel's own
+                               pthreads (``HostKernel.experts_mlp_start``): the calling thread goes
+                               on launching the layer's GPU work, with no Python thread and no GIL
+                               between it and the kernel (bf16 caches: torch in one Python thread)
     forward_modular (patch 4b) the GPU kernel runs hits + copied misses; then the host rows are
                                waited for, copied up (pinned) and added to the kernel's output,
                                before vLLM's top-k reduce / all-reduce sees it (TP ranks each add
@@ -26,12 +28,13 @@ the cheapest miss goes to the host), and again whenever the host got nothing for
 ``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
 
 Threads (``default_threads``): the cores of this rank, less the copy engine's threads and one for
-the thread that launches vLLM's GPU work: the kernel's workers meet at a barrier per call, so one
-of them descheduled by a copy thread holds every other (measured: 2 threads beside one busy thread
-are slower than 1). Pages: the cache's mappings are populated (``MADV_POPULATE_READ``) by a
-background thread when this object is made, layer by layer, if the experts fit in half the memory
-available (else that would cycle the page cache); an expert used before its layer is done is
-populated in the job's thread before the kernel, so the kernel's threads never fault.
+the thread that launches vLLM's GPU work. The kernel gets one thread more than that count: its thread
+0 is the launching thread, which joins the job only at ``add_to``. A call completes when its work is
+done, so a worker that wakes late is not waited for (csrc/host_kernel.c, ``pool_finish``). Pages: the
+cache's mappings are populated (``MADV_POPULATE_READ``) by a background thread when this object is
+made, layer by layer, if the experts fit in half the memory available (else that would cycle the
+page cache); an expert used before its layer is done is populated on the calling thread before the
+job starts, so the kernel's threads never fault.
 
 Tolerance: the host kernel accumulates in fp32 and rounds once to the activations' dtype per
 row (every host expert of a token summed first), the GPU kernel in its own order; the host rows
@@ -58,11 +61,12 @@ from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_ho
 
 @dataclass
 class _Job:
-    fut: Future
+    fut: Any  # HostCall (W4A16 kernel) or Future (torch path)
     n: int  # token rows of the step
     experts: int
     rows: int  # (token, expert) pairs in all
     t_start: float
+    out: torch.Tensor | None = None  # where the host rows land
 
 
 class _TorchExperts:
@@ -106,7 +110,9 @@ class HostExperts:
         if self.kind == "w4a16":
             from ..host.kernel import HostKernel
 
-            self.kernel: Any = HostKernel(threads=self.threads)
+            # one more than the computing threads: its thread 0 is the caller, which launches the
+            # layer's GPU work while the job runs (experts_mlp_start) and only joins in at add_to
+            self.kernel: Any = HostKernel(threads=self.threads + 1)
             self._names = EXPERT_TENSORS
         else:  # the torch path runs on this process's intra-op threads: changed only when asked
             if explicit:
@@ -240,18 +246,40 @@ class HostExperts:
         self.metrics["host_calls"] += 1
         if self._out is None or self._out.dtype != x_host.dtype:
             self.staging(x_host.dtype)
-        fut = self._pool.submit(self._run, x_host, jobs, new, self._out[:n])
-        self._pending[t.index] = _Job(fut, n, len(jobs), pairs, time.perf_counter())
+        if self._pending:  # a step that failed between a layer's start and its add_to: drop its rows
+            self._drop_pending()
+        out = self._out[:n]
+        start = getattr(self.kernel, "experts_mlp_start", None)
+        if start is None:
+            fut = self._pool.submit(self._run, x_host, jobs, new, out)
+        else:
+            if new:  # first use of these experts before the background populate reached them
+                self._populate(new)
+            out.zero_()
+            fut = start(x_host, jobs, out)
+        self._pending[t.index] = _Job(fut, n, len(jobs), pairs, time.perf_counter(), out)
+
+    def _drop_pending(self) -> None:
+        for job in self._pending.values():
+            try:
+                job.fut.wait() if not isinstance(job.fut, Future) else job.fut.result()
+            except Exception:  # noqa: BLE001 - its step failed already; nothing reads these rows
+                pass
+        self._pending.clear()
+
+    def _populate(self, new: list) -> None:
+        """Page tables of experts used for the first time, in one call each (no fault per page)."""
+        from ..host.hybrid import populate_range
+
+        t0 = time.perf_counter()
+        for arr in new:
+            populate_range(arr)
+        self.metrics["populated_experts"] += len(new)
+        self.metrics["populate_s"] += time.perf_counter() - t0
 
     def _run(self, x: torch.Tensor, jobs: list, new: list, out: torch.Tensor) -> tuple[torch.Tensor, float]:
         if new:  # first use of these experts: their page tables, in one call each (no fault per page)
-            from ..host.hybrid import populate_range
-
-            t0 = time.perf_counter()
-            for arr in new:
-                populate_range(arr)
-            self.metrics["populated_experts"] += len(new)
-            self.metrics["populate_s"] += time.perf_counter() - t0
+            self._populate(new)
         t0 = time.perf_counter()
         out.zero_()
         self.kernel.experts_mlp(x, jobs, out)
@@ -266,8 +294,11 @@ class HostExperts:
             raise UnsupportedError("this MoE kernel returns an unfinalized output, which hybrid cannot add to",
                                    "pass hybrid=false")
         t0 = time.perf_counter()
-        finished = job.fut.done()  # then its time may include waiting for the GIL after the kernel: a bound
-        host, seconds = job.fut.result()
+        if isinstance(job.fut, Future):
+            finished = job.fut.done()  # then its time may include waiting for the GIL after the kernel: a bound
+            host, seconds = job.fut.result()
+        else:  # the kernel's own clock: from the start to its last unit of work
+            host, seconds, finished = job.out, job.fut.wait().seconds, False
         self.metrics["host_wait_s"] += time.perf_counter() - t0
         self.metrics["host_s"] += seconds
         self.model.observe_host(self.threads, job.experts, job.rows, seconds, upper_bound=finished)
@@ -291,8 +322,8 @@ class HostExperts:
         self._stop.set()
         if self._populator is not None:
             self._populator.join()
+        self._drop_pending()
         self._pool.shutdown(wait=True)
-        self._pending.clear()
         self._views.clear()
         close = getattr(self.kernel, "close", None)
         if close is not None:
@@ -313,7 +344,7 @@ def _fits_in_memory(cache) -> bool:
 def default_threads(tp_size: int, engine_threads: int = 0) -> int:
     """Host compute threads per rank: this process's cores shared among the ranks, less the copy
     engine's threads and, beside them, one for the thread that launches the GPU work (module
-    docstring: the kernel's barrier makes oversubscription cost a whole call)."""
+    docstring)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
