@@ -5,6 +5,10 @@
 #
 # Steps (STEPS, comma-separated, run in this order; default "tests,oom,bench"):
 #   tests  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py     limit TESTS_TIMEOUT (480 s)
+#          (TP=2 left out unless TESTS_ARGS says otherwise: it has its own step)
+#   tp2    the TP=2 test alone (two GPUs: nvidia-h200-x2), limit TP2_TIMEOUT (540 s); its three cases
+#          each start vLLM at TP=2 (session 6: > 180 s for the first, Triton JIT included), so it
+#          takes a device call of its own; every process logs to $OUT/vllm_gpu_tp2.log
 #   oom    python3 benchmarks/oom_repro.py --vllm --out $OUT $OOM_ARGS                limit OOM_DEADLINE (300 s)
 #   bench  python3 benchmarks/bench_vllm.py --out $OUT --deadline $BENCH_DEADLINE     limit BENCH_DEADLINE (420 s)
 # A device call lasts at most 10 minutes: run "tests,oom" in one call and "bench" in the next (the machine
@@ -57,12 +61,23 @@ has() {  # the step is asked for and at least 60 s of its budget are left
 if has tests; then
   T=$(cap "${TESTS_TIMEOUT:-480}" 10)
   say "== tests (limit $T s)"
-  timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py ${TESTS_ARGS:-} \
-    >>"$LOG" 2>&1
+  timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py \
+    ${TESTS_ARGS:--k "not tensor_parallel"} >>"$LOG" 2>&1
   r=$?
   [ $r = 0 ] || rc=1
   grep -E "passed|failed|error|skipped" "$LOG" | tail -3
   say "tests: rc $r, $((SECONDS - t0)) s"
+fi
+
+if has tp2; then
+  T=$(cap "${TP2_TIMEOUT:-540}" 10)
+  say "== tp2 (limit $T s)"
+  MMO_CHILD_HANG_S=${MMO_CHILD_HANG_S:-$((T / 3))} timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+    tests/test_vllm_gpu.py -k tensor_parallel >>"$LOG" 2>&1
+  r=$?
+  [ $r = 0 ] || rc=1
+  grep -E "passed|failed|error|skipped" "$LOG" | tail -2
+  say "tp2: rc $r, $((SECONDS - t0)) s"
 fi
 
 if has oom; then
