@@ -77,12 +77,13 @@ class HostSampler:
     the previous one; a C call that releases the GIL (a CUDA sync, a native copy wait) shows as the
     Python line that called it."""
 
-    def __init__(self, interval: float = 0.0005, top: int = 40):
+    def __init__(self, interval: float = 0.001, top: int = 40):
         self.interval, self.top = interval, top
         self.target = threading.get_ident()
         self.incl: dict[str, float] = {}
         self.self_: dict[str, float] = {}
         self.samples, self.total = 0, 0.0
+        self._keys: dict = {}  # code object -> "file:function" (a look holds the GIL: keep it short)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, name="mmo-host-sampler", daemon=True)
         self._t.start()
@@ -99,9 +100,13 @@ class HostSampler:
             self.total += w
             seen = set()
             top = True
+            keys = self._keys
             while f is not None:
                 co = f.f_code
-                key = f"{co.co_filename.rsplit('/site-packages/', 1)[-1].rsplit('/work/main/', 1)[-1]}:{co.co_name}"
+                key = keys.get(co)
+                if key is None:
+                    key = keys[co] = (f"{co.co_filename.rsplit('/site-packages/', 1)[-1].rsplit('/work/main/', 1)[-1]}:"
+                                      f"{co.co_name}")
                 if top:
                     key_line = f"{key}:{f.f_lineno}"
                     self.self_[key_line] = self.self_.get(key_line, 0) + w
