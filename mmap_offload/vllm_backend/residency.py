@@ -122,14 +122,18 @@ class Residency:
         if st is None or st.numel() < n:
             st = self._ids_staging[ids.dtype] = torch.empty(max(n, 4096), dtype=ids.dtype, pin_memory=True)
         st[:n].copy_(ids.reshape(-1), non_blocking=True)
+        self._sync()
+        return np.unique(st[:n].numpy())
+
+    def _sync(self) -> None:
+        """Wait until the copies to the host enqueued so far have landed (the layer's one sync)."""
         self._event.record()
         t0 = time.perf_counter()
         self._event.synchronize()
         self.metrics["sync_s"] += time.perf_counter() - t0
-        return np.unique(st[:n].numpy())
 
     def _routed_with_inputs(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
-        """``_routed`` plus the step's ids, weights and activations on the host, in the same sync
+        """``_routed`` plus the step's ids, weights and activations on the host, in one sync
         (hybrid: the host computes some experts on these rows)."""
         n, k = ids.shape
         if self._ids_host is None or self._ids_host.shape[1] != k:
@@ -142,8 +146,9 @@ class Residency:
         ih.copy_(ids, non_blocking=cuda)
         wh.copy_(weights, non_blocking=cuda)
         xh.copy_(x, non_blocking=cuda)
-        used = self._routed(ids)  # its event sync covers the three copies above
-        return used, ih.numpy(), wh.numpy(), xh
+        if cuda:
+            self._sync()  # the three copies above; the routed experts come from ih (no fourth copy)
+        return np.unique(ih.numpy()), ih.numpy(), wh.numpy(), xh
 
     def _hybrid_mode(self, t, ids, weights, used, ids_h, w_h, x_h):
         """Expert mode whose misses are split between the host and the copy path (host_experts.py).
