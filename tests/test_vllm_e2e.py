@@ -62,13 +62,14 @@ CHILD = textwrap.dedent(
             counts[k] = 0
         llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                   max_model_len=128, max_num_seqs=4, seed=0, **kw)
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True, logprobs=2)
         todo = [[TokensPrompt(prompt_token_ids=p)] for p in prompts] if sequential else [[TokensPrompt(prompt_token_ids=p) for p in prompts]]
         outs = [o for batch in todo for o in llm.generate(batch, sp, use_tqdm=False)]
         from vllm.model_executor.offloader import get_offloader
+        from token_match import top2_gaps  # tests/ is on PYTHONPATH (_run_child)
         off = get_offloader()
-        info = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "offloader": type(off).__name__,
-                **counts}
+        info = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "top2_gap": top2_gaps(outs),
+                "offloader": type(off).__name__, **counts}
         if hasattr(off, "summary"):
             info["summary"] = off.summary()
             info["transforms"] = sorted(getattr(off, "_transforms", {}))
@@ -220,9 +221,13 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
 def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):
     """Patches 4 + 4b: some decode misses run on the host (fp32 accumulation on the cache's bf16
     rows, rounded once), their pairs masked out of the kernel, rows added to its output. Tokens
-    equal no offload here (a difference would need two logits within bf16 rounding)."""
+    equal no offload up to a near-tie of its logprobs (tests/token_match.py): which misses go to the
+    host follows measured times, so under load another split can flip a near-tie (session 6's CI run
+    parted at the third token while other tests shared its 2 cores; alone, the same build matched)."""
+    from token_match import assert_equal_up_to_a_near_tie
+
     hy = runs["hybrid"]
-    assert hy["tokens"] == runs["ref_seq"]["tokens"]
+    assert_equal_up_to_a_near_tie(hy["tokens"], runs["ref_seq"]["tokens"], runs["ref_seq"]["top2_gap"])
     s = hy["summary"]
     assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0
     assert s["residency_host_copied_experts"] + s["residency_pool_misses"] > 0
