@@ -523,6 +523,19 @@ def markdown(res: dict) -> str:
                          + (f"({v['uva_over_stream']}x)" if v.get("uva_over_stream") is not None else "(no layer offloaded)"))
             elif k == "uniform_expectation":
                 L.append(f"- expected under uniform routing (binomial): {v} reads per routed expert")
+    profiled = [r for r in res["rows"] if r.get("host_profile")]
+    if profiled:  # MMO_SAMPLE_DECODE=1: where the engine thread's time went (vllm_runner.HostSampler)
+        L += ["", "Host profile of the timed decode (share of the step's time, time-weighted stack samples; lines that "
+              "release the GIL are inflated by the sampler's own looks):", ""]
+        for r in profiled:
+            hp = r["host_profile"]
+            # this package's functions below the forward wrapper and its lambdas (which contain everything)
+            mine = [(k, v) for k, v in hp["inclusive"] if "mmap_offload/" in k
+                    and not k.endswith((":forward", ":<lambda>"))][:6]
+            top = [(k, v) for k, v in hp["self"]][:6]
+            ours = ", ".join(f"`{k.rsplit('/', 1)[-1]}` {v:.0%}" for k, v in mine) or "-"
+            L.append(f"- {r['config']} {r['routing']} {r['workload']} ({hp['samples']} samples): this package "
+                     f"{ours}; on top: " + ", ".join(f"`{k.rsplit('/', 1)[-1]}` {v:.0%}" for k, v in top))
     L += ["", "| config | outcome | ready s | kernel | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | CUDA peak alloc GiB |",
           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for c in res["configs"]:

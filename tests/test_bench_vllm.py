@@ -177,6 +177,14 @@ def test_rows_ratios_bars_and_markdown():
     assert [l for l in md.splitlines() if l.startswith("| mmap-cache | uniform | decode-1")][0].endswith("| 7.5 |")
     assert [l for l in md.splitlines() if l.startswith("| mmap-cache | skewed | decode-1")][0].endswith("| 2.0 |")
     assert "expected under uniform routing (binomial): 2.0 reads per routed expert" in md
+    assert "Host profile" not in md  # only with MMO_SAMPLE_DECODE=1
+    r["host_profile"] = {"samples": 100, "seconds": 0.1, "interval_s": 0.001,
+                         "inclusive": [["mmap_offload/vllm_backend/offloader.py:forward", 0.9],
+                                       ["mmap_offload/vllm_backend/residency.py:route", 0.5]],
+                         "self": [["mmap_offload/transfer/native_pool.py:wait:224", 0.25]]}
+    md = bench_vllm.markdown(res)
+    assert ("- mmap-cache skewed decode-1 (100 samples): this package `residency.py:route` 50%; on top: "
+            "`native_pool.py:wait:224` 25%") in md
 
 
 def test_child_specs_give_uva_the_pool_bytes(tmp_path):
