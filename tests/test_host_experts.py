@@ -345,7 +345,7 @@ def test_host_job_runs_on_the_kernels_threads_while_the_caller_works(setup):
     while time.perf_counter() - t0 < 0.3:  # Python holding the GIL, as vLLM's launches do
         pass
     got = he.add_to(t, torch.zeros(2, H, dtype=torch.bfloat16))
-    assert job.fut.ready and job.fut.seconds < 0.3
+    assert job.call.ready and job.call.seconds < 0.3
     assert torch.equal(got, want)
     he.start(SimpleNamespace(index=1, layer=layer), x, ids, w, np.array([1]))  # its add_to never comes
     he.start(t, x, ids, w, np.array([1]))

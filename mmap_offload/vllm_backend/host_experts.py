@@ -61,7 +61,7 @@ from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_ho
 
 @dataclass
 class _Job:
-    fut: Any  # HostCall (W4A16 kernel) or Future (torch path)
+    call: Any  # HostCall (W4A16 kernel) or _TorchCall: wait() -> it, with .seconds and .upper_bound
     n: int  # token rows of the step
     experts: int
     rows: int  # (token, expert) pairs in all
@@ -69,12 +69,39 @@ class _Job:
     out: torch.Tensor | None = None  # where the host rows land
 
 
+class _TorchCall:
+    """A torch job running in ``_TorchExperts``' thread; ``wait()`` as ``HostCall.wait``. Its time is
+    taken in that thread, so when the job was done before ``wait()`` it may include the wait for the
+    GIL after the work: an upper bound (``upper_bound``)."""
+
+    def __init__(self, fut: Future):
+        self._fut = fut
+        self.seconds: float | None = None
+        self.upper_bound = False
+
+    def wait(self) -> "_TorchCall":
+        if self.seconds is None:
+            self.upper_bound = self._fut.done()
+            self.seconds = self._fut.result()
+        return self
+
+
 class _TorchExperts:
     """bf16 experts on the host with torch (an unquantized cache's rows), the kernel's contract:
-    ``experts_mlp(x, [(rows, w13, w2, group, weights), ...], out)`` adds to ``out``."""
+    ``experts_mlp(x, [(rows, w13, w2, group, weights), ...], out)`` adds to ``out``;
+    ``experts_mlp_start`` runs it in one Python thread (torch releases the GIL inside its ops)."""
 
     def __init__(self, threads: int):
         self.threads = threads
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmap-offload-host")
+
+    def experts_mlp_start(self, x: torch.Tensor, jobs, out: torch.Tensor) -> _TorchCall:
+        def run() -> float:
+            t0 = time.perf_counter()
+            self.experts_mlp(x, jobs, out)
+            return time.perf_counter() - t0
+
+        return _TorchCall(self._thread.submit(run))
 
     def experts_mlp(self, x: torch.Tensor, jobs, out: torch.Tensor) -> None:
         for rows, w13, w2, _group, w in jobs:
@@ -84,7 +111,7 @@ class _TorchExperts:
             out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
 
     def close(self) -> None:
-        pass
+        self._thread.shutdown(wait=True)
 
 
 class HostExperts:
@@ -126,7 +153,6 @@ class HostExperts:
         w2 = spec["w2_weight_packed" if self.kind == "w4a16" else "w2_weight"]
         self.hidden = int(w2.shape[-1] // 2 if self.kind == "w4a16" else w2.shape[0])
         self._x = self._out = None  # pinned [MAX_TOKENS, H] in the model's dtype, made on first use
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmap-offload-host")
         self._pending: dict[int, _Job] = {}  # target index -> its host job
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._since_host = self.EXPLORE_EVERY  # calls since the host last got work (explore at once)
@@ -249,20 +275,16 @@ class HostExperts:
         if self._pending:  # a step that failed between a layer's start and its add_to: drop its rows
             self._drop_pending()
         out = self._out[:n]
-        start = getattr(self.kernel, "experts_mlp_start", None)
-        if start is None:
-            fut = self._pool.submit(self._run, x_host, jobs, new, out)
-        else:
-            if new:  # first use of these experts before the background populate reached them
-                self._populate(new)
-            out.zero_()
-            fut = start(x_host, jobs, out)
-        self._pending[t.index] = _Job(fut, n, len(jobs), pairs, time.perf_counter(), out)
+        if new:  # first use of these experts before the background populate reached them
+            self._populate(new)
+        out.zero_()
+        call = self.kernel.experts_mlp_start(x_host, jobs, out)
+        self._pending[t.index] = _Job(call, n, len(jobs), pairs, time.perf_counter(), out)
 
     def _drop_pending(self) -> None:
         for job in self._pending.values():
             try:
-                job.fut.wait() if not isinstance(job.fut, Future) else job.fut.result()
+                job.call.wait()
             except Exception:  # noqa: BLE001 - its step failed already; nothing reads these rows
                 pass
         self._pending.clear()
@@ -277,14 +299,6 @@ class HostExperts:
         self.metrics["populated_experts"] += len(new)
         self.metrics["populate_s"] += time.perf_counter() - t0
 
-    def _run(self, x: torch.Tensor, jobs: list, new: list, out: torch.Tensor) -> tuple[torch.Tensor, float]:
-        if new:  # first use of these experts: their page tables, in one call each (no fault per page)
-            self._populate(new)
-        t0 = time.perf_counter()
-        out.zero_()
-        self.kernel.experts_mlp(x, jobs, out)
-        return out, time.perf_counter() - t0
-
     def add_to(self, t, out: torch.Tensor) -> torch.Tensor:
         """Patch 4b: add layer ``t``'s host rows to the GPU kernel's output (if a job is pending)."""
         job = self._pending.pop(t.index, None)
@@ -294,14 +308,12 @@ class HostExperts:
             raise UnsupportedError("this MoE kernel returns an unfinalized output, which hybrid cannot add to",
                                    "pass hybrid=false")
         t0 = time.perf_counter()
-        if isinstance(job.fut, Future):
-            finished = job.fut.done()  # then its time may include waiting for the GIL after the kernel: a bound
-            host, seconds = job.fut.result()
-        else:  # the kernel's own clock: from the start to its last unit of work
-            host, seconds, finished = job.out, job.fut.wait().seconds, False
+        call = job.call.wait()  # HostCall: the kernel's own clock, from the start to its last unit of work
+        host, seconds = job.out, call.seconds
         self.metrics["host_wait_s"] += time.perf_counter() - t0
         self.metrics["host_s"] += seconds
-        self.model.observe_host(self.threads, job.experts, job.rows, seconds, upper_bound=finished)
+        self.model.observe_host(self.threads, job.experts, job.rows, seconds,
+                                upper_bound=getattr(call, "upper_bound", False))
         if self._copy_end is not None and self._copy_end > job.t_start:  # this call's copies' end -> rows needed
             self.model.observe_gap(t0 - self._copy_end)
         self._copy_end = None
@@ -323,7 +335,6 @@ class HostExperts:
         if self._populator is not None:
             self._populator.join()
         self._drop_pending()
-        self._pool.shutdown(wait=True)
         self._views.clear()
         close = getattr(self.kernel, "close", None)
         if close is not None:
