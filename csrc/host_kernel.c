@@ -1191,10 +1191,10 @@ static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, 
     return 0;
 }
 
-static int pool_acquire(pool_t *P, int wait) { /* 0, or -EBUSY (a started call not waited for, !wait) */
+static int pool_acquire(pool_t *P) { /* 0 once no call runs, or -EBUSY (a started call not waited for) */
     pthread_mutex_lock(&P->call_mu);
     while (P->busy) {
-        if (!wait || P->busy == 2) { pthread_mutex_unlock(&P->call_mu); return -EBUSY; }
+        if (P->busy == 2) { pthread_mutex_unlock(&P->call_mu); return -EBUSY; }
         pthread_cond_wait(&P->idle_cv, &P->call_mu);
     }
     P->busy = 1;
@@ -1217,7 +1217,7 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
                 const mo_job_t *jobs, int njobs, void *out, int mode) {
     pool_t *P = h;
     if (!P) return -EINVAL;
-    int rc = pool_acquire(P, 1);
+    int rc = pool_acquire(P);
     if (rc) return rc;
     mlp_task T;
     rc = mlp_prepare(P, &T, isa, x, xdt, x_rows, H, I, jobs, njobs, out, mode);
@@ -1239,7 +1239,7 @@ int mo_host_mlp_start(void *h, int isa, const void *x, int xdt, int64_t x_rows, 
                       const mo_job_t *jobs, int njobs, void *out, int mode) {
     pool_t *P = h;
     if (!P) return -EINVAL;
-    int rc = pool_acquire(P, 1);
+    int rc = pool_acquire(P);
     if (rc) return rc;
     mlp_task *T = P->async_task;
     if (!T && !(T = P->async_task = calloc(1, sizeof *T))) { pool_release(P); return -ENOMEM; }
