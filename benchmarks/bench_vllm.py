@@ -19,6 +19,8 @@ a model cleanly):
                 made resident in per-layer VRAM pools, whole layers above the
                 backend's threshold (prefill, large batches)
     noff        no offload: every expert in VRAM (the roofline)                 all
+    mmap-cache-wait (``--configs``) mmap-cache with ``stream_ordered=False``: the      B + 2 layer buffers
+                launching thread waits for the misses' reads (the path before session 7)
     mmap-all    (``--configs``) mmap-cache whose pool holds every expert: the     all + 2 layer buffers
                 residency step's own price at 100% hits (against noff); a diagnostic
     uva-eqtotal (``--configs``) uva given B + the mmap layer buffers             B + 2 layer buffers
@@ -71,7 +73,8 @@ MIB = 1 << 20
 USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
 TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 DECODE_BATCHES = (1, 8, 64)
-CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-hybrid", "noff", "uva-eqtotal", "mmap-all")
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-hybrid", "noff", "uva-eqtotal", "mmap-all")
+POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-hybrid", "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
 
@@ -278,10 +281,12 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
             specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "tasks": own_routing_tasks(False),
                           "llm": {**common, "offload_backend": "mmap",
                                   "additional_config": {"mmap_offload": {**mm, "expert_cache_gib": 0}}}})
-        elif cfg in ("mmap-cache", "mmap-hybrid", "mmap-all"):
+        elif cfg in POOL_CONFIGS:
             pool = {**mm, "expert_cache_gib": round((expert_bytes if cfg == "mmap-all" else budget) / GIB, 9)}
             if cfg == "mmap-hybrid":  # the same pool; decode misses split between host compute and copies
                 pool["hybrid"] = True
+            if cfg == "mmap-cache-wait":  # the same pool; the launching thread waits for the misses' reads
+                pool["stream_ordered"] = False
             if skewed:  # the trace goes through the backend's own option: one engine per routing
                 specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True,
                               "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
@@ -329,7 +334,7 @@ def _delta(a: dict | None, b: dict | None, key: str) -> float:
         return 0.0
 
 
-MOVED_KEYS = ("engine_bytes_moved",)
+MOVED_KEYS = ("engine_bytes_moved", "engine_ordered_bytes_filled")  # ordinary + stream-ordered batches
 
 
 def rows_from_child(child: dict) -> list[dict]:
@@ -379,8 +384,11 @@ def rows_from_child(child: dict) -> list[dict]:
             # where the residency step's host time goes, per forward step (ms): all of route(), the
             # wait for the router's ids (the one sync per layer), the pool's ensure (misses' copies
             # included) and its part blocked on copies
+            # (stream-ordered misses: check = the end-of-step wait for their reads; gate wait = the
+            # time the MoE stream stood at a gate whose reads were not done, the device's stall)
             for key, name in (("residency_route_s", "route_ms"), ("residency_sync_s", "sync_ms"),
-                              ("residency_ensure_s", "ensure_ms"), ("residency_pool_stall_s", "stall_ms")):
+                              ("residency_ensure_s", "ensure_ms"), ("residency_pool_stall_s", "stall_ms"),
+                              ("residency_check_s", "check_ms"), ("engine_ordered_gate_wait_seconds", "gate_wait_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
         rows.append(row)
@@ -491,7 +499,7 @@ def markdown(res: dict) -> str:
     wl = {w: i for i, w in enumerate(res["workloads"])}
     for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99))):
         c = by_cfg.get(r["config"], {})
-        if r["routing"] == "skewed" and r["config"] in ("mmap-cache", "mmap-hybrid", "mmap-all"):
+        if r["routing"] == "skewed" and r["config"] in POOL_CONFIGS:
             c = cfgs.get(f"{r['config']}/{r['config']}-skewed", c)
         if "tok_s" not in r:
             L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | | |")
@@ -499,6 +507,8 @@ def markdown(res: dict) -> str:
         hit = f"{100 * r['pool_hit_rate']:.0f}%" if "pool_hit_rate" in r else ""
         modes = " ".join(f"{k} {v}" for k, v in r.get("residency_calls", {}).items() if v)
         host = " / ".join(f"{r[k]:.2f}" for k in ("route_ms", "sync_ms", "ensure_ms", "stall_ms") if k in r)
+        if r.get("gate_wait_ms") is not None:  # stream-ordered misses
+            host += f" (check {r.get('check_ms', 0):.2f}, gate wait {r['gate_wait_ms']:.2f})"
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "

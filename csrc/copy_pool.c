@@ -30,7 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 6
+#define MO_POOL_ABI 7
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -41,6 +41,8 @@ typedef int (*fn_event_sync)(void *ev);
 typedef int (*fn_event_query)(void *ev); /* 0: complete */
 typedef int (*fn_event_destroy)(void *ev);
 typedef int (*fn_set_device)(int device);
+typedef void (*fn_host)(void *arg); /* cudaHostFn_t */
+typedef int (*fn_launch_host_func)(void *stream, fn_host fn, void *arg);
 
 enum { H2D = 1, EV_BLOCKING_SYNC = 0x1, EV_DISABLE_TIMING = 0x2 };
 /* mo_pool_create flags. HOT_SLOTS: take the most recently freed slot whose copy has completed
@@ -55,6 +57,13 @@ enum { ST_CHUNKS = 0, ST_DONE = 1, ST_ISSUED = 2, ST_ERROR = 3, ST_FAULT = 4, ST
  * raised SIGBUS (file truncated under the mapping, or an I/O error on a mapped page) */
 enum { ERR_CANCELLED = -1, ERR_FAULT = -2 };
 enum { SUBMIT_CLOSED = -1, SUBMIT_INVALID = -2 }; /* mo_pool_submit: nothing was queued */
+/* mo_gate_submit, besides those: no arena / no cudaLaunchHostFunc; the batch is larger than the
+ * arena; the arena already serves another stream (nothing was queued, the caller takes the
+ * ordinary path) */
+enum { GATE_UNSUPPORTED = -3, GATE_TOO_BIG = -4, GATE_OTHER_STREAM = -5 };
+/* a gated batch's status has one more word: the CUDA error of the copies or of the gate's launch,
+ * written by the submitting thread before mo_gate_submit returns */
+enum { ST_CUDA = 5, ST_GATED_LEN = 6 };
 
 typedef struct { uint64_t src, dst, n; } mo_piece;              /* input triple */
 typedef struct { uint64_t src, dst, n, off; } planned_piece;    /* off: offset in the slot */
@@ -70,6 +79,20 @@ typedef struct batch {
 } batch;
 
 typedef struct mo_pool mo_pool;
+
+/* A stream-ordered ("gated") batch: see the section "Stream-ordered batches" below. */
+typedef struct gbatch {
+    struct gbatch *next;
+    mo_pool *p;
+    uint64_t seq, wait_seq;  /* its fill waits until p->g_released >= wait_seq */
+    planned_piece *pieces;   /* off: offset in the arena */
+    chunk *chunks;
+    uint32_t npieces, nchunks, taken, done;
+    int err, filled, refs;   /* refs: its fill + its gate (if launched) */
+    uint64_t fault;
+    int64_t *status;         /* the caller's words, until ST_ISSUED is set */
+} gbatch;
+
 enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
 typedef struct { mo_pool *p; int own[OWN_SLOTS]; } worker_arg;
 
@@ -105,6 +128,22 @@ struct mo_pool {
 
     /* stats (under mu): bytes, chunks, nanoseconds filling / issuing / waiting for a slot */
     uint64_t st_bytes, st_chunks, st_fill_ns, st_issue_ns, st_slot_wait_ns;
+
+    /* stream-ordered batches (mo_gate_init): the arena is ring slots [g_first, nslots) */
+    fn_launch_host_func launch_host_func;
+    char *g_base;
+    size_t g_size, g_head, g_granule;
+    int g_first, g_ngran, g_nthreads, g_gates_pending;
+    uint64_t *g_owner;       /* per granule of the arena: seq of the last batch placed on it */
+    uint64_t g_seq, g_released;
+    void *g_stream, *g_last_event; /* g_stream: the stream of every gated batch (set by the first) */
+    int g_event_recorded;
+    gbatch *g_head_q, *g_tail_q;
+    pthread_cond_t g_work_cv, g_rel_cv;
+    pthread_t *g_threads;
+    /* stats (under mu): batches, bytes, fill ns, gates run, gates that waited, ns they waited */
+    uint64_t st_g_batches, st_g_bytes, st_g_fill_ns, st_g_gates, st_g_gates_waited, st_g_gate_wait_ns;
+    uint64_t st_g_ungated; /* batches whose gate could not be launched (the submit waited) */
 };
 
 void mo_pool_shutdown(mo_pool *p);
@@ -251,17 +290,17 @@ int mo_sigbus_guarded(void) {
 }
 
 /* Copy a chunk's pieces from the mapping into the slot; 0, or ERR_FAULT with *fault set. */
-static int guarded_copy(const chunk *c, const batch *b, char *slot, int movsb, uint64_t *fault) {
+static int guarded_copy(const chunk *c, const planned_piece *pieces, char *slot, int movsb, uint64_t *fault) {
     sigjmp_buf jb;
     volatile uint32_t i = 0;
     if (sigsetjmp(jb, 0)) {
         void *a = guard_addr;
-        *fault = a ? (uint64_t)(uintptr_t)a : b->pieces[c->first + i].src;
+        *fault = a ? (uint64_t)(uintptr_t)a : pieces[c->first + i].src;
         return ERR_FAULT;
     }
     guard_jmp = &jb;
     for (; i < c->count; i++) {
-        const planned_piece *q = &b->pieces[c->first + i];
+        const planned_piece *q = &pieces[c->first + i];
         if (movsb) mo_copy_movsb(slot + q->off, (const void *)(uintptr_t)q->src, q->n);
         else mo_copy_nt4(slot + q->off, (const void *)(uintptr_t)q->src, q->n, PREFETCH);
     }
@@ -277,7 +316,7 @@ static int run_chunk(mo_pool *p, worker_arg *w, batch *b, uint32_t ci, uint64_t 
     char *slot = p->ring + (size_t)s * p->slot_bytes;
     uint64_t t0 = now_ns(), bytes = 0;
     for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
-    if (guarded_copy(c, b, slot, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN, fault)) {
+    if (guarded_copy(c, b->pieces, slot, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN, fault)) {
         release_slot(p, s, 0, w); /* nothing was issued from it */
         pthread_mutex_lock(&p->mu);
         p->st_chunks++;
@@ -375,6 +414,7 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     p->event_destroy = (fn_event_destroy)api[4];
     p->set_device = (fn_set_device)api[5];
     p->event_query = (fn_event_query)api[6];
+    p->launch_host_func = (fn_launch_host_func)api[7];
     p->flags = flags;
     p->device = device;
     p->stream = stream;
@@ -392,6 +432,9 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
     pthread_cond_init(&p->slot_cv, NULL);
+    pthread_cond_init(&p->g_work_cv, NULL);
+    pthread_cond_init(&p->g_rel_cv, NULL);
+    p->g_first = nslots;
     if (!p->slot_event || !p->slot_used || !p->fifo || !p->slot_free || !p->threads || !p->args) goto fail;
     if (p->set_device) p->set_device(device);
     for (int i = 0; i < nslots; i++) {
@@ -416,6 +459,8 @@ fail:
     pthread_cond_destroy(&p->work_cv);
     pthread_cond_destroy(&p->done_cv);
     pthread_cond_destroy(&p->slot_cv);
+    pthread_cond_destroy(&p->g_work_cv);
+    pthread_cond_destroy(&p->g_rel_cv);
     free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->slot_free); free(p->threads); free(p->args); free(p);
     return NULL;
 }
@@ -528,18 +573,36 @@ void mo_pool_shutdown(mo_pool *p) {
     pthread_mutex_lock(&p->mu);
     p->closing = 1;
     pthread_cond_broadcast(&p->work_cv);
+    pthread_cond_broadcast(&p->g_work_cv);
+    pthread_cond_broadcast(&p->g_rel_cv);
     int joined = p->joined;
     p->joined = 1;
     pthread_mutex_unlock(&p->mu);
-    if (!joined)
+    if (!joined) {
         for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+        for (int i = 0; i < p->g_nthreads; i++) pthread_join(p->g_threads[i], NULL);
+    }
 }
+
+static int gates_drained(mo_pool *p, int seconds);
 
 /* Shut down, wait for every slot's last device copy, free everything. No call on ``p`` may run
  * or follow (the caller's job: mo_pool_wait blocks inside p). The ring memory is the caller's. */
 void mo_pool_destroy(mo_pool *p) {
     if (!p) return;
     mo_pool_shutdown(p);
+    /* gates the stream has not run yet hold the pool: wait for them (their fills are finished or
+     * cancelled, so each returns at once when its stream reaches it); a stream stuck for longer
+     * than this (a hung device) leaks the pool instead of freeing memory a gate still reads */
+    if (!gates_drained(p, 30)) return;
+    if (p->g_last_event) {
+        if (p->g_event_recorded) p->event_sync(p->g_last_event); /* the arena's last device copies */
+        p->event_destroy(p->g_last_event);
+    }
+    free(p->g_owner);
+    free(p->g_threads);
+    pthread_cond_destroy(&p->g_work_cv);
+    pthread_cond_destroy(&p->g_rel_cv);
     for (int i = 0; i < p->nslots; i++) {
         if (p->slot_used[i]) p->event_sync(p->slot_event[i]);
         p->event_destroy(p->slot_event[i]);
@@ -549,6 +612,307 @@ void mo_pool_destroy(mo_pool *p) {
     pthread_cond_destroy(&p->done_cv);
     pthread_cond_destroy(&p->slot_cv);
     free(p->slot_event); free(p->slot_used); free(p->fifo); free(p->slot_free); free(p->threads); free(p->args); free(p);
+}
+
+/* --- Stream-ordered batches ("gated") ------------------------------------------------------
+ * mo_pool_submit's caller must wait until a batch is issued before it may order later work after
+ * it (cudaStreamWaitEvent waits for the event's latest record, so the record must come first): at
+ * decode that wait was half of the residency step's host time (BENCHMARKS.md, session 6). A gated
+ * batch is instead ordered on the caller's stream (the one its consumer runs on) at once, without
+ * any wait:
+ *
+ *   mo_gate_submit (the caller's thread, never blocks)
+ *     places the batch in the arena (ring slots [g_first, nslots), one contiguous byte range),
+ *     queues its fill for the gated threads (CPU copies mapping -> arena, no CUDA call),
+ *     cudaLaunchHostFunc(stream, gate, batch), then cudaMemcpyAsync(dst, arena) on that stream
+ *   gate (CUDA's host-function thread, when the stream reaches it)
+ *     marks every earlier batch's copies complete (they precede it on the same stream), then
+ *     returns once this batch's fill is finished: the stream's copies behind it read filled bytes
+ *   a fill waits, before it writes arena bytes, until the batches that last used them are marked
+ *     complete (g_released >= wait_seq)
+ *
+ * Why this cannot deadlock: a gate waits only for CPU work (its fill); a fill waits only for the
+ * gate of a batch at or before its own (the first gate after the batches whose bytes it reuses),
+ * never for device progress nor for a later batch, and fills are taken in order by their own
+ * threads, which never block on anything else. A gate that waited for device work (an event of
+ * another stream, or the ring's normal copies on the copy stream) could deadlock when the blocked
+ * stream shares a hardware queue with that work (session 5's stream words did); so gated batches
+ * use their own threads and their own part of the ring, and all of them one stream (a second
+ * stream is refused: its gates could block the first's copies in a shared queue).
+ *
+ * Errors: a fill that fails (SIGBUS reading the mapping) still finishes, so its gate returns and the
+ * copies behind it move stale arena bytes; the batch's status says so (ST_ERROR, as for ordinary
+ * batches, once ST_ISSUED is set at the fill's end): the caller must check it (mo_pool_wait) before
+ * it uses the destinations' results, and drop them. A failed gate launch makes mo_gate_submit wait
+ * for the fill before it issues the copies (correct, no longer asynchronous; counted in the stats). */
+enum { GATE_ALIGN = 256, GATE_GRANULE = 256 << 10 };
+
+static void gbatch_unref(gbatch *b) { /* under mu */
+    if (--b->refs) return;
+    free(b->pieces);
+    free(b->chunks);
+    free(b);
+}
+
+static void gate_fn(void *arg) {
+    gbatch *b = (gbatch *)arg;
+    mo_pool *p = b->p;
+    pthread_mutex_lock(&p->mu);
+    if (b->seq - 1 > p->g_released) {
+        p->g_released = b->seq - 1;
+        pthread_cond_broadcast(&p->g_rel_cv);
+    }
+    p->st_g_gates++;
+    if (!b->filled) {
+        uint64_t t0 = now_ns();
+        while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
+        p->st_g_gates_waited++;
+        p->st_g_gate_wait_ns += now_ns() - t0;
+    }
+    gbatch_unref(b);
+    if (--p->g_gates_pending == 0) pthread_cond_broadcast(&p->g_rel_cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* under mu: one chunk of b finished; the last one publishes the batch's status */
+static void gchunk_finished(mo_pool *p, gbatch *b, int err, uint64_t fault) {
+    if (err && !b->err) {
+        b->err = err;
+        b->fault = fault;
+    }
+    if (++b->done < b->nchunks) return;
+    b->status[ST_DONE] = b->done;
+    b->status[ST_ERROR] = b->err;
+    b->status[ST_FAULT] = (int64_t)b->fault;
+    __atomic_store_n(&b->status[ST_ISSUED], 1, __ATOMIC_RELEASE);
+    b->status = NULL; /* the caller may free it now */
+    b->filled = 1;
+    pthread_cond_broadcast(&p->done_cv);
+    gbatch_unref(b);
+}
+
+static void *gworker(void *arg) {
+    mo_pool *p = (mo_pool *)arg;
+    guard_jmp = NULL;
+    guard_addr = NULL;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->g_head_q && !p->closing) pthread_cond_wait(&p->g_work_cv, &p->mu);
+        gbatch *b = p->g_head_q;
+        if (!b) break;
+        uint32_t ci = b->taken++;
+        if (b->taken == b->nchunks) {
+            p->g_head_q = b->next;
+            if (!p->g_head_q) p->g_tail_q = NULL;
+        }
+        while (!p->closing && p->g_released < b->wait_seq) pthread_cond_wait(&p->g_rel_cv, &p->mu);
+        int err = 0;
+        uint64_t fault = 0;
+        if (p->closing) {
+            err = ERR_CANCELLED;
+        } else {
+            pthread_mutex_unlock(&p->mu);
+            uint64_t t0 = now_ns(), bytes = 0;
+            const chunk *c = &b->chunks[ci];
+            for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
+            /* planned offsets are arena offsets: the "slot" is the arena's start */
+            err = guarded_copy(c, b->pieces, p->g_base, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN,
+                               &fault);
+            uint64_t dt = now_ns() - t0;
+            pthread_mutex_lock(&p->mu);
+            p->st_g_fill_ns += dt;
+            p->st_g_bytes += err ? 0 : bytes;
+        }
+        gchunk_finished(p, b, err, fault);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* Set aside ring slots [first_slot, nslots) as the arena of stream-ordered batches and start
+ * ``nthreads`` threads to fill it. Call once, before the first mo_pool_submit. 0 on success;
+ * GATE_UNSUPPORTED without cudaLaunchHostFunc (api[7]); SUBMIT_INVALID for bad arguments or when
+ * no slot would be left for ordinary batches; SUBMIT_CLOSED. (Ordinary workers need only one slot
+ * to progress: a gate waits for its own threads only, so a copy-stream wait on the gated stream
+ * always ends.) */
+int mo_gate_init(mo_pool *p, int first_slot, int nthreads) {
+    if (!p) return SUBMIT_INVALID;
+    if (!p->launch_host_func) return GATE_UNSUPPORTED;
+    if (nthreads < 1 || first_slot < 1 || first_slot >= p->nslots) return SUBMIT_INVALID;
+    pthread_mutex_lock(&p->mu);
+    int bad = p->closing || p->g_base || p->fifo_count != p->nslots || p->st_chunks;
+    if (!bad) {
+        p->g_size = (size_t)(p->nslots - first_slot) * p->slot_bytes;
+        p->g_granule = GATE_GRANULE;
+        p->g_ngran = (int)((p->g_size + GATE_GRANULE - 1) / GATE_GRANULE);
+        p->g_owner = calloc((size_t)p->g_ngran, sizeof(uint64_t));
+        p->g_threads = calloc((size_t)nthreads, sizeof(pthread_t));
+        bad = !p->g_owner || !p->g_threads ||
+              p->event_create(&p->g_last_event, EV_BLOCKING_SYNC | EV_DISABLE_TIMING) != 0;
+        if (bad) {
+            free(p->g_owner); free(p->g_threads);
+            p->g_owner = NULL; p->g_threads = NULL; p->g_last_event = NULL;
+        }
+    }
+    if (!bad) {
+        /* the arena's slots leave the free list; the fifo holds slots in index order here */
+        int k = 0;
+        for (int i = 0; i < p->fifo_count; i++)
+            if (p->fifo[i] < first_slot) p->fifo[k++] = p->fifo[i];
+            else p->slot_free[p->fifo[i]] = 0;
+        p->fifo_count = k;
+        p->g_first = first_slot;
+        p->g_base = p->ring + (size_t)first_slot * p->slot_bytes;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (bad) return p->closing ? SUBMIT_CLOSED : SUBMIT_INVALID;
+    for (int i = 0; i < nthreads; i++) {
+        if (pthread_create(&p->g_threads[i], NULL, gworker, p)) break;
+        pthread_mutex_lock(&p->mu);
+        p->g_nthreads++;
+        pthread_mutex_unlock(&p->mu);
+    }
+    return p->g_nthreads ? 0 : SUBMIT_INVALID; /* with no thread, submits are refused */
+}
+
+/* Queue a batch ordered on ``stream`` (see above): ``status`` has ST_GATED_LEN words, zeroed by the
+ * caller, and stays valid until status[ST_ISSUED] is 1 (the fill finished); ``event`` (may be NULL)
+ * is recorded on ``stream`` after the batch's copies. Returns the number of fill chunks, or, with
+ * nothing queued, SUBMIT_CLOSED / SUBMIT_INVALID / GATE_UNSUPPORTED / GATE_TOO_BIG /
+ * GATE_OTHER_STREAM. A CUDA error of the gate's launch or of the copies lands in status[ST_CUDA]
+ * (the copies may then be partly issued: the caller must not use the destinations). */
+int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes, void *stream,
+                       int64_t *status, void *event) {
+    if (!p || !status || (n && !in) || chunk_bytes == 0) return SUBMIT_INVALID;
+    if (!p->g_base || !p->g_nthreads) return GATE_UNSUPPORTED;
+    uint64_t span = 0, cap = 0;
+    for (size_t i = 0; i < n; i++) {
+        span = ((span + GATE_ALIGN - 1) & ~(uint64_t)(GATE_ALIGN - 1)) + in[i].n;
+        uint64_t q = in[i].n / chunk_bytes;
+        if (q > UINT32_MAX || (cap += q + 2) > UINT32_MAX) return SUBMIT_INVALID;
+    }
+    if (span > p->g_size) return GATE_TOO_BIG;
+    gbatch *b = calloc(1, sizeof(*b));
+    planned_piece *pieces = malloc((cap ? cap : 1) * sizeof(*pieces));
+    chunk *chunks = malloc((cap ? cap : 1) * sizeof(*chunks));
+    if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return SUBMIT_INVALID; }
+    /* plan: pieces laid end to end (GATE_ALIGN apart) in the batch's range; fill chunks of at most
+     * chunk_bytes, cut on that grid; offsets relative to the range's start for now */
+    uint32_t np = 0, nc = 0;
+    uint64_t pos = 0, chunk_end = 0;
+    for (size_t i = 0; i < n; i++) {
+        pos = (pos + GATE_ALIGN - 1) & ~(uint64_t)(GATE_ALIGN - 1);
+        uint64_t s = 0, len = in[i].n;
+        while (s < len) {
+            if (nc == 0 || pos >= chunk_end) {
+                chunks[nc].first = np;
+                chunks[nc].count = 0;
+                nc++;
+                chunk_end = pos + chunk_bytes;
+            }
+            uint64_t take = len - s;
+            if (take > chunk_end - pos) take = chunk_end - pos;
+            pieces[np] = (planned_piece){in[i].src + s, in[i].dst + s, take, pos};
+            np++;
+            chunks[nc - 1].count++;
+            pos += take;
+            s += take;
+        }
+    }
+    b->p = p;
+    b->pieces = pieces;
+    b->chunks = chunks;
+    b->npieces = np;
+    b->nchunks = nc;
+    b->status = status;
+    status[ST_CHUNKS] = nc;
+    pthread_mutex_lock(&p->mu);
+    int refused = p->closing ? SUBMIT_CLOSED : (p->g_seq && p->g_stream != stream) ? GATE_OTHER_STREAM : 0;
+    if (refused || nc == 0) {
+        pthread_mutex_unlock(&p->mu);
+        free(pieces); free(chunks); free(b);
+        if (refused) return refused;
+        __atomic_store_n(&status[ST_ISSUED], 1, __ATOMIC_RELEASE);
+        return 0;
+    }
+    p->g_stream = stream;
+    uint64_t start = p->g_head;
+    if (start + span > p->g_size) start = 0; /* wrap: the range stays contiguous */
+    p->g_head = start + span;
+    uint64_t seq = ++p->g_seq, wait_seq = 0;
+    for (uint64_t g = start / p->g_granule; g * p->g_granule < start + span; g++) {
+        if (p->g_owner[g] > wait_seq) wait_seq = p->g_owner[g];
+        p->g_owner[g] = seq;
+    }
+    b->seq = seq;
+    b->wait_seq = wait_seq;
+    for (uint32_t i = 0; i < np; i++) pieces[i].off += start;
+    b->refs = 3; /* the fill's end, the gate, and this call until its copies are issued */
+    p->g_gates_pending++;
+    p->st_g_batches++;
+    if (p->g_tail_q) p->g_tail_q->next = b; else p->g_head_q = b;
+    p->g_tail_q = b;
+    pthread_cond_broadcast(&p->g_work_cv);
+    pthread_mutex_unlock(&p->mu);
+
+    int cuda = p->launch_host_func(stream, gate_fn, b);
+    if (cuda) { /* no gate: wait for the fill here, then the copies below are ordered after it */
+        /* no gate marks the earlier batches complete either: wait for them here (same stream),
+         * else a fill that reuses their bytes would wait for a gate that may never come */
+        if (__atomic_load_n(&p->g_event_recorded, __ATOMIC_RELAXED)) p->event_sync(p->g_last_event);
+        pthread_mutex_lock(&p->mu);
+        if (seq - 1 > p->g_released) {
+            p->g_released = seq - 1;
+            pthread_cond_broadcast(&p->g_rel_cv);
+        }
+        while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
+        p->g_gates_pending--;
+        p->st_g_ungated++;
+        gbatch_unref(b); /* the gate's reference */
+        pthread_mutex_unlock(&p->mu);
+        cuda = 0; /* not an error of the batch: its copies below follow its fill */
+    }
+    char *base = p->g_base;
+    for (uint32_t i = 0; i < np && !cuda;) {
+        uint64_t dst = pieces[i].dst, off = pieces[i].off, len = pieces[i].n;
+        uint32_t j = i + 1; /* coalesce the cuts of one piece: contiguous on both sides */
+        while (j < np && pieces[j].dst == dst + len && pieces[j].off == off + len) len += pieces[j++].n;
+        cuda = p->memcpy_async((void *)(uintptr_t)dst, base + off, len, H2D, stream);
+        i = j;
+    }
+    if (!cuda && event) cuda = p->event_record(event, stream);
+    if (!cuda && p->g_last_event) {
+        cuda = p->event_record(p->g_last_event, stream);
+        if (!cuda) __atomic_store_n(&p->g_event_recorded, 1, __ATOMIC_RELAXED);
+    }
+    if (cuda) status[ST_CUDA] = cuda; /* the caller still owns status: it checks this on return */
+    pthread_mutex_lock(&p->mu);
+    gbatch_unref(b); /* this call's reference: the plan was read */
+    pthread_mutex_unlock(&p->mu);
+    return nc;
+}
+
+/* under no lock: wait up to ``seconds`` for every launched gate to have run; 1 if they all did */
+static int gates_drained(mo_pool *p, int seconds) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += seconds;
+    pthread_mutex_lock(&p->mu);
+    int r = 0;
+    while (p->g_gates_pending && r == 0) r = pthread_cond_timedwait(&p->g_rel_cv, &p->mu, &until);
+    int ok = p->g_gates_pending == 0;
+    pthread_mutex_unlock(&p->mu);
+    return ok;
+}
+
+/* stream-ordered batches: batches, bytes filled, fill_ns, gates run, gates that waited for their
+ * fill, ns they waited (the stream's stall), arena bytes, fill threads, batches without a gate */
+void mo_gate_stats(mo_pool *p, uint64_t *out) {
+    pthread_mutex_lock(&p->mu);
+    out[0] = p->st_g_batches; out[1] = p->st_g_bytes; out[2] = p->st_g_fill_ns;
+    out[3] = p->st_g_gates; out[4] = p->st_g_gates_waited; out[5] = p->st_g_gate_wait_ns;
+    out[6] = p->g_size; out[7] = (uint64_t)p->g_nthreads; out[8] = p->st_g_ungated;
+    pthread_mutex_unlock(&p->mu);
 }
 
 /* --- a CPU stand-in for the CUDA stream and events, so the pool runs without a GPU -----------
@@ -562,6 +926,8 @@ typedef struct fake_op {
     void *dst;
     const void *src;
     size_t n;
+    fn_host fn; /* a host function (cudaLaunchHostFunc): called instead of the copy */
+    void *arg;
 } fake_op;
 typedef struct {
     pthread_mutex_t mu;
@@ -571,7 +937,7 @@ typedef struct {
     unsigned delay_us;
     int closing;
     int refs;                         /* the creator's + one per event last recorded here */
-    unsigned fail_copy, fail_record;  /* test hook: the n-th next call fails (0: none) */
+    unsigned fail_copy, fail_record, fail_launch;  /* test hook: the n-th next call fails (0: none) */
     int fail_code;
     pthread_t thread;
 } fake_stream;
@@ -600,8 +966,12 @@ static void *fake_stream_main(void *arg) {
         s->head = op->next;
         if (!s->head) s->tail = NULL;
         pthread_mutex_unlock(&s->mu);
-        if (s->delay_us) usleep(s->delay_us);
-        memcpy(op->dst, op->src, op->n);
+        if (op->fn) {
+            op->fn(op->arg);
+        } else {
+            if (s->delay_us) usleep(s->delay_us);
+            memcpy(op->dst, op->src, op->n);
+        }
         free(op);
         pthread_mutex_lock(&s->mu);
         s->executed++;
@@ -623,11 +993,12 @@ void *mo_fake_stream_create(unsigned delay_us) {
     return s;
 }
 
-/* Test hook: the ``nth`` next memcpy_async (what 0) or event_record (what 1) returns ``code``. */
+/* Test hook: the ``nth`` next memcpy_async (what 0), event_record (what 1) or launch_host_func
+ * (what 2) returns ``code``. */
 void mo_fake_stream_fail(void *stream, int what, unsigned nth, int code) {
     fake_stream *s = (fake_stream *)stream;
     pthread_mutex_lock(&s->mu);
-    if (what == 0) s->fail_copy = nth; else s->fail_record = nth;
+    if (what == 0) s->fail_copy = nth; else if (what == 1) s->fail_record = nth; else s->fail_launch = nth;
     s->fail_code = code;
     pthread_mutex_unlock(&s->mu);
 }
@@ -643,14 +1014,31 @@ void mo_fake_stream_destroy(void *stream) {
     fake_stream_unref(s);
 }
 
+static int fake_enqueue(fake_stream *s, fake_op *op, unsigned *countdown);
+
 int mo_fake_memcpy_async(void *dst, const void *src, size_t n, int kind, void *stream) {
     (void)kind;
     fake_stream *s = (fake_stream *)stream;
     fake_op *op = malloc(sizeof(*op));
     if (!op) return 2; /* cudaErrorMemoryAllocation */
-    op->next = NULL; op->dst = dst; op->src = src; op->n = n;
+    op->next = NULL; op->dst = dst; op->src = src; op->n = n; op->fn = NULL; op->arg = NULL;
+    return fake_enqueue(s, op, &s->fail_copy);
+}
+
+/* cudaLaunchHostFunc: ``fn(arg)`` runs on the stream's thread in stream order (test hook: what 2 of
+ * mo_fake_stream_fail fails the n-th next launch) */
+int mo_fake_launch_host_func(void *stream, fn_host fn, void *arg) {
+    fake_stream *s = (fake_stream *)stream;
+    fake_op *op = calloc(1, sizeof(*op));
+    if (!op) return 2;
+    op->fn = fn;
+    op->arg = arg;
+    return fake_enqueue(s, op, &s->fail_launch);
+}
+
+static int fake_enqueue(fake_stream *s, fake_op *op, unsigned *countdown) {
     pthread_mutex_lock(&s->mu);
-    if (fake_fail_now(&s->fail_copy)) {
+    if (fake_fail_now(countdown)) {
         int code = s->fail_code;
         pthread_mutex_unlock(&s->mu);
         free(op);

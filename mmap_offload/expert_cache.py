@@ -29,6 +29,15 @@ Contract of ``ensure(layer, ids)``:
 - on CUDA the copies are ordered before later work on the current stream (``engine.wait``), so
   call it with the stream that runs the MoE kernel current.
 
+Stream-ordered misses (``stream_ordered=True``, an engine with ``submit_ordered``: the mmap engine
+with an ordered part of its ring): on CUDA ``ensure`` does not wait for the copy threads at all. The
+misses' copies are enqueued on the current stream behind a gate that opens once their bytes were
+read (csrc/copy_pool.c, "Stream-ordered batches"), so the caller goes on launching work while the
+threads read. A read that fails is then known only later: ``check_ordered()`` waits for every
+such batch's reads, forgets the slots a failed one filled and raises its error; call it before
+using the results of the kernels that read the slots (the vLLM backend: once per forward, before
+sampling). On CPU the same path is taken and waited for in ``ensure`` (host kernels run at once).
+
 Eviction policies (lower key is evicted first; ties go to the least recently used):
 - ``lru``: key = time of last use.
 - ``lfu-decay``: key = an exponentially decayed use count (half-life ``half_life_steps`` decode
@@ -74,10 +83,13 @@ _RECENT_BONUS = 1e12  # above any log-score key: keeps last step's experts above
 
 @dataclass(eq=False)  # compared by identity
 class _Pending:
-    """A copy in flight into one or more slots."""
+    """A copy in flight into one or more slots. ``ordered``: a stream-ordered batch
+    (``engine.submit_ordered``): the current stream already waits for it; only its read error is
+    left to check (``check_ordered``)."""
 
     ticket: Any
     done: bool = False
+    ordered: bool = False
 
 
 @dataclass
@@ -95,6 +107,7 @@ class _Pool:
     pinned: set[int] = field(default_factory=set)  # slots of the latest ensure() on this pool
     use_call: np.ndarray | None = None  # [S] number of the last ensure() that handed the slot out
     dst: dict[int, list] = field(default_factory=dict)  # slot -> (offset, nbytes, view) per tensor, built once
+    fill_of: dict[int, _Pending] = field(default_factory=dict)  # slot -> the copy that last filled it
 
 
 def _ids_to_numpy(expert_ids) -> tuple[np.ndarray, torch.device | None, torch.dtype]:
@@ -136,6 +149,7 @@ class ExpertCache:
         shared: bool = False,
         layers: Sequence[int] | None = None,
         verify_first_use: bool = True,
+        stream_ordered: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
@@ -147,6 +161,11 @@ class ExpertCache:
         # never served; costs one extra read of each fetched expert per process; False opts out)
         self.verify_first_use = verify_first_use
         self.device = torch.device(device)
+        # misses ordered on the current stream without a host wait (module docstring; on CPU the
+        # same path, waited for at once)
+        self.stream_ordered = bool(stream_ordered) and hasattr(engine, "submit_ordered")
+        self._unchecked: list[tuple[_Pool, _Pending]] = []  # ordered batches whose reads are unchecked
+        self._defer_checks = self.device.type == "cuda"  # on CPU an ordered fill is waited for at once
         self.policy = policy
         self.hint_budget = float(hint_budget)
         self.layers: list[int] = list(cache.layers if layers is None else layers)
@@ -180,7 +199,7 @@ class ExpertCache:
 
         self.metrics: dict[str, float] = dict(
             calls=0, hits=0, misses=0, evictions=0, routed_bytes=0, miss_bytes=0, bytes_moved=0,
-            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, admitted=0,
+            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, admitted=0, ordered_fills=0,
         )
 
     # -- set-up -------------------------------------------------------------------------------
@@ -339,16 +358,44 @@ class ExpertCache:
         return was_used
 
     def _drop_failed(self, pool: _Pool, failed: _Pending) -> None:
-        """Forget every slot whose copy was ``failed`` (its bytes are not the expert's)."""
+        """Forget every slot whose copy was ``failed`` (its bytes are not the expert's): those still
+        waiting for it and those it filled last (a stream-ordered fill, no longer pending)."""
         failed.done = True
-        for s in [s for s, p in pool.pending.items() if p is failed]:
-            del pool.pending[s]
+        slots = {s for s, p in pool.pending.items() if p is failed}
+        slots |= {s for s, p in pool.fill_of.items() if p is failed}
+        for s in slots:
+            pool.pending.pop(s, None)
+            pool.fill_of.pop(s, None)
             if pool.owner_li[s] >= 0:
                 self._lut[pool.owner_li[s], pool.owner_e[s]] = -1
             pool.owner_li[s] = pool.owner_e[s] = -1
             pool.used[s] = pool.hinted[s] = False
 
-    def _refill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], fence) -> _Pending:
+    def check_ordered(self, block: bool = True) -> None:
+        """Wait for the reads of every stream-ordered fill so far (``block=False``: only those done
+        already) and raise the first read error, after forgetting the slots the failed ones filled
+        (the next call fetches those experts again). Kernels already enqueued on those slots read
+        stale bytes: the caller must drop their results (the vLLM backend fails the step)."""
+        if not self._unchecked:
+            return
+        keep, first = [], None
+        t0 = time.perf_counter()
+        for pool, pend in self._unchecked:
+            if not block and not pend.ticket.issued():
+                keep.append((pool, pend))
+                continue
+            try:
+                self.engine.wait(pend.ticket)
+            except BaseException as e:
+                self._drop_failed(pool, pend)
+                first = first or e
+            pend.done = True
+        self._unchecked = keep
+        self.metrics["stall_s"] += time.perf_counter() - t0
+        if first is not None:
+            raise first
+
+    def _refill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], fence, ordered: bool = False) -> _Pending:
         """Evict the slots of ``pairs`` and fill them; a refill of a slot a kernel may still read
         is ordered after ``fence`` (the copy stream waits on it: no host sync)."""
         if self.verify_first_use:  # the experts it fetches, each once per process, before any slot is emptied
@@ -356,10 +403,16 @@ class ExpertCache:
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None
-        return _Pending(self._fill(pool, li, pairs, after))
+        pend = _Pending(self._fill(pool, li, pairs, after, ordered))
+        pend.ordered = bool(getattr(pend.ticket, "ordered", False))
+        for _, s in pairs:
+            pool.fill_of[s] = pend
+        return pend
 
-    def _fill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], after=None):
-        """Submit one Copy per (expert, slot) of layer position ``li``; returns the engine ticket."""
+    def _fill(self, pool: _Pool, li: int, pairs: list[tuple[int, int]], after=None, ordered: bool = False):
+        """Submit one Copy per (expert, slot) of layer position ``li``; returns the engine ticket.
+        ``ordered``: on the current stream (``engine.submit_ordered``) where the engine can, which
+        needs no ``after`` (the slots' readers are earlier on that stream)."""
         layer = self.layers[li]
         copies = []
         for e, s in pairs:
@@ -370,7 +423,11 @@ class ExpertCache:
             if ext is None:
                 ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)
             copies.append(Copy(src=ext, dst=dst, label=f"layer {layer} expert {e}"))
-        ticket = self.engine.submit(copies, after=after)  # slots stay free (and out of the LUT) if this raises
+        ticket = self.engine.submit_ordered(copies) if ordered else None
+        if ticket is None:  # slots stay free (and out of the LUT) if this raises
+            ticket = self.engine.submit(copies, after=after)
+        else:
+            self.metrics["ordered_fills"] += 1
         for e, s in pairs:
             pool.owner_li[s], pool.owner_e[s] = li, e
             self._lut[li, e] = s
@@ -410,17 +467,20 @@ class ExpertCache:
         to_wait: list[_Pending] = []
         if misses:
             victims = self._victims(pool, len(misses), hit_slots)
-            pend = self._refill(pool, li, list(zip(misses, victims)), fence)
+            pend = self._refill(pool, li, list(zip(misses, victims)), fence, self.stream_ordered)
             for s in victims:
                 pool.pending[s] = pend
-            to_wait.append(pend)
+            if pend.ordered and self._defer_checks:  # the stream waits for it; reads checked later
+                self._unchecked.append((pool, pend))
+            else:
+                to_wait.append(pend)
             needed = hit_slots.union(victims)
         else:
             needed = hit_slots
         pending, hinted, used = pool.pending, pool.hinted, pool.used
         for s in needed:
             p = pending.get(s) if pending else None
-            if p is not None and p not in to_wait:
+            if p is not None and p not in to_wait and not p.ordered:
                 to_wait.append(p)
         for p in to_wait:
             try:
@@ -445,7 +505,7 @@ class ExpertCache:
         return _to_device(out.to(out_dtype), out_device)
 
     def admit(self, layer: int, routed, rows: dict[str, torch.Tensor], fetched, read_slots=(),
-              max_admit: int = 4) -> list[tuple[int, int]]:
+              max_admit: int = 4, ordered_ticket: Any = None) -> list[tuple[int, int]]:
         """A call that served ``layer`` without the pool (more distinct experts than slots: the
         caller copied its misses ``fetched`` into ``rows``, a ``{name: [E, ...]}`` layer buffer
         whose copies the current stream already waits for). Count the routed experts' use, as
@@ -456,9 +516,16 @@ class ExpertCache:
         ``read_slots``: pool slots the caller's call read on the device (its hits, gathered into
         the rows): like the filled ones, a later refill waits for this call's work first.
         ``max_admit``: at most this many per call (each is one device copy per tensor, launched
-        from the host on the decode path; the pool converges over a few steps anyway)."""
+        from the host on the decode path; the pool converges over a few steps anyway).
+        ``ordered_ticket``: the rows' misses came by a stream-ordered batch (``submit_ordered``) whose
+        reads are not checked yet: ``check_ordered`` checks it and, if it failed, forgets the slots
+        filled here from its rows."""
         li = self._li(layer)
         pool = self._pool_of[li]
+        source = None
+        if ordered_ticket is not None:
+            source = _Pending(ordered_ticket, ordered=True)
+            self._unchecked.append((pool, source))
         routed = np.unique(np.asarray(routed, dtype=np.int64))
         self._now += 1
         self._fence()  # a call like ensure's: later refills wait for the kernels enqueued so far
@@ -488,6 +555,10 @@ class ExpertCache:
                 t[s].copy_(rows[name][e], non_blocking=True)
             pool.owner_li[s], pool.owner_e[s] = li, e
             self._lut[li, e] = s
+            if source is not None:
+                pool.fill_of[s] = source
+            else:
+                pool.fill_of.pop(s, None)
             pool.hinted[s] = False
             pool.used[s] = True  # written on the compute stream: a refill waits for a later fence
             pool.use_call[s] = self._now
@@ -539,11 +610,13 @@ class ExpertCache:
         return int(want.size)
 
     def sync(self) -> None:
-        """Wait for every copy in flight (hints included)."""
+        """Wait for every copy in flight (hints included); raise an unchecked read error."""
         for pool in self._pools:
             for p in list(pool.pending.values()):
-                self._wait(p)
+                if not p.ordered:
+                    self._wait(p)
             pool.pending.clear()
+        self.check_ordered()
 
     # -- derived numbers ----------------------------------------------------------------------
     def summary(self) -> dict[str, float]:

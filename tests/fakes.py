@@ -188,13 +188,22 @@ def real_engines(device: str = "cpu") -> list:
             return transfer.make_engine(kind, device, pinned_bytes=4 << 20, slot_bytes=1 << 20, threads=2)
         make.name = f"real-{kind}"
         out.append(make)
+    if transfer.native_copy_lib() is not None:  # the mmap engine with stream-ordered batches
+        def ordered():
+            return transfer.make_engine("mmap", device, pinned_bytes=4 << 20, slot_bytes=1 << 20, threads=2,
+                                        ordered_fraction=0.5)
+        ordered.name = "real-mmap-ordered"
+        out.append(ordered)
     return out
 
 
 def cuda_engine(engine_kind: str):
-    """For the GPU tests: the real mmap engine on CUDA ("real") or the synchronous fake."""
+    """For the GPU tests: the real mmap engine on CUDA ("real"), the same with stream-ordered
+    batches ("ordered"), or the synchronous fake."""
     if engine_kind == "real":
         return real_engines(device="cuda")[0]()
+    if engine_kind == "ordered":
+        return next(f for f in real_engines(device="cuda") if f.name == "real-mmap-ordered")()
     return SyncEngine()
 
 

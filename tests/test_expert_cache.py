@@ -41,7 +41,9 @@ def check_call(ec: ExpertCache, cache, layer: int, ids, out) -> None:
 @pytest.mark.parametrize("make_engine", engine_factories(), ids=lambda f: getattr(f, "name", f.__name__))
 def test_remap_points_at_the_asked_experts(cache, policy, shared, make_engine):
     eng = make_engine()
-    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS), policy=policy, shared=shared)
+    ordered = getattr(eng, "ordered_bytes", 0) > 0
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS), policy=policy, shared=shared,
+                     stream_ordered=ordered)
     rng = np.random.default_rng(1)
     ptrs = {l: [t.data_ptr() for t in ec.slots(l).values()] for l in LAYERS}
     for step in range(25):
@@ -51,6 +53,7 @@ def test_remap_points_at_the_asked_experts(cache, policy, shared, make_engine):
             assert out.dtype == torch.int32
             check_call(ec, cache, layer, ids, out)
     assert {l: [t.data_ptr() for t in ec.slots(l).values()] for l in LAYERS} == ptrs
+    assert (ec.metrics["ordered_fills"] > 0) == ordered  # the ordered engine took its own path
     eng.close()
 
 
@@ -251,10 +254,11 @@ def test_traces_shape_range_and_skew():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("engine_kind", ["sync", "real"])
+@pytest.mark.parametrize("engine_kind", ["sync", "real", "ordered"])
 def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
     """CUDA: a kernel on the current stream reads the remapped slots while later calls refill
-    other slots; gathered bytes (checked on the GPU, in stream order) equal the cache."""
+    other slots; gathered bytes (checked on the GPU, in stream order) equal the cache. "ordered":
+    the misses are stream-ordered (no host wait in ensure; hints still on the copy stream)."""
     c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=16,
                    specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
     eng = cuda_engine(engine_kind)
@@ -266,7 +270,8 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
     got = []
     with torch.cuda.stream(stream):
         for shared in (False, True):
-            ec = ExpertCache(c, eng, dev, capacity_experts=16 if shared else 4 * 4, shared=shared)
+            ec = ExpertCache(c, eng, dev, capacity_experts=16 if shared else 4 * 4, shared=shared,
+                             stream_ordered=engine_kind == "ordered")
             for t in range(tr.shape[0]):
                 for li, layer in enumerate(c.layers):
                     ids = torch.from_numpy(tr[t, li]).to(dev)
@@ -280,6 +285,8 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
                     if li + 1 < 4:
                         ec.prefetch_hint(c.layers[li + 1], tr[t - 1, li + 1] if t else [])
             ec.sync()
+            if engine_kind == "ordered":
+                assert ec.metrics["ordered_fills"] > 0
         torch.cuda.synchronize()
     for key, sums in got:
         assert {n: v.item() for n, v in sums.items()} == want[key]
@@ -288,13 +295,14 @@ def test_gpu_expert_cache_exact_under_stream_reuse(tmp_path, engine_kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_admit_between_ensures_keeps_every_slot_exact(tmp_path):
+@pytest.mark.parametrize("engine_kind", ["real", "ordered"])
+def test_gpu_admit_between_ensures_keeps_every_slot_exact(tmp_path, engine_kind):
     """CUDA: sparse-style calls (rows of a device layer buffer admitted into the pool, on the
     current stream) between ensure calls whose refills run on the copy stream, the stream kept
     busy: every slot a later call hands out holds its expert (checked in stream order)."""
     c = make_cache(tmp_path, layers=(0, 1), num_experts=16,
                    specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
-    eng = cuda_engine("real")
+    eng = cuda_engine(engine_kind)
     dev = torch.device("cuda")
     want = {(l, e): {s.name: c.tensor(l, e, s.name).contiguous().view(-1).view(torch.uint8).sum().item()
                      for s in c.expert_specs} for l in c.layers for e in range(16)}
@@ -304,7 +312,7 @@ def test_gpu_admit_between_ensures_keeps_every_slot_exact(tmp_path):
     stream = torch.cuda.Stream(dev)
     got = []
     with torch.cuda.stream(stream):
-        ec = ExpertCache(c, eng, dev, capacity_experts=4 * 2)
+        ec = ExpertCache(c, eng, dev, capacity_experts=4 * 2, stream_ordered=engine_kind == "ordered")
         for t in range(tr.shape[0]):
             for li, layer in enumerate(c.layers):
                 ids = np.unique(tr[t, li])
@@ -322,6 +330,39 @@ def test_gpu_admit_between_ensures_keeps_every_slot_exact(tmp_path):
     assert ec.metrics["admitted"] > 0 and got
     for key, sums in got:
         assert {n: v.item() for n, v in sums.items()} == want[key]
+    eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ordered_read_fault_is_raised_by_the_check(tmp_path):
+    """CUDA, stream-ordered misses: a layer file truncated under its mapping makes the fill of the
+    next misses fail (SIGBUS in a fill thread); ensure returns anyway (it does not wait), the gate
+    opens, check_ordered raises the CacheError naming the file and forgets those experts; the other
+    layer's experts stay exact."""
+    import os
+
+    c = make_cache(tmp_path, layers=(0, 1), num_experts=16,
+                   specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
+    eng = cuda_engine("ordered")
+    dev = torch.device("cuda")
+    ec = ExpertCache(c, eng, dev, capacity_experts=8 * 2, stream_ordered=True, verify_first_use=False)
+    ec.ensure(0, torch.tensor([0, 1], device=dev))
+    ec.ensure(1, torch.tensor([0], device=dev))  # maps layer 1's file
+    ec.check_ordered()
+    os.truncate(c.layer_file(1), 4096)
+    out = ec.ensure(1, torch.tensor([5, 6], device=dev))  # returns: the fill fails later
+    assert out.shape == (2,)
+    with pytest.raises(CacheError, match="SIGBUS"):
+        ec.check_ordered()
+    assert 5 not in ec.resident(1) and 6 not in ec.resident(1)
+    out = ec.ensure(0, torch.tensor([0, 1, 2], device=dev))
+    ec.check_ordered()
+    torch.cuda.synchronize()
+    slots = {n: v.cpu() for n, v in ec.slots(0).items()}
+    for e, s in zip([0, 1, 2], out.tolist()):
+        assert expert_matches(c, 0, e, slots, s)
+    assert ec.metrics["ordered_fills"] >= 4
     eng.close()
 
 
@@ -356,3 +397,76 @@ def test_verify_first_use_checks_only_the_experts_it_fetches(tmp_path):
     for _ in range(2):  # and stays refused
         with pytest.raises(CorruptCacheError, match="layer 1 expert 3"):
             ec.ensure(1, [3])
+
+
+class _OrderedTicket:
+    def __init__(self, n: int, fail: bool):
+        self.n, self.fail, self.ordered = n, fail, True
+
+    def issued(self) -> bool:
+        return True
+
+
+class OrderedEngine(SyncEngine):
+    """A stand-in for the mmap engine's stream-ordered batches as seen on CUDA: ``submit_ordered``
+    copies at once (the stream would), and the read error of the numbered ones comes only from
+    ``wait`` (the deferred check), after the caller already used the slots."""
+
+    def __init__(self, fail=()):
+        super().__init__()
+        self.fail, self.ordered_submits = set(fail), 0
+
+    def submit_ordered(self, copies, stream=None):
+        self.ordered_submits += 1
+        bad = self.ordered_submits in self.fail
+        for c in copies:
+            for _, _, dst in c.dst:
+                dst.data.view(-1).view(torch.uint8).fill_(0x5A)
+            if not bad:
+                from fakes import _do_copy
+                _do_copy(c)
+        return _OrderedTicket(self.ordered_submits, bad)
+
+    def wait(self, ticket) -> None:
+        if isinstance(ticket, _OrderedTicket):
+            if ticket.fail:
+                raise CacheError("reading the cache failed: injected (ordered)", "check the cache files")
+            return
+        super().wait(ticket)
+
+
+def test_ordered_misses_are_checked_later_and_a_failed_one_is_forgotten(cache):
+    """Deferred checking (CUDA's path, forced here): ensure returns without waiting for ordered
+    fills; check_ordered raises the failed one's error once, forgets exactly the slots it filled
+    (not those of good fills, nor a slot refilled since), and the next ensure fetches them again."""
+    eng = OrderedEngine(fail={2})
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=4 * len(LAYERS), stream_ordered=True)
+    ec._defer_checks = True  # as on CUDA
+    ec.ensure(0, [1, 2])  # ordered submit 1: fine
+    ec.ensure(0, [3, 4])  # ordered submit 2: fails, unnoticed so far
+    assert ec.metrics["ordered_fills"] == 2 and len(ec._unchecked) == 2
+    assert set(ec.resident(0)) == {1, 2, 3, 4}
+    with pytest.raises(CacheError, match="injected"):
+        ec.check_ordered()
+    assert set(ec.resident(0)) == {1, 2}  # 3 and 4 forgotten, 1 and 2 kept
+    ec.check_ordered()  # raised once; nothing left to check
+    ec._defer_checks = False
+    check_call(ec, cache, 0, [3, 4, 1], ec.ensure(0, [3, 4, 1]))  # refetched (submit 3), intact
+    ec.sync()
+
+
+def test_ordered_admit_from_failed_rows_is_forgotten(cache):
+    """admit of rows filled by a stream-ordered batch not yet checked: if that batch failed, the
+    slots admitted from its rows are forgotten at the check (their bytes came from stale rows)."""
+    eng = OrderedEngine()
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=2 * len(LAYERS), stream_ordered=True)
+    rows = {s.name: torch.stack([cache.tensor(0, e, s.name) for e in range(E)]) for s in cache.expert_specs}
+    bad = _OrderedTicket(99, fail=True)
+    for _ in range(3):  # hot enough to be admitted
+        pairs = ec.admit(0, [5, 6, 7], rows, fetched=[5, 6, 7], ordered_ticket=bad)
+        if pairs:
+            break
+    assert pairs and all(ec.resident(0).get(e) == s for e, s in pairs)
+    with pytest.raises(CacheError, match="injected"):
+        ec.check_ordered()
+    assert not any(e in ec.resident(0) for e, _ in pairs)

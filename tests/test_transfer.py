@@ -615,13 +615,13 @@ def test_native_pool_refused_batch_does_not_pin_later_destinations(files, monkey
 
 
 def _fake_api(lib):
-    """mo_pool_create's 7 CUDA entry points, from the library's CPU stand-ins (no set_device; no
-    event_query: no hot slots)."""
+    """mo_pool_create's 8 CUDA entry points, from the library's CPU stand-ins (no set_device; no
+    event_query: no hot slots; no launch_host_func: no stream-ordered batches)."""
     import ctypes
 
     names = ("mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-             "mo_fake_event_sync", "mo_fake_event_destroy", None, None)
-    return (ctypes.c_void_p * 7)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
+             "mo_fake_event_sync", "mo_fake_event_destroy", None, None, None)
+    return (ctypes.c_void_p * 8)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None
                                    for n in names])
 
 
@@ -697,9 +697,9 @@ def test_native_pool_refuses_plans_whose_size_would_wrap():
         from mmap_offload.transfer import native_copy_lib
         lib = native_copy_lib()
         stream = lib.mo_fake_stream_create(0)
-        api = (ctypes.c_void_p * 7)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+        api = (ctypes.c_void_p * 8)(*[ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
             "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None)
+            "mo_fake_event_sync", "mo_fake_event_destroy")], None, None, None)
         ring = np.zeros(2 * 4096, dtype=np.uint8)
         pool = lib.mo_pool_create(api, -1, stream, ring.ctypes.data, 4096, 2, 1, 0, 0)
         status = np.zeros(5, dtype=np.int64)

@@ -205,6 +205,8 @@ def test_expert_cache_routes_through_the_pool_with_the_same_tokens(runs):
     assert s["residency_layer_calls"] >= 2 * len(PROMPTS)  # prefill: whole layers
     assert s["residency_pool_misses"] > 0 and s["residency_pool_evictions"] > 0 and s["residency_pool_hits"] > 0
     assert ex["loader_expert_bytes"] == 0 and ex["warmup_bytes"] == 0
+    # the misses took the stream-ordered path (on CPU waited for at once: the same bytes)
+    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] == s["engine_ordered_batches"] > 0
 
 
 def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
@@ -216,6 +218,7 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
     # the pool learns from sparse steps (ExpertCache.admit: hot misses copied in from the rows),
     # and the tokens above say the slots it filled that way hold the right bytes
     assert s["residency_pool_admitted"] > 0, s
+    assert s["engine_ordered_batches"] > 0  # the rows' misses too were stream-ordered
 
 
 def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):

@@ -109,6 +109,7 @@ def make_engine(kind: str = "auto", device: torch.device | str | None = None, *,
         options["slot_bytes"] = slot_bytes
     if kind == "mmap":
         return MmapEngine(dev, pinned_bytes=pinned_bytes, threads=threads, **options)
+    options.pop("ordered_fraction", None)  # stream-ordered batches: the mmap engine's only
     if kind == "pread":
         return PreadEngine(dev, pinned_bytes=pinned_bytes, threads=threads, **options)
     options.pop("slot_bytes", None)

@@ -42,13 +42,16 @@ class MmapEngine(_RingEngine):
                  slot_bytes: int = 4 << 20, threads: int = 8, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", native: bool | str = "auto",
                  stream_delay_us: int = 0, chunks_per_thread: int | None = None,
-                 min_chunk_bytes: int | None = None, ring_hugepage: bool = True, slot_reuse: str = "auto"):
+                 min_chunk_bytes: int | None = None, ring_hugepage: bool = True, slot_reuse: str = "auto",
+                 ordered_fraction: float = 0.0):
         if slot_reuse not in ("auto", "oldest", "hot"):
             raise ValueError(f"slot_reuse must be 'auto', 'oldest' or 'hot', got {slot_reuse!r}")
         if copy_impl not in COPY_IMPLS:
             raise UnsupportedError(f"unknown copy_impl {copy_impl!r}", f"choose one of {', '.join(COPY_IMPLS)}")
         if native not in (True, False, "auto"):
             raise ValueError(f"native must be True, False or 'auto', got {native!r}")
+        if not 0.0 <= ordered_fraction < 1.0:
+            raise ValueError(f"ordered_fraction must be in [0, 1), got {ordered_fraction!r}")
         self.populate = populate
         self.hugepage = hugepage
         self._maps: dict[Path, _MappedFile] = {}
@@ -81,9 +84,11 @@ class MmapEngine(_RingEngine):
         self._pool: _NativePool | None = None
         if pool:
             try:
+                ordered = int(self.ring.num_slots * ordered_fraction) if ordered_fraction else 0
                 self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
                                          _NATIVE_COPY_KINDS[self.copy_impl], stream_delay_us,
-                                         hot_slots=self.slot_reuse == "hot")
+                                         hot_slots=self.slot_reuse == "hot",
+                                         ordered_slots=min(max(ordered, 1), self.ring.num_slots - 1) if ordered_fraction else 0)
             except BaseException:
                 self.ring.close()
                 self.stream.close()
@@ -93,6 +98,65 @@ class MmapEngine(_RingEngine):
     def _submit(self, copies: list[Copy], after: Any) -> Ticket:
         if self._pool is None:
             return super()._submit(copies, after)
+        triples, total, npieces = self._triples(copies)
+        ticket = Ticket(total, 1)
+        if after is not None:
+            self.stream.wait_event(after)
+        nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket,
+                                    describe_fault=lambda addr: self._fault_error(addr, copies))
+        # after the submit (``copies`` holds the destinations meanwhile): a refused batch, never
+        # issued, would otherwise stay at the head of _inflight and pin everything behind it
+        self._retain(ticket, copies)
+        self._count(npieces, nchunks)
+        return ticket
+
+    @property
+    def ordered_bytes(self) -> int:
+        """Bytes of the ring set aside for ``submit_ordered`` (``ordered_fraction``); 0: none."""
+        return self._pool.ordered_bytes if self._pool is not None else 0
+
+    def submit_ordered(self, copies: Sequence[Copy], stream: Any = None) -> Ticket | None:
+        """Start copying, ordered on ``stream`` (CUDA: default the current stream; CPU: the engine's
+        own stand-in stream) without waiting for anything: the copies are enqueued on that stream at
+        once, behind a gate that opens when the pool's threads have read the bytes into the ring's
+        ordered part (csrc/copy_pool.c, "Stream-ordered batches"). Work enqueued on ``stream`` later
+        sees the bytes; ``wait(ticket)`` waits only for the reads and raises a read error, which must
+        be checked before the destinations' results are used (a failed read lets the stream copy
+        stale bytes). Returns None, having queued nothing, where it cannot (no ordered part of the
+        ring, a batch larger than it, a second stream): use ``submit``. Destinations must not be in
+        use by work on other streams."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        pool = self._pool
+        if pool is None or not pool.ordered_bytes:
+            return None
+        copies = list(copies)
+        triples, total, npieces = self._triples(copies)
+        if total > pool.ordered_bytes:
+            return None
+        if self.device.type == "cuda":
+            handle = (stream or torch.cuda.current_stream(self.device)).cuda_stream
+        else:
+            handle = pool._fake_stream
+        ticket = Ticket(total, 1)
+        if not pool.submit_ordered(triples, self._chunk_bytes(total), handle, ticket,
+                                   describe_fault=lambda addr: self._fault_error(addr, copies)):
+            return None
+        self._retain(ticket, copies)
+        self._count(npieces, 0)
+        with self._lock:
+            self._counters["ordered_tickets"] = self._counters.get("ordered_tickets", 0) + 1
+        return ticket
+
+    def _count(self, npieces: int, nchunks: int) -> None:
+        with self._lock:
+            self._counters["tickets"] += 1
+            self._counters["copies"] += npieces
+            self._counters["chunks"] = self._counters.get("chunks", 0) + nchunks
+
+    def _triples(self, copies: list[Copy]) -> tuple[np.ndarray, int, int]:
+        """(flat uint64 src address, dst address, nbytes per piece; total bytes; pieces) of
+        ``copies``, the files checked and the read ranges populated."""
         pieces = self._pointer_pieces(copies)
         self._check_files(pieces)
         flat: list[int] = []  # src, dst, nbytes per piece
@@ -113,20 +177,7 @@ class MmapEngine(_RingEngine):
                     last = (m, start, start + n)
         if last is not None:
             self._populate(*last)
-        triples = np.array(flat, dtype=np.uint64)
-        ticket = Ticket(total, 1)
-        if after is not None:
-            self.stream.wait_event(after)
-        nchunks = self._pool.submit(triples, self._chunk_bytes(total), ticket,
-                                    describe_fault=lambda addr: self._fault_error(addr, copies))
-        # after the submit (``copies`` holds the destinations meanwhile): a refused batch, never
-        # issued, would otherwise stay at the head of _inflight and pin everything behind it
-        self._retain(ticket, copies)
-        with self._lock:
-            self._counters["tickets"] += 1
-            self._counters["copies"] += len(pieces)
-            self._counters["chunks"] = self._counters.get("chunks", 0) + nchunks
-        return ticket
+        return np.array(flat, dtype=np.uint64), total, len(pieces)
 
     def _fault_error(self, addr: int, copies: Sequence[Copy]) -> CacheError:
         """The one-line error of a read of the mapping that raised SIGBUS at ``addr``: the file,
@@ -180,6 +231,8 @@ class MmapEngine(_RingEngine):
         m["slot_reuse"] = self.slot_reuse
         if self._pool is not None:
             m.update(self._pool.stats())
+            if self._pool.ordered_bytes:
+                m.update(self._pool.ordered_stats())
             m["sigbus_guarded"] = bool(self._pool.lib.mo_sigbus_guarded())  # csrc/copy_pool.c
         return m
 

@@ -21,9 +21,12 @@ from ..pinned import PinnedRing, loaded_cudart
 from .ticket import Ticket
 
 _ST_CHUNKS, _ST_DONE, _ST_ISSUED, _ST_ERROR, _ST_FAULT, _ST_LEN = 0, 1, 2, 3, 4, 5  # csrc/copy_pool.c
+_ST_CUDA, _ST_GATED_LEN = 5, 6  # a stream-ordered batch's extra word: its copies' CUDA error
 _ERR_CANCELLED, _ERR_FAULT = -1, -2  # status[_ST_ERROR] below 0; above 0 it is a CUDA error code
+# mo_gate_submit refusals (nothing queued; the caller takes the ordinary path)
+_GATE_UNSUPPORTED, _GATE_TOO_BIG, _GATE_OTHER_STREAM = -3, -4, -5
 
-NATIVE_POOL_ABI = 6  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 7  # csrc/copy_pool.c MO_POOL_ABI
 _native_lock = threading.Lock()
 
 
@@ -60,6 +63,11 @@ def _typed(lib: Any) -> bool:
         lib.mo_pool_wait.restype = ctypes.c_int64
         lib.mo_pool_wait.argtypes = [vp, vp]
         lib.mo_pool_stats.argtypes = [vp, vp]
+        lib.mo_gate_init.restype = ctypes.c_int
+        lib.mo_gate_init.argtypes = [vp, ctypes.c_int, ctypes.c_int]
+        lib.mo_gate_submit.restype = ctypes.c_int64
+        lib.mo_gate_submit.argtypes = [vp, vp, sz, sz, vp, vp, vp]
+        lib.mo_gate_stats.argtypes = [vp, vp]
         lib.mo_status_issued.argtypes = [vp, vp]
         lib.mo_sigbus_guarded.restype = ctypes.c_int
         lib.mo_pool_shutdown.argtypes = [vp]
@@ -69,9 +77,11 @@ def _typed(lib: Any) -> bool:
         lib.mo_fake_stream_destroy.argtypes = [vp]
         lib.mo_fake_stream_fail.argtypes = [vp, ctypes.c_int, ctypes.c_uint, ctypes.c_int]
         lib.mo_fake_event_create.argtypes = [vp, ctypes.c_uint]
+        lib.mo_fake_event_record.argtypes = [vp, vp]
         lib.mo_fake_event_done.argtypes = [vp]
         lib.mo_fake_event_sync.argtypes = [vp]
         lib.mo_fake_event_destroy.argtypes = [vp]
+        lib.mo_fake_launch_host_func.argtypes = [vp, vp, vp]
     except AttributeError:
         return False
     return True
@@ -88,9 +98,11 @@ def _cuda_runtime_api() -> list[int] | None:
     names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
              "cudaEventDestroy", "cudaSetDevice", "cudaEventQuery")
     try:
-        return [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
+        api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
     except AttributeError:
         return None
+    fn = getattr(lib, "cudaLaunchHostFunc", None)  # CUDA 10+; without it no stream-ordered batches
+    return api + [ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None]
 
 
 class _FakeEvent:
@@ -138,7 +150,8 @@ class _NativePool:
     and after the last user left. ``handle`` stays set until then."""
 
     def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
-                 copy_kind: int, stream_delay_us: int = 0, hot_slots: bool = False) -> None:
+                 copy_kind: int, stream_delay_us: int = 0, hot_slots: bool = False,
+                 ordered_slots: int = 0) -> None:
         self.lib = lib
         self.device = device
         self._fake_stream = None
@@ -158,7 +171,8 @@ class _NativePool:
                 raise MemoryError("the native copy pool's CPU stream could not start")
             api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value if n else None for n in (
                 "mo_fake_memcpy_async", "mo_fake_event_create", "mo_fake_event_record",
-                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_event_query")]
+                "mo_fake_event_sync", "mo_fake_event_destroy", None, "mo_fake_event_query",
+                "mo_fake_launch_host_func")]
             handle, index = self._fake_stream, -1
         self._api = (ctypes.c_void_p * len(api))(*api)
         self.stream = stream
@@ -167,6 +181,12 @@ class _NativePool:
         if not self.handle:
             self._destroy_stream()
             raise MemoryError("the native copy pool could not start (threads or CUDA events)")
+        # stream-ordered batches (submit_ordered): the ring's last ``ordered_slots`` slots, filled
+        # by threads of their own; 0 when not asked for or not possible (no cudaLaunchHostFunc)
+        self.ordered_bytes = 0
+        if 0 < ordered_slots < ring.num_slots:
+            if lib.mo_gate_init(self.handle, ring.num_slots - ordered_slots, threads) == 0:
+                self.ordered_bytes = ordered_slots * ring.slot_bytes
 
     def new_event(self) -> Any:
         if self.device.type == "cuda":
@@ -215,6 +235,62 @@ class _NativePool:
                               f"(chunk_bytes {chunk_bytes}): too many pieces or no memory")
         return int(n)
 
+    def submit_ordered(self, triples: np.ndarray, chunk_bytes: int, stream_handle: int, ticket: Ticket,
+                       describe_fault: Callable[[int], BaseException] | None = None) -> bool:
+        """Queue a stream-ordered batch (csrc/copy_pool.c, "Stream-ordered batches"): its copies are
+        enqueued on ``stream_handle`` behind a host-function gate that opens once the pool's own
+        threads have filled the batch's arena bytes; the caller does not wait. False, with nothing
+        queued, where the pool cannot (no arena, a batch larger than it, another stream than the
+        first): the caller takes the ordinary path. A CUDA error of the copies raises after the
+        fill finished (the destinations must not be used); a gate that could not be launched makes
+        the pool wait for the fill instead (``ordered_ungated``). Read errors arrive like ordinary
+        ones (``wait`` raises them)."""
+        if not self.ordered_bytes:
+            return False
+        status = np.zeros(_ST_GATED_LEN, dtype=np.int64)
+        ev, handle = self.new_event()
+        ticket._status, ticket._native_event = status, ev
+        ticket._native_lib = self.lib
+        ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
+        ticket.ordered = True
+        h = self._enter(closing_ok=False)
+        try:
+            n = self.lib.mo_gate_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
+                                        stream_handle, status.ctypes.data, handle) if h else -1
+        finally:
+            if h:
+                self._leave()
+        if n in (_GATE_UNSUPPORTED, _GATE_TOO_BIG, _GATE_OTHER_STREAM):
+            ticket._status = ticket._native_event = None
+            ticket.ordered = False
+            return False
+        if n < 0:
+            ticket._status = None
+            if n == -1:
+                raise RuntimeError("transfer engine is closed")
+            raise MemoryError(f"the native copy pool refused a stream-ordered batch of {len(triples) // 3} "
+                              f"pieces (chunk_bytes {chunk_bytes}): too many pieces or no memory")
+        if status[_ST_CUDA]:
+            self.wait(ticket)  # the fill reads into the arena: let it finish before raising
+            err = int(status[_ST_CUDA])
+            raise RuntimeError(f"cudaMemcpyAsync / cudaEventRecord of a stream-ordered batch failed "
+                               f"with CUDA error {err}")
+        return True
+
+    def ordered_stats(self) -> dict[str, float]:
+        h = self._enter(closing_ok=True)
+        if not h:
+            return {k: v for k, v in self._final.items() if k.startswith("ordered_")}
+        out = np.zeros(9, dtype=np.uint64)
+        try:
+            self.lib.mo_gate_stats(h, out.ctypes.data)
+        finally:
+            self._leave()
+        return dict(ordered_batches=int(out[0]), ordered_bytes_filled=int(out[1]),
+                    ordered_fill_seconds=int(out[2]) / 1e9, ordered_gates=int(out[3]),
+                    ordered_gates_waited=int(out[4]), ordered_gate_wait_seconds=int(out[5]) / 1e9,
+                    ordered_arena_bytes=int(out[6]), ordered_threads=int(out[7]), ordered_ungated=int(out[8]))
+
     def wait(self, ticket: Ticket) -> None:
         # closing_ok: shutdown issues every batch, so a waiter in there returns, then close frees
         h = self._enter(closing_ok=True)
@@ -246,7 +322,7 @@ class _NativePool:
                 self._closing = True
             if h:
                 self.lib.mo_pool_shutdown(h)  # every batch issued: waiters in the pool return
-                self._final = self.stats()
+                self._final = {**self.stats(), **self.ordered_stats()}
                 with self._cv:
                     while self._users:
                         self._cv.wait()

@@ -56,6 +56,9 @@ class Ticket:
         self._lock = threading.Lock()
         self._issued = threading.Event()
         self.futures: list[Any] = []  # kvikio
+        # stream-ordered (MmapEngine.submit_ordered): the copies are already ordered on the stream
+        # it was given; ``wait`` only waits for the fill and raises its read error
+        self.ordered = False
         # native pool (csrc/copy_pool.c): status words it writes, the event it records last, and
         # what turns its error code into the exception (native_pool._NativePool.submit sets them)
         self._status: np.ndarray | None = None
@@ -224,11 +227,12 @@ class TransferEngine:
 
     def wait(self, ticket: Ticket, stream: Any = None) -> None:
         """Block until the ticket is issued; then the current (or given) stream waits on its event
-        (CUDA), or the copies are complete (CPU). Raises the read error, if any."""
+        (CUDA), or the copies are complete (CPU). Raises the read error, if any. A stream-ordered
+        ticket (``submit_ordered``): only its reads are waited for (its stream waits already)."""
         self._wait_issued(ticket)
         ev = ticket.event
-        if ev is None:
-            return
+        if ev is None or (ticket.ordered and self.device.type == "cuda" and stream is None):
+            return  # stream-ordered: the stream it was submitted on waits for it already
         if self.device.type == "cuda":
             (stream or torch.cuda.current_stream(self.device)).wait_event(ev)
         else:

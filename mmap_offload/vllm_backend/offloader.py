@@ -383,8 +383,12 @@ class MmapOffloader(_OffloaderBase):
             layer_bytes = self.cache.num_experts * sum(sp.nbytes for sp in self.cache.expert_specs)
             pinned = min(opts.pinned_mib << 20, max(64 << 20, 2 * layer_bytes))  # exact size; no more than a layer needs
             slot_bytes = min(4 << 20, pinned // 2)  # the mmap engine's default (TRANSFER.md)
+            # half of the ring for the expert cache's stream-ordered misses (residency.py), when
+            # an expert cache may be built (its size is settled after the buffers exist)
+            ordered = 0.5 if opts.stream_ordered and opts.expert_cache_gib != 0 else 0.0
             self.engine = make_engine(
-                opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes, threads=opts.threads
+                opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes, threads=opts.threads,
+                ordered_fraction=ordered,
             )
             self.prefetcher = LayerPrefetcher(
                 self.cache, self.engine, self.device, lookahead=opts.lookahead,

@@ -42,6 +42,11 @@ class MmapOptions:
     # a step whose layer routes more than this fraction of the layer's experts streams the whole
     # layer (prefill, large batches) instead of fetching experts one by one
     layer_stream_fraction: float = 0.5
+    # expert cache: a step's misses are ordered on the MoE kernel's stream behind a gate that opens
+    # once the copy threads have read them (docs/TRANSFER.md "Stream-ordered batches"), instead of
+    # the launching thread waiting for the threads to read and issue them; half of the pinned ring
+    # is set aside for them. False: the launching thread waits (the path before session 7)
+    stream_ordered: bool = True
     # hybrid: at decode, misses are split between host compute (straight from the cache's bytes,
     # host/kernel.py) and the copy path, so that both finish together (host_experts.py)
     hybrid: bool = False

@@ -55,7 +55,9 @@ class Residency:
         self.ec = ExpertCache(
             off.cache, off.engine, self.device, capacity_bytes=int(capacity_bytes), layers=self.layers,
             verify_first_use=opts.verify_first_use,
+            stream_ordered=opts.stream_ordered and getattr(off.engine, "ordered_bytes", 0) > 0,
         )
+        self.ordered = self.ec.stream_ordered
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
         self.threshold = max(1, int(opts.layer_stream_fraction * self.num_experts))
@@ -85,7 +87,7 @@ class Residency:
         # route_s: host time in route() (sync_s of it waiting for the router's ids, ensure_s in the
         # pool's ensure, misses' copies included); map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
-                                            sync_s=0.0, ensure_s=0.0, map_copies=0,
+                                            sync_s=0.0, ensure_s=0.0, check_s=0.0, map_copies=0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -211,8 +213,20 @@ class Residency:
                     out = self._layer_mode(t, topk_ids, ahead=False)
         if t.index == len(self.off.targets) - 1:
             self._step += 1
+            if self.ordered:  # the step's stream-ordered reads, before anything samples from it
+                self._check_step()
         self.metrics["route_s"] += time.perf_counter() - t0
         return topk_weights, out
+
+    def _check_step(self) -> None:
+        """Wait for the reads of this step's stream-ordered misses (all but the last layer's are
+        done by now) and fail the step on a read error: its kernels read stale bytes for the experts
+        of the failed batch, which the pool has forgotten (the next step fetches them again)."""
+        t0 = time.perf_counter()
+        try:
+            self.ec.check_ordered()
+        finally:
+            self.metrics["check_s"] += time.perf_counter() - t0
 
     def _layer_mode(self, t, ids: torch.Tensor, ahead: bool) -> torch.Tensor:
         self.metrics["layer_calls"] += 1
@@ -237,7 +251,11 @@ class Residency:
                            dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs],
                            label=f"layer {t.layer} expert {int(e)}")
                       for e in misses]
-            ticket = off.engine.submit(copies, after=after)
+            # stream-ordered: behind the buffer's earlier readers on this stream (``after`` is for
+            # other streams); the launching thread does not wait for the reads
+            ticket = off.engine.submit_ordered(copies) if self.ordered else None
+            if ticket is None:
+                ticket = off.engine.submit(copies, after=after)
             self.metrics["sparse_miss_bytes"] += len(misses) * ec.expert_nbytes
         if len(hits):  # the pool's copies of them are complete (ensure waited for them)
             n = len(hits)
@@ -250,12 +268,14 @@ class Residency:
                 dst = tensors[name].data
                 dst.index_copy_(0, idx[0], pool[name].index_select(0, idx[1]))
         if len(misses):
-            off.engine.wait(ticket)
+            ordered = ticket.ordered and self.device.type == "cuda"  # on CPU: waited for here
+            if not ordered:
+                off.engine.wait(ticket)
             # the pool learns from this step too: the hottest misses are copied into it on the
             # device (a pool smaller than a step's experts would otherwise never change here)
             pool = ec.slots(t.layer)
             admitted = ec.admit(t.layer, used, {name: tensors[name].data for name in pool}, misses,
-                                read_slots=slots[slots >= 0])
+                                read_slots=slots[slots >= 0], ordered_ticket=ticket if ordered else None)
             if admitted and off._transforms:  # CPU prepacked kernels: their twins too
                 for e, s in admitted:
                     for name, fn in off._transforms.items():
