@@ -80,17 +80,26 @@ typedef struct batch {
 
 typedef struct mo_pool mo_pool;
 
-/* A stream-ordered ("gated") batch: see the section "Stream-ordered batches" below. */
-typedef struct gbatch {
+/* A stream-ordered ("gated") batch: see the section "Stream-ordered batches" below. A batch is
+ * one or more groups, each behind its own gate; the parent publishes the batch's status once
+ * every group's fill finished. */
+typedef struct gparent {
+    int64_t *status;         /* the caller's words, until ST_ISSUED is set */
+    uint32_t left;           /* groups whose fill has not finished */
+    uint32_t done;           /* chunks finished */
+    int err;
+    uint64_t fault;
+} gparent;
+
+typedef struct gbatch {      /* one group */
     struct gbatch *next;
     mo_pool *p;
+    gparent *parent;
     uint64_t seq, wait_seq;  /* its fill waits until p->g_released >= wait_seq */
     planned_piece *pieces;   /* off: offset in the arena */
     chunk *chunks;
     uint32_t npieces, nchunks, taken, done;
-    int err, filled, refs;   /* refs: its fill + its gate (if launched) */
-    uint64_t fault;
-    int64_t *status;         /* the caller's words, until ST_ISSUED is set */
+    int filled, refs;        /* refs: its fill + its gate (if launched) + the submitting call */
 } gbatch;
 
 enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
@@ -631,6 +640,9 @@ void mo_pool_destroy(mo_pool *p) {
  *   a fill waits, before it writes arena bytes, until the batches that last used them are marked
  *     complete (g_released >= wait_seq)
  *
+ * Placement: groups start on 64 KiB granules of the arena; each granule remembers the sequence
+ * number of the last group placed on it, and a fill waits for the gates after those.
+ *
  * Why this cannot deadlock: a gate waits only for CPU work (its fill); a fill waits only for the
  * gate of a batch at or before its own (the first gate after the batches whose bytes it reuses),
  * never for device progress nor for a later batch, and fills are taken in order by their own
@@ -645,7 +657,9 @@ void mo_pool_destroy(mo_pool *p) {
  * batches, once ST_ISSUED is set at the fill's end): the caller must check it (mo_pool_wait) before
  * it uses the destinations' results, and drop them. A failed gate launch makes mo_gate_submit wait
  * for the fill before it issues the copies (correct, no longer asynchronous; counted in the stats). */
-enum { GATE_ALIGN = 256, GATE_GRANULE = 256 << 10 };
+/* pieces start GATE_ALIGN apart; groups start on a granule, so no two groups share one (a
+ * shared granule would make a fill wait for its own batch's gate: fill and stream in lock-step) */
+enum { GATE_ALIGN = 256, GATE_GRANULE = 64 << 10 };
 
 static void gbatch_unref(gbatch *b) { /* under mu */
     if (--b->refs) return;
@@ -674,19 +688,25 @@ static void gate_fn(void *arg) {
     pthread_mutex_unlock(&p->mu);
 }
 
-/* under mu: one chunk of b finished; the last one publishes the batch's status */
+/* under mu: one chunk of b finished; the group's last one marks it filled (its gate may open),
+ * the batch's last group publishes the batch's status */
 static void gchunk_finished(mo_pool *p, gbatch *b, int err, uint64_t fault) {
-    if (err && !b->err) {
-        b->err = err;
-        b->fault = fault;
+    gparent *par = b->parent;
+    if (err && !par->err) {
+        par->err = err;
+        par->fault = fault;
     }
+    par->done++;
     if (++b->done < b->nchunks) return;
-    b->status[ST_DONE] = b->done;
-    b->status[ST_ERROR] = b->err;
-    b->status[ST_FAULT] = (int64_t)b->fault;
-    __atomic_store_n(&b->status[ST_ISSUED], 1, __ATOMIC_RELEASE);
-    b->status = NULL; /* the caller may free it now */
     b->filled = 1;
+    if (--par->left == 0) {
+        par->status[ST_DONE] = par->done;
+        par->status[ST_ERROR] = par->err;
+        par->status[ST_FAULT] = (int64_t)par->fault;
+        __atomic_store_n(&par->status[ST_ISSUED], 1, __ATOMIC_RELEASE); /* the caller may free it now */
+        free(par);
+    }
+    b->parent = NULL;
     pthread_cond_broadcast(&p->done_cv);
     gbatch_unref(b);
 }
@@ -775,29 +795,15 @@ int mo_gate_init(mo_pool *p, int first_slot, int nthreads) {
     return p->g_nthreads ? 0 : SUBMIT_INVALID; /* with no thread, submits are refused */
 }
 
-/* Queue a batch ordered on ``stream`` (see above): ``status`` has ST_GATED_LEN words, zeroed by the
- * caller, and stays valid until status[ST_ISSUED] is 1 (the fill finished); ``event`` (may be NULL)
- * is recorded on ``stream`` after the batch's copies. Returns the number of fill chunks, or, with
- * nothing queued, SUBMIT_CLOSED / SUBMIT_INVALID / GATE_UNSUPPORTED / GATE_TOO_BIG /
- * GATE_OTHER_STREAM. A CUDA error of the gate's launch or of the copies lands in status[ST_CUDA]
- * (the copies may then be partly issued: the caller must not use the destinations). */
-int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes, void *stream,
-                       int64_t *status, void *event) {
-    if (!p || !status || (n && !in) || chunk_bytes == 0) return SUBMIT_INVALID;
-    if (!p->g_base || !p->g_nthreads) return GATE_UNSUPPORTED;
-    uint64_t span = 0, cap = 0;
-    for (size_t i = 0; i < n; i++) {
-        span = ((span + GATE_ALIGN - 1) & ~(uint64_t)(GATE_ALIGN - 1)) + in[i].n;
-        uint64_t q = in[i].n / chunk_bytes;
-        if (q > UINT32_MAX || (cap += q + 2) > UINT32_MAX) return SUBMIT_INVALID;
-    }
-    if (span > p->g_size) return GATE_TOO_BIG;
+/* Plan pieces in[0, n) as one gated group: laid end to end (GATE_ALIGN apart) from offset 0, cut
+ * into fill chunks of at most chunk_bytes. NULL if out of memory; *span gets its extent. */
+static gbatch *gplan(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes, uint64_t *span) {
+    uint64_t cap = 0;
+    for (size_t i = 0; i < n; i++) cap += in[i].n / chunk_bytes + 2; /* bounded by the caller */
     gbatch *b = calloc(1, sizeof(*b));
     planned_piece *pieces = malloc((cap ? cap : 1) * sizeof(*pieces));
     chunk *chunks = malloc((cap ? cap : 1) * sizeof(*chunks));
-    if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return SUBMIT_INVALID; }
-    /* plan: pieces laid end to end (GATE_ALIGN apart) in the batch's range; fill chunks of at most
-     * chunk_bytes, cut on that grid; offsets relative to the range's start for now */
+    if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return NULL; }
     uint32_t np = 0, nc = 0;
     uint64_t pos = 0, chunk_end = 0;
     for (size_t i = 0; i < n; i++) {
@@ -824,61 +830,136 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     b->chunks = chunks;
     b->npieces = np;
     b->nchunks = nc;
-    b->status = status;
-    status[ST_CHUNKS] = nc;
+    *span = (pos + GATE_ALIGN - 1) & ~(uint64_t)(GATE_ALIGN - 1);
+    return b;
+}
+
+static void gbatch_free_unqueued(gbatch **g, int ng) {
+    for (int i = 0; i < ng; i++)
+        if (g[i]) { free(g[i]->pieces); free(g[i]->chunks); free(g[i]); }
+    free(g);
+}
+
+/* Queue a batch ordered on ``stream`` (see above): ``status`` has ST_GATED_LEN words, zeroed by the
+ * caller, and stays valid until status[ST_ISSUED] is 1 (every fill finished); ``event`` (may be
+ * NULL) is recorded on ``stream`` after the batch's copies. ``group_bytes`` > 0 cuts the batch at
+ * piece boundaries into groups of at least that many bytes, each behind its own gate, so the
+ * stream copies a group while the threads fill the next (fill and copy overlap); 0: one gate.
+ * Returns the number of fill chunks, or, with nothing queued, SUBMIT_CLOSED / SUBMIT_INVALID /
+ * GATE_UNSUPPORTED / GATE_TOO_BIG / GATE_OTHER_STREAM. A CUDA error of the copies lands in
+ * status[ST_CUDA] (they may then be partly issued: the caller must not use the destinations). */
+int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_bytes, size_t group_bytes,
+                       void *stream, int64_t *status, void *event) {
+    if (!p || !status || (n && !in) || chunk_bytes == 0) return SUBMIT_INVALID;
+    if (!p->g_base || !p->g_nthreads) return GATE_UNSUPPORTED;
+    uint64_t span = 0, cap = 0;
+    for (size_t i = 0; i < n; i++) {
+        span = ((span + GATE_ALIGN - 1) & ~(uint64_t)(GATE_ALIGN - 1)) + in[i].n;
+        uint64_t q = in[i].n / chunk_bytes;
+        if (q > UINT32_MAX || (cap += q + 2) > UINT32_MAX) return SUBMIT_INVALID;
+    }
+    if (span > p->g_size) return GATE_TOO_BIG; /* again below, with the groups' padding */
+    /* the groups: [first[k], first[k + 1]) of in */
+    size_t *first = malloc((n + 2) * sizeof(size_t));
+    int ng = 0;
+    if (!first) return SUBMIT_INVALID;
+    for (size_t i = 0, acc = 0; i < n; i++) {
+        if (i == 0 || (group_bytes && acc >= group_bytes)) { first[ng++] = i; acc = 0; }
+        acc += in[i].n;
+    }
+    first[ng] = n;
+    gbatch **g = calloc((size_t)(ng ? ng : 1), sizeof(*g));
+    uint64_t *gspan = calloc((size_t)(ng ? ng : 1), sizeof(uint64_t));
+    gparent *par = calloc(1, sizeof(*par));
+    uint64_t total = 0, nc = 0;
+    int bad = !g || !gspan || !par;
+    for (int k = 0; k < ng && !bad; k++) {
+        g[k] = gplan(p, in + first[k], first[k + 1] - first[k], chunk_bytes, &gspan[k]);
+        gspan[k] = (gspan[k] + GATE_GRANULE - 1) & ~(uint64_t)(GATE_GRANULE - 1);
+        bad = !g[k];
+        if (!bad) { total += gspan[k]; nc += g[k]->nchunks; }
+    }
+    free(first);
+    if (bad || total > p->g_size) {
+        if (g) gbatch_free_unqueued(g, ng);
+        free(gspan);
+        free(par);
+        return bad ? SUBMIT_INVALID : GATE_TOO_BIG;
+    }
+    status[ST_CHUNKS] = (int64_t)nc;
     pthread_mutex_lock(&p->mu);
     int refused = p->closing ? SUBMIT_CLOSED : (p->g_seq && p->g_stream != stream) ? GATE_OTHER_STREAM : 0;
     if (refused || nc == 0) {
         pthread_mutex_unlock(&p->mu);
-        free(pieces); free(chunks); free(b);
+        gbatch_free_unqueued(g, ng);
+        free(gspan);
+        free(par);
         if (refused) return refused;
         __atomic_store_n(&status[ST_ISSUED], 1, __ATOMIC_RELEASE);
         return 0;
     }
     p->g_stream = stream;
     uint64_t start = p->g_head;
-    if (start + span > p->g_size) start = 0; /* wrap: the range stays contiguous */
-    p->g_head = start + span;
-    uint64_t seq = ++p->g_seq, wait_seq = 0;
-    for (uint64_t g = start / p->g_granule; g * p->g_granule < start + span; g++) {
-        if (p->g_owner[g] > wait_seq) wait_seq = p->g_owner[g];
-        p->g_owner[g] = seq;
+    if (start + total > p->g_size) start = 0; /* wrap: the batch's range stays contiguous */
+    p->g_head = start + total;
+    par->status = status;
+    par->left = 0;
+    uint64_t at = start;
+    for (int k = 0; k < ng; k++) {
+        gbatch *b = g[k];
+        if (!b->nchunks) { at += gspan[k]; continue; } /* only empty pieces: nothing to gate */
+        uint64_t seq = ++p->g_seq, wait_seq = 0;
+        for (uint64_t q = at / p->g_granule; q * p->g_granule < at + gspan[k]; q++) {
+            if (p->g_owner[q] > wait_seq) wait_seq = p->g_owner[q];
+            p->g_owner[q] = seq;
+        }
+        for (uint32_t i = 0; i < b->npieces; i++) b->pieces[i].off += at;
+        at += gspan[k];
+        b->seq = seq;
+        b->wait_seq = wait_seq;
+        b->parent = par;
+        par->left++;
+        b->refs = 3; /* its fill's end, its gate, and this call until its copies are issued */
+        p->g_gates_pending++;
+        if (p->g_tail_q) p->g_tail_q->next = b; else p->g_head_q = b;
+        p->g_tail_q = b;
     }
-    b->seq = seq;
-    b->wait_seq = wait_seq;
-    for (uint32_t i = 0; i < np; i++) pieces[i].off += start;
-    b->refs = 3; /* the fill's end, the gate, and this call until its copies are issued */
-    p->g_gates_pending++;
     p->st_g_batches++;
-    if (p->g_tail_q) p->g_tail_q->next = b; else p->g_head_q = b;
-    p->g_tail_q = b;
     pthread_cond_broadcast(&p->g_work_cv);
     pthread_mutex_unlock(&p->mu);
+    free(gspan);
 
-    int cuda = p->launch_host_func(stream, gate_fn, b);
-    if (cuda) { /* no gate: wait for the fill here, then the copies below are ordered after it */
-        /* no gate marks the earlier batches complete either: wait for them here (same stream),
-         * else a fill that reuses their bytes would wait for a gate that may never come */
-        if (__atomic_load_n(&p->g_event_recorded, __ATOMIC_RELAXED)) p->event_sync(p->g_last_event);
-        pthread_mutex_lock(&p->mu);
-        if (seq - 1 > p->g_released) {
-            p->g_released = seq - 1;
-            pthread_cond_broadcast(&p->g_rel_cv);
-        }
-        while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
-        p->g_gates_pending--;
-        p->st_g_ungated++;
-        gbatch_unref(b); /* the gate's reference */
-        pthread_mutex_unlock(&p->mu);
-        cuda = 0; /* not an error of the batch: its copies below follow its fill */
-    }
     char *base = p->g_base;
-    for (uint32_t i = 0; i < np && !cuda;) {
-        uint64_t dst = pieces[i].dst, off = pieces[i].off, len = pieces[i].n;
-        uint32_t j = i + 1; /* coalesce the cuts of one piece: contiguous on both sides */
-        while (j < np && pieces[j].dst == dst + len && pieces[j].off == off + len) len += pieces[j++].n;
-        cuda = p->memcpy_async((void *)(uintptr_t)dst, base + off, len, H2D, stream);
-        i = j;
+    int cuda = 0, launched = 0; /* groups [0, launched) were handled below */
+    for (int k = 0; k < ng && !cuda; k++, launched = k) {
+        gbatch *b = g[k];
+        if (!b->nchunks) continue;
+        if (p->launch_host_func(stream, gate_fn, b)) {
+            /* no gate: wait for the fill here, then its copies below are ordered after it. No gate
+             * marks the earlier groups complete either: wait for them here (same stream), else a
+             * fill that reuses their bytes would wait for a gate that may never come */
+            int rec = p->g_last_event ? p->event_record(p->g_last_event, stream) : 1;
+            if (!rec) p->event_sync(p->g_last_event);
+            pthread_mutex_lock(&p->mu);
+            if (!rec && b->seq - 1 > p->g_released) {
+                p->g_released = b->seq - 1;
+                pthread_cond_broadcast(&p->g_rel_cv);
+            }
+            while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
+            p->g_gates_pending--;
+            p->st_g_ungated++;
+            if (p->g_gates_pending == 0) pthread_cond_broadcast(&p->g_rel_cv);
+            gbatch_unref(b); /* the gate's reference */
+            pthread_mutex_unlock(&p->mu);
+        }
+        const planned_piece *pc = b->pieces;
+        for (uint32_t i = 0; i < b->npieces && !cuda;) {
+            uint64_t dst = pc[i].dst, off = pc[i].off, len = pc[i].n;
+            uint32_t j = i + 1; /* coalesce the cuts of one piece: contiguous on both sides */
+            while (j < b->npieces && pc[j].dst == dst + len && pc[j].off == off + len) len += pc[j++].n;
+            cuda = p->memcpy_async((void *)(uintptr_t)dst, base + off, len, H2D, stream);
+            i = j;
+        }
     }
     if (!cuda && event) cuda = p->event_record(event, stream);
     if (!cuda && p->g_last_event) {
@@ -887,9 +968,23 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     }
     if (cuda) status[ST_CUDA] = cuda; /* the caller still owns status: it checks this on return */
     pthread_mutex_lock(&p->mu);
-    gbatch_unref(b); /* this call's reference: the plan was read */
+    for (int k = 0; k < ng; k++) {
+        gbatch *b = g[k];
+        if (!b->nchunks) { free(b->pieces); free(b->chunks); free(b); continue; }
+        if (k >= launched) {
+            /* a copy error stopped the loop before this group's gate: nothing will open it. Its
+             * fill must end before the call returns (a later batch may reuse its arena bytes as
+             * soon as a later gate starts), then it is dropped like a gate that ran */
+            while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
+            p->g_gates_pending--;
+            if (p->g_gates_pending == 0) pthread_cond_broadcast(&p->g_rel_cv);
+            b->refs--; /* the gate's reference (this call still holds its own) */
+        }
+        gbatch_unref(b); /* this call's reference: the plan was read */
+    }
     pthread_mutex_unlock(&p->mu);
-    return nc;
+    free(g);
+    return (int64_t)nc;
 }
 
 /* under no lock: wait up to ``seconds`` for every launched gate to have run; 1 if they all did */

@@ -57,7 +57,8 @@ routed misses whatever the predictor's quality.
 
 Counters (``metrics``): calls, hits, misses, evictions, routed_bytes (distinct routed experts per
 call), miss_bytes (routed experts fetched by the call), bytes_moved (every byte copied, hints
-included), hint_fetches / hint_used / hint_wasted, stall_s (time blocked in ``engine.wait``).
+included), hint_fetches / hint_used / hint_wasted, stall_s (time blocked in ``engine.wait``),
+submit_s (time in the engine's submit calls), ordered_fills (stream-ordered submits).
 Bytes are tensor bytes (the sum of the record's tensor sizes), not the aligned record size.
 """
 
@@ -199,7 +200,7 @@ class ExpertCache:
 
         self.metrics: dict[str, float] = dict(
             calls=0, hits=0, misses=0, evictions=0, routed_bytes=0, miss_bytes=0, bytes_moved=0,
-            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, admitted=0, ordered_fills=0,
+            hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, admitted=0, ordered_fills=0, submit_s=0.0,
         )
 
     # -- set-up -------------------------------------------------------------------------------
@@ -423,11 +424,13 @@ class ExpertCache:
             if ext is None:
                 ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)
             copies.append(Copy(src=ext, dst=dst, label=f"layer {layer} expert {e}"))
+        t0 = time.perf_counter()
         ticket = self.engine.submit_ordered(copies) if ordered else None
         if ticket is None:  # slots stay free (and out of the LUT) if this raises
             ticket = self.engine.submit(copies, after=after)
         else:
             self.metrics["ordered_fills"] += 1
+        self.metrics["submit_s"] += time.perf_counter() - t0
         for e, s in pairs:
             pool.owner_li[s], pool.owner_e[s] = li, e
             self._lut[li, e] = s

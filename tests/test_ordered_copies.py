@@ -65,13 +65,17 @@ def stream_event(eng):
     return ev
 
 
-def test_back_to_back_batches_reuse_the_arena_only_after_their_copies_ran(data_file):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_back_to_back_batches_reuse_the_arena_only_after_their_copies_ran(data_file, grouped):
     """Batches submitted with no wait in between, each up to the whole arena, while the stream runs
     each copy 3 ms late: the arena wraps many times, so a fill that overwrote bytes whose copy had
     not run yet would hand later bytes to an earlier batch. Every byte lands exact, and the caller
-    never blocked on the fills (submits return while the stream is still far behind)."""
+    never blocked on the fills (submits return while the stream is still far behind). ``grouped``:
+    batches cut into groups with a gate each (the stream copies one while the next fills)."""
     path, data = data_file
     eng = engine(delay_us=3000)
+    if grouped:
+        eng.ORDERED_MIN_GROUP = 4096
     try:
         arena = eng.ordered_bytes
         assert arena == 4 * (64 << 10)
@@ -93,7 +97,11 @@ def test_back_to_back_batches_reuse_the_arena_only_after_their_copies_ran(data_f
             eng.wait(t)
             check(data, want)
         m = eng.metrics
-        assert m["ordered_batches"] == 40 and m["ordered_gates"] == 40
+        assert m["ordered_batches"] == 40
+        if grouped:  # 1-4 pieces per batch, up to 4 groups: more gates than batches
+            assert 40 < m["ordered_gates"] <= 160, m["ordered_gates"]
+        else:
+            assert m["ordered_gates"] == 40
         # the stream ran >= 1 late copy per piece (3 ms each); submitting took a fraction of that
         assert submit_s < ran_s / 2, (submit_s, ran_s)
     finally:
@@ -167,7 +175,7 @@ def test_refusals_leave_nothing_queued(data_file):
             src = np.zeros(16, dtype=np.uint8)
             dst = np.zeros(16, dtype=np.uint8)
             trip[:] = [src.ctypes.data, dst.ctypes.data, 16]
-            assert lib.mo_gate_submit(eng._pool.handle, trip.ctypes.data, 1, 4096, other,
+            assert lib.mo_gate_submit(eng._pool.handle, trip.ctypes.data, 1, 4096, 0, other,
                                       status.ctypes.data, None) == -5
         finally:
             lib.mo_fake_stream_destroy(other)
@@ -204,14 +212,18 @@ def test_a_failed_gate_launch_waits_for_the_fill_instead(data_file):
         eng.close()
 
 
-def test_a_failed_copy_raises_and_the_engine_goes_on(data_file):
-    """cudaMemcpyAsync failing for an ordered batch: submit_ordered raises (after the fill ended),
-    naming the CUDA error; the next batch is exact."""
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_failed_copy_raises_and_the_engine_goes_on(data_file, nth):
+    """cudaMemcpyAsync failing for an ordered batch (its 1st or 2nd copy; the batch cut into one
+    group per piece, so the 2nd stops the launches before the last group's gate): submit_ordered
+    raises (after the fills ended), naming the CUDA error; the next batch is exact and close does
+    not wait for a gate that was never launched."""
     path, data = data_file
     eng = engine()
+    eng.ORDERED_MIN_GROUP = 1
     try:
         lib = eng._pool.lib
-        lib.mo_fake_stream_fail(eng._pool._fake_stream, 0, 1, 700)
+        lib.mo_fake_stream_fail(eng._pool._fake_stream, 0, nth, 700)
         copies, want = random_batch(path, random.Random(3), 5000, pieces=2)
         with pytest.raises(RuntimeError, match="CUDA error 700"):
             eng.submit_ordered(copies)
@@ -223,7 +235,9 @@ def test_a_failed_copy_raises_and_the_engine_goes_on(data_file):
         lib.mo_fake_event_destroy(ev)
         check(data, want)
     finally:
+        t0 = time.perf_counter()
         eng.close()
+        assert time.perf_counter() - t0 < 5  # no gate left pending
 
 
 def test_close_with_ordered_batches_in_flight(data_file):

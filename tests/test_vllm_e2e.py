@@ -206,7 +206,7 @@ def test_expert_cache_routes_through_the_pool_with_the_same_tokens(runs):
     assert s["residency_pool_misses"] > 0 and s["residency_pool_evictions"] > 0 and s["residency_pool_hits"] > 0
     assert ex["loader_expert_bytes"] == 0 and ex["warmup_bytes"] == 0
     # the misses took the stream-ordered path (on CPU waited for at once: the same bytes)
-    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] == s["engine_ordered_batches"] > 0
+    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"] > 0
 
 
 def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):

@@ -99,8 +99,9 @@ def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):
     assert s["residency_pool_slots_per_layer"] == 6
     assert s["residency_expert_calls"] > 0 and s["residency_layer_calls"] > 0
     assert s["residency_pool_misses"] > 0
-    # misses stream-ordered on vLLM's stream behind a gate each (no host wait for their reads)
-    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] == s["engine_ordered_batches"] > 0
+    # misses stream-ordered on vLLM's stream behind gates (one per group of a batch; no host wait
+    # for their reads), every gate launched
+    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"] > 0
     assert s.get("engine_ordered_ungated", 0) == 0
 
 

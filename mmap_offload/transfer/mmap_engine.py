@@ -37,13 +37,14 @@ class MmapEngine(_RingEngine):
     default (``populate``, ``hugepage``, ``ring_hugepage``, ``blocking_events``)."""
 
     kind = "mmap"
+    ORDERED_MIN_GROUP = 1 << 20  # submit_ordered: a gate per group of at least this many bytes
 
     def __init__(self, device: torch.device, *, pinned_bytes: int = 256 << 20,
                  slot_bytes: int = 4 << 20, threads: int = 8, populate: bool = True, hugepage: bool = True,
                  blocking_events: bool = True, copy_impl: str = "auto", native: bool | str = "auto",
                  stream_delay_us: int = 0, chunks_per_thread: int | None = None,
                  min_chunk_bytes: int | None = None, ring_hugepage: bool = True, slot_reuse: str = "auto",
-                 ordered_fraction: float = 0.0):
+                 ordered_fraction: float = 0.0, ordered_gates: int = 4):
         if slot_reuse not in ("auto", "oldest", "hot"):
             raise ValueError(f"slot_reuse must be 'auto', 'oldest' or 'hot', got {slot_reuse!r}")
         if copy_impl not in COPY_IMPLS:
@@ -52,6 +53,8 @@ class MmapEngine(_RingEngine):
             raise ValueError(f"native must be True, False or 'auto', got {native!r}")
         if not 0.0 <= ordered_fraction < 1.0:
             raise ValueError(f"ordered_fraction must be in [0, 1), got {ordered_fraction!r}")
+        # submit_ordered cuts a batch into up to this many groups, each behind its own gate
+        self.ordered_gates = max(1, int(ordered_gates))
         self.populate = populate
         self.hugepage = hugepage
         self._maps: dict[Path, _MappedFile] = {}
@@ -139,8 +142,10 @@ class MmapEngine(_RingEngine):
         else:
             handle = pool._fake_stream
         ticket = Ticket(total, 1)
+        # groups (one gate each): the stream copies one while the threads fill the next
+        group = max(self.ORDERED_MIN_GROUP, -(-total // self.ordered_gates)) if self.ordered_gates > 1 else 0
         if not pool.submit_ordered(triples, self._chunk_bytes(total), handle, ticket,
-                                   describe_fault=lambda addr: self._fault_error(addr, copies)):
+                                   describe_fault=lambda addr: self._fault_error(addr, copies), group_bytes=group):
             return None
         self._retain(ticket, copies)
         self._count(npieces, 0)

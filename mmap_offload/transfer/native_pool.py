@@ -66,7 +66,7 @@ def _typed(lib: Any) -> bool:
         lib.mo_gate_init.restype = ctypes.c_int
         lib.mo_gate_init.argtypes = [vp, ctypes.c_int, ctypes.c_int]
         lib.mo_gate_submit.restype = ctypes.c_int64
-        lib.mo_gate_submit.argtypes = [vp, vp, sz, sz, vp, vp, vp]
+        lib.mo_gate_submit.argtypes = [vp, vp, sz, sz, sz, vp, vp, vp]
         lib.mo_gate_stats.argtypes = [vp, vp]
         lib.mo_status_issued.argtypes = [vp, vp]
         lib.mo_sigbus_guarded.restype = ctypes.c_int
@@ -196,6 +196,22 @@ class _NativePool:
         ev = _FakeEvent(self.lib)
         return ev, ev.handle
 
+    ORDERED_EVENTS = 64
+
+    def _ordered_event(self) -> Any:
+        """The event a stream-ordered ticket gets (recorded after its copies). On CUDA one of a
+        ring of ``ORDERED_EVENTS`` made once (an event made per batch cost a cudaEventCreate on the
+        decode path): a later batch may record it again, which only makes a query or a wait of the
+        older ticket later (conservative); ``wait`` of an ordered ticket does not use it."""
+        if self.device.type != "cuda":
+            return self.new_event()
+        ring = self.__dict__.setdefault("_ordered_ring", [])
+        if len(ring) < self.ORDERED_EVENTS:
+            ring.append(self.new_event())
+            return ring[-1]
+        self._ordered_next = (getattr(self, "_ordered_next", -1) + 1) % len(ring)
+        return ring[self._ordered_next]
+
     def _enter(self, closing_ok: bool) -> int:
         """The pool's handle with a use counted (release with ``_leave``), or 0: freed, or closing
         and not ``closing_ok``."""
@@ -236,10 +252,13 @@ class _NativePool:
         return int(n)
 
     def submit_ordered(self, triples: np.ndarray, chunk_bytes: int, stream_handle: int, ticket: Ticket,
-                       describe_fault: Callable[[int], BaseException] | None = None) -> bool:
+                       describe_fault: Callable[[int], BaseException] | None = None,
+                       group_bytes: int = 0) -> bool:
         """Queue a stream-ordered batch (csrc/copy_pool.c, "Stream-ordered batches"): its copies are
         enqueued on ``stream_handle`` behind a host-function gate that opens once the pool's own
-        threads have filled the batch's arena bytes; the caller does not wait. False, with nothing
+        threads have filled the batch's arena bytes (``group_bytes`` > 0: one gate per group of at
+        least that many bytes, so the stream copies a group while the threads fill the next); the
+        caller does not wait. False, with nothing
         queued, where the pool cannot (no arena, a batch larger than it, another stream than the
         first): the caller takes the ordinary path. A CUDA error of the copies raises after the
         fill finished (the destinations must not be used); a gate that could not be launched makes
@@ -248,14 +267,14 @@ class _NativePool:
         if not self.ordered_bytes:
             return False
         status = np.zeros(_ST_GATED_LEN, dtype=np.int64)
-        ev, handle = self.new_event()
+        ev, handle = self._ordered_event()
         ticket._status, ticket._native_event = status, ev
         ticket._native_lib = self.lib
         ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
         ticket.ordered = True
         h = self._enter(closing_ok=False)
         try:
-            n = self.lib.mo_gate_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
+            n = self.lib.mo_gate_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes, group_bytes,
                                         stream_handle, status.ctypes.data, handle) if h else -1
         finally:
             if h:

@@ -84,10 +84,12 @@ class Residency:
             from .host_experts import HostExperts
 
             self.host = HostExperts(off, threads=opts.host_threads)  # 0: its default (cores, TP, copy threads)
-        # route_s: host time in route() (sync_s of it waiting for the router's ids, ensure_s in the
-        # pool's ensure, misses' copies included); map_copies: device maps rewritten (only on change)
+        # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
+        # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
+        # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads);
+        # map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
-                                            sync_s=0.0, ensure_s=0.0, check_s=0.0, map_copies=0,
+                                            sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -199,10 +201,12 @@ class Residency:
                 out = self._layer_mode(t, topk_ids, ahead=True)
             else:
                 inputs = None  # hybrid: the step's ids, weights and activations on the host
+                t1 = time.perf_counter()
                 if self.host is not None and x is not None and n <= self.host.MAX_TOKENS:
                     used, *inputs = self._routed_with_inputs(topk_ids, topk_weights, x)
                 else:
                     used = self._routed(topk_ids)
+                self.metrics["ids_s"] += time.perf_counter() - t1
                 if len(used) <= self.slots and inputs:
                     topk_weights, out = self._hybrid_mode(t, topk_ids, topk_weights, used, *inputs)
                 elif len(used) <= self.slots:
@@ -297,7 +301,8 @@ class Residency:
         before = ec.slot_map(t.layer)[used].copy() if self.off._transforms else None
         t0 = time.perf_counter()
         ec.ensure(t.layer, used)
-        self.metrics["ensure_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.metrics["ensure_s"] += t1 - t0
         row = ec.slot_map(t.layer)
         if self.off._transforms:  # CPU prepacked kernels: transform the slots just filled
             pool = ec.slots(t.layer)
@@ -323,7 +328,9 @@ class Residency:
                 ev.record()
                 self._map_event[t.index] = ev
             self.metrics["map_copies"] += 1
-        return torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
+        out = torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
+        self.metrics["map_s"] += time.perf_counter() - t1
+        return out
 
     def _trace_ids(self, t, ids: torch.Tensor) -> torch.Tensor:
         """The trace's ids for (step, layer position), its batch tiled over the step's tokens
