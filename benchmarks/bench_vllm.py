@@ -390,7 +390,8 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("residency_ensure_s", "ensure_ms"), ("residency_pool_stall_s", "stall_ms"),
                               ("residency_check_s", "check_ms"), ("engine_ordered_gate_wait_seconds", "gate_wait_ms"),
                               ("residency_ids_s", "ids_ms"), ("residency_map_s", "map_ms"),
-                              ("residency_pool_submit_s", "submit_ms")):
+                              ("residency_pool_submit_s", "submit_ms"),
+                              ("engine_ordered_submit_seconds", "native_submit_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
         rows.append(row)
@@ -512,7 +513,9 @@ def markdown(res: dict) -> str:
         if r.get("gate_wait_ms") is not None:  # stream-ordered misses
             host += f" (check {r.get('check_ms', 0):.2f}, gate wait {r['gate_wait_ms']:.2f})"
         if r.get("ids_ms") is not None:  # route's parts: ids to the host, the pool's submits, the slot map
-            host += f" [ids {r['ids_ms']:.2f}, submit {r.get('submit_ms', 0):.2f}, map {r.get('map_ms', 0):.2f}]"
+            host += (f" [ids {r['ids_ms']:.2f}, submit {r.get('submit_ms', 0):.2f}"
+                     f"{' (C %.2f)' % r['native_submit_ms'] if r.get('native_submit_ms') is not None else ''}, "
+                     f"map {r.get('map_ms', 0):.2f}]")
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "

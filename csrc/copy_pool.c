@@ -99,7 +99,7 @@ typedef struct gbatch {      /* one group */
     planned_piece *pieces;   /* off: offset in the arena */
     chunk *chunks;
     uint32_t npieces, nchunks, taken, done;
-    int filled, refs;        /* refs: its fill + its gate (if launched) + the submitting call */
+    int filled, refs;        /* refs (atomic): its fill + its gate (if launched) + the submitting call */
 } gbatch;
 
 enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
@@ -153,6 +153,7 @@ struct mo_pool {
     /* stats (under mu): batches, bytes, fill ns, gates run, gates that waited, ns they waited */
     uint64_t st_g_batches, st_g_bytes, st_g_fill_ns, st_g_gates, st_g_gates_waited, st_g_gate_wait_ns;
     uint64_t st_g_ungated; /* batches whose gate could not be launched (the submit waited) */
+    uint64_t st_g_submit_ns; /* time inside mo_gate_submit (the caller's thread) */
 };
 
 void mo_pool_shutdown(mo_pool *p);
@@ -661,8 +662,8 @@ void mo_pool_destroy(mo_pool *p) {
  * shared granule would make a fill wait for its own batch's gate: fill and stream in lock-step) */
 enum { GATE_ALIGN = 256, GATE_GRANULE = 64 << 10 };
 
-static void gbatch_unref(gbatch *b) { /* under mu */
-    if (--b->refs) return;
+static void gbatch_unref(gbatch *b) { /* atomic: the submitting call drops its own without mu */
+    if (__atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL)) return;
     free(b->pieces);
     free(b->chunks);
     free(b);
@@ -852,6 +853,7 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
                        void *stream, int64_t *status, void *event) {
     if (!p || !status || (n && !in) || chunk_bytes == 0) return SUBMIT_INVALID;
     if (!p->g_base || !p->g_nthreads) return GATE_UNSUPPORTED;
+    uint64_t t_enter = now_ns();
     uint64_t span = 0, cap = 0;
     for (size_t i = 0; i < n; i++) {
         span = ((span + GATE_ALIGN - 1) & ~(uint64_t)(GATE_ALIGN - 1)) + in[i].n;
@@ -967,7 +969,7 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
         if (!cuda) __atomic_store_n(&p->g_event_recorded, 1, __ATOMIC_RELAXED);
     }
     if (cuda) status[ST_CUDA] = cuda; /* the caller still owns status: it checks this on return */
-    pthread_mutex_lock(&p->mu);
+    if (launched < ng) pthread_mutex_lock(&p->mu); /* the error path below waits under mu */
     for (int k = 0; k < ng; k++) {
         gbatch *b = g[k];
         if (!b->nchunks) { free(b->pieces); free(b->chunks); free(b); continue; }
@@ -978,12 +980,13 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
             while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
             p->g_gates_pending--;
             if (p->g_gates_pending == 0) pthread_cond_broadcast(&p->g_rel_cv);
-            b->refs--; /* the gate's reference (this call still holds its own) */
+            __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL); /* the gate's (this call still holds its own) */
         }
         gbatch_unref(b); /* this call's reference: the plan was read */
     }
-    pthread_mutex_unlock(&p->mu);
+    if (launched < ng) pthread_mutex_unlock(&p->mu);
     free(g);
+    __atomic_add_fetch(&p->st_g_submit_ns, now_ns() - t_enter, __ATOMIC_RELAXED);
     return (int64_t)nc;
 }
 
@@ -1001,12 +1004,14 @@ static int gates_drained(mo_pool *p, int seconds) {
 }
 
 /* stream-ordered batches: batches, bytes filled, fill_ns, gates run, gates that waited for their
- * fill, ns they waited (the stream's stall), arena bytes, fill threads, batches without a gate */
+ * fill, ns they waited (the stream's stall), arena bytes, fill threads, batches without a gate,
+ * ns spent in mo_gate_submit */
 void mo_gate_stats(mo_pool *p, uint64_t *out) {
     pthread_mutex_lock(&p->mu);
     out[0] = p->st_g_batches; out[1] = p->st_g_bytes; out[2] = p->st_g_fill_ns;
     out[3] = p->st_g_gates; out[4] = p->st_g_gates_waited; out[5] = p->st_g_gate_wait_ns;
     out[6] = p->g_size; out[7] = (uint64_t)p->g_nthreads; out[8] = p->st_g_ungated;
+    out[9] = __atomic_load_n(&p->st_g_submit_ns, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&p->mu);
 }
 

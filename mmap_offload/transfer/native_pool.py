@@ -300,7 +300,7 @@ class _NativePool:
         h = self._enter(closing_ok=True)
         if not h:
             return {k: v for k, v in self._final.items() if k.startswith("ordered_")}
-        out = np.zeros(9, dtype=np.uint64)
+        out = np.zeros(10, dtype=np.uint64)
         try:
             self.lib.mo_gate_stats(h, out.ctypes.data)
         finally:
@@ -308,7 +308,8 @@ class _NativePool:
         return dict(ordered_batches=int(out[0]), ordered_bytes_filled=int(out[1]),
                     ordered_fill_seconds=int(out[2]) / 1e9, ordered_gates=int(out[3]),
                     ordered_gates_waited=int(out[4]), ordered_gate_wait_seconds=int(out[5]) / 1e9,
-                    ordered_arena_bytes=int(out[6]), ordered_threads=int(out[7]), ordered_ungated=int(out[8]))
+                    ordered_arena_bytes=int(out[6]), ordered_threads=int(out[7]), ordered_ungated=int(out[8]),
+                    ordered_submit_seconds=int(out[9]) / 1e9)
 
     def wait(self, ticket: Ticket) -> None:
         # closing_ok: shutdown issues every batch, so a waiter in there returns, then close frees
