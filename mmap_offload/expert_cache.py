@@ -109,6 +109,7 @@ class _Pool:
     use_call: np.ndarray | None = None  # [S] number of the last ensure() that handed the slot out
     dst: dict[int, list] = field(default_factory=dict)  # slot -> (offset, nbytes, view) per tensor, built once
     fill_of: dict[int, _Pending] = field(default_factory=dict)  # slot -> the copy that last filled it
+    dst_ptr: np.ndarray | None = None  # [S, tensors] uint64 device addresses of the slots (ordered submits)
 
 
 def _ids_to_numpy(expert_ids) -> tuple[np.ndarray, torch.device | None, torch.dtype]:
@@ -167,6 +168,7 @@ class ExpertCache:
         self.stream_ordered = bool(stream_ordered) and hasattr(engine, "submit_ordered")
         self._unchecked: list[tuple[_Pool, _Pending]] = []  # ordered batches whose reads are unchecked
         self._defer_checks = self.device.type == "cuda"  # on CPU an ordered fill is waited for at once
+        self._raw = None  # _submit_ordered's per-expert source addresses (and the engine's map generation)
         self.policy = policy
         self.hint_budget = float(hint_budget)
         self.layers: list[int] = list(cache.layers if layers is None else layers)
@@ -414,20 +416,10 @@ class ExpertCache:
         """Submit one Copy per (expert, slot) of layer position ``li``; returns the engine ticket.
         ``ordered``: on the current stream (``engine.submit_ordered``) where the engine can, which
         needs no ``after`` (the slots' readers are earlier on that stream)."""
-        layer = self.layers[li]
-        copies = []
-        for e, s in pairs:
-            dst = pool.dst.get(s)
-            if dst is None:  # a slot's destinations never move: build the list once
-                dst = pool.dst[s] = [(spec.offset, spec.nbytes, pool.tensors[spec.name][s]) for spec in self.specs]
-            ext = self._extents.get((li, e))
-            if ext is None:
-                ext = self._extents[(li, e)] = self.cache.expert_extent(layer, e)
-            copies.append(Copy(src=ext, dst=dst, label=f"layer {layer} expert {e}"))
         t0 = time.perf_counter()
-        ticket = self.engine.submit_ordered(copies) if ordered else None
+        ticket = self._submit_ordered(pool, li, pairs) if ordered else None
         if ticket is None:  # slots stay free (and out of the LUT) if this raises
-            ticket = self.engine.submit(copies, after=after)
+            ticket = self.engine.submit(self._copies(pool, li, pairs), after=after)
         else:
             self.metrics["ordered_fills"] += 1
         self.metrics["submit_s"] += time.perf_counter() - t0
@@ -436,6 +428,51 @@ class ExpertCache:
             self._lut[li, e] = s
         self.metrics["bytes_moved"] += len(pairs) * self.expert_nbytes
         return ticket
+
+    def _copies(self, pool: _Pool, li: int, pairs: list[tuple[int, int]]) -> list[Copy]:
+        layer = self.layers[li]
+        copies = []
+        for e, s in pairs:
+            dst = pool.dst.get(s)
+            if dst is None:  # a slot's destinations never move: build the list once
+                dst = pool.dst[s] = [(spec.offset, spec.nbytes, pool.tensors[spec.name][s]) for spec in self.specs]
+            copies.append(Copy(src=self._extent(li, e), dst=dst, label=f"layer {layer} expert {e}"))
+        return copies
+
+    def _extent(self, li: int, e: int):
+        ext = self._extents.get((li, e))
+        if ext is None:
+            ext = self._extents[(li, e)] = self.cache.expert_extent(self.layers[li], e)
+        return ext
+
+    def _submit_ordered(self, pool: _Pool, li: int, pairs: list[tuple[int, int]]):
+        """A stream-ordered submit of ``pairs``, or None (the engine cannot: use ``submit``). With
+        the mmap engine the pieces are planned here with numpy from addresses kept per expert and
+        per slot (``submit_ordered_raw``): no Copy objects or per-piece checks on the decode path."""
+        eng = self.engine
+        raw = getattr(eng, "submit_ordered_raw", None)
+        if raw is None:
+            return eng.submit_ordered(self._copies(pool, li, pairs))
+        if self._raw is None or self._raw[0] != eng.map_generation:  # mappings (re)made: addresses anew
+            sizes = np.array([sp.nbytes for sp in self.specs], dtype=np.uint64)
+            keep = sizes > 0
+            self._raw = (eng.map_generation, np.zeros(self._lut.shape, dtype=np.uint64),
+                         np.array([sp.offset for sp in self.specs], dtype=np.uint64)[keep], sizes[keep], keep)
+        _, src, offs, sizes, keep = self._raw
+        if pool.dst_ptr is None:
+            pool.dst_ptr = np.array([[pool.tensors[sp.name][s].data_ptr() for sp in self.specs]
+                                     for s in range(pool.size)], dtype=np.uint64)[:, keep]
+        es = np.fromiter((e for e, _ in pairs), dtype=np.int64, count=len(pairs))
+        ss = np.fromiter((s for _, s in pairs), dtype=np.int64, count=len(pairs))
+        base = src[li, es]
+        for j in np.flatnonzero(base == 0):  # first use of the expert: its mapping's address
+            ext = self._extent(li, int(es[j]))
+            base[j] = src[li, es[j]] = eng.mapped_address(ext.path) + int(ext.offset)
+        tr = np.empty((len(pairs), len(sizes), 3), dtype=np.uint64)
+        tr[:, :, 0] = base[:, None] + offs[None, :]
+        tr[:, :, 1] = pool.dst_ptr[ss]
+        tr[:, :, 2] = sizes[None, :]
+        return raw(tr.reshape(-1, 3))
 
     # -- the two verbs ------------------------------------------------------------------------
     def ensure(self, layer: int, expert_ids) -> torch.Tensor:

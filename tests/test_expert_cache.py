@@ -470,3 +470,24 @@ def test_ordered_admit_from_failed_rows_is_forgotten(cache):
     with pytest.raises(CacheError, match="injected"):
         ec.check_ordered()
     assert not any(e in ec.resident(0) for e, _ in pairs)
+
+
+def test_ordered_fills_follow_the_engine_remapping_its_files(cache):
+    """The ordered fast path keeps each expert's address in the engine's mapping; after the engine
+    dropped its mappings (unmap_all: a new map generation) it asks again, so the bytes stay right."""
+    reals = [f for f in real_engines() if getattr(f, "name", "") == "real-mmap-ordered"]
+    if not reals:
+        pytest.skip("the native pool is unavailable")
+    eng = reals[0]()
+    ec = ExpertCache(cache, eng, "cpu", capacity_experts=2 * len(LAYERS), stream_ordered=True)
+    try:
+        for i in range(8):
+            ids = [(2 * i) % E, (2 * i + 1) % E]
+            check_call(ec, cache, LAYERS[i % 2], ids, ec.ensure(LAYERS[i % 2], ids))
+            if i == 3:
+                gen = eng.map_generation
+                eng.unmap_all()
+                assert eng.map_generation == gen + 1
+        assert ec.metrics["ordered_fills"] == 8 and eng.metrics["ordered_batches"] == 8
+    finally:
+        eng.close()

@@ -58,6 +58,7 @@ class MmapEngine(_RingEngine):
         self.populate = populate
         self.hugepage = hugepage
         self._maps: dict[Path, _MappedFile] = {}
+        self.map_generation = 0  # + 1 at each unmap_all: addresses from mapped_address are stale then
         self._maps_lock = threading.Lock()
         lib = native_pool.native_copy_lib()
         if lib is None and (native is True or copy_impl != "auto"):
@@ -142,16 +143,54 @@ class MmapEngine(_RingEngine):
         else:
             handle = pool._fake_stream
         ticket = Ticket(total, 1)
-        # groups (one gate each): the stream copies one while the threads fill the next
-        group = max(self.ORDERED_MIN_GROUP, -(-total // self.ordered_gates)) if self.ordered_gates > 1 else 0
         if not pool.submit_ordered(triples, self._chunk_bytes(total), handle, ticket,
-                                   describe_fault=lambda addr: self._fault_error(addr, copies), group_bytes=group):
+                                   describe_fault=lambda addr: self._fault_error(addr, copies),
+                                   group_bytes=self._ordered_group_bytes(total)):
             return None
         self._retain(ticket, copies)
         self._count(npieces, 0)
-        with self._lock:
-            self._counters["ordered_tickets"] = self._counters.get("ordered_tickets", 0) + 1
         return ticket
+
+    def mapped_address(self, path: str | os.PathLike) -> int:
+        """The address of ``path``'s read-only mapping (made now if there is none), for callers that
+        plan their own pieces (``submit_ordered_raw``); valid while ``map_generation`` is unchanged."""
+        path = os.fspath(path)
+        return (self._maps.get(path) or self._map(path)).addr
+
+    def submit_ordered_raw(self, triples: np.ndarray, stream: Any = None) -> Ticket | None:
+        """``submit_ordered`` for pieces the caller planned: ``triples`` is uint64 ``[n, 3]`` (an
+        address inside a mapping of this engine, ``mapped_address`` + file offset; a device address;
+        nbytes). Nothing is checked or pre-faulted here (the fill threads fault pages in; a read past
+        a file's end fails the batch through the SIGBUS guard, as a truncation does), which saves the
+        launching thread the per-piece work of ``submit_ordered`` (its Copy objects, destination
+        checks, file sizes, page-table runs). The destinations must stay alive until the batch ran
+        (an expert pool's slots do). None where ``submit_ordered`` would return None."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        pool = self._pool
+        if pool is None or not pool.ordered_bytes:
+            return None
+        flat = np.ascontiguousarray(triples, dtype=np.uint64).reshape(-1)
+        total = int(flat[2::3].sum())
+        if total > pool.ordered_bytes:
+            return None
+        if self.device.type == "cuda":
+            handle = (stream or torch.cuda.current_stream(self.device)).cuda_stream
+        else:
+            handle = pool._fake_stream
+        ticket = Ticket(total, 1)
+        if not pool.submit_ordered(flat, self._chunk_bytes(total), handle, ticket,
+                                   describe_fault=lambda addr: self._fault_error(addr, ()),
+                                   group_bytes=self._ordered_group_bytes(total)):
+            return None
+        self._retain(ticket, ())
+        self._count(len(flat) // 3, 0)
+        return ticket
+
+    def _ordered_group_bytes(self, total: int) -> int:
+        """Groups of a stream-ordered batch (one gate each): the stream copies one while the
+        threads fill the next."""
+        return max(self.ORDERED_MIN_GROUP, -(-total // self.ordered_gates)) if self.ordered_gates > 1 else 0
 
     def _count(self, npieces: int, nchunks: int) -> None:
         with self._lock:
@@ -266,6 +305,7 @@ class MmapEngine(_RingEngine):
         Only call while no ticket is in flight."""
         with self._maps_lock:
             maps, self._maps = self._maps, {}
+            self.map_generation += 1
         for m in maps.values():
             m.close()
 
