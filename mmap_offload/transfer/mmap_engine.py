@@ -131,25 +131,11 @@ class MmapEngine(_RingEngine):
         use by work on other streams."""
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        pool = self._pool
-        if pool is None or not pool.ordered_bytes:
+        if not self.ordered_bytes:
             return None
         copies = list(copies)
-        triples, total, npieces = self._triples(copies)
-        if total > pool.ordered_bytes:
-            return None
-        if self.device.type == "cuda":
-            handle = (stream or torch.cuda.current_stream(self.device)).cuda_stream
-        else:
-            handle = pool._fake_stream
-        ticket = Ticket(total, 1)
-        if not pool.submit_ordered(triples, self._chunk_bytes(total), handle, ticket,
-                                   describe_fault=lambda addr: self._fault_error(addr, copies),
-                                   group_bytes=self._ordered_group_bytes(total)):
-            return None
-        self._retain(ticket, copies)
-        self._count(npieces, 0)
-        return ticket
+        triples, total, _ = self._triples(copies)
+        return self._ordered(triples, total, copies, stream)
 
     def mapped_address(self, path: str | os.PathLike) -> int:
         """The address of ``path``'s read-only mapping (made now if there is none), for callers that
@@ -167,11 +153,14 @@ class MmapEngine(_RingEngine):
         (an expert pool's slots do). None where ``submit_ordered`` would return None."""
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        pool = self._pool
-        if pool is None or not pool.ordered_bytes:
+        if not self.ordered_bytes:
             return None
         flat = np.ascontiguousarray(triples, dtype=np.uint64).reshape(-1)
-        total = int(flat[2::3].sum())
+        return self._ordered(flat, int(flat[2::3].sum()), (), stream)
+
+    def _ordered(self, flat: np.ndarray, total: int, copies: Sequence[Copy], stream: Any) -> Ticket | None:
+        """Queue flat (src, dst, nbytes) triples as one stream-ordered batch; None if the pool cannot."""
+        pool = self._pool
         if total > pool.ordered_bytes:
             return None
         if self.device.type == "cuda":
@@ -180,10 +169,10 @@ class MmapEngine(_RingEngine):
             handle = pool._fake_stream
         ticket = Ticket(total, 1)
         if not pool.submit_ordered(flat, self._chunk_bytes(total), handle, ticket,
-                                   describe_fault=lambda addr: self._fault_error(addr, ()),
+                                   describe_fault=lambda addr: self._fault_error(addr, copies),
                                    group_bytes=self._ordered_group_bytes(total)):
             return None
-        self._retain(ticket, ())
+        self._retain(ticket, copies)  # the destinations (Copy objects) and the status words live on
         self._count(len(flat) // 3, 0)
         return ticket
 

@@ -233,23 +233,33 @@ class _NativePool:
         of the mapping raised SIGBUS fails the ticket with ``describe_fault(address)``."""
         status = np.zeros(_ST_LEN, dtype=np.int64)
         ev, handle = self.new_event()
-        ticket._status, ticket._native_event = status, ev  # alive (with the ticket) until issued
+        n = self._queue(ticket, status, ev, describe_fault, lambda h: self.lib.mo_pool_submit(
+            h, triples.ctypes.data, len(triples) // 3, chunk_bytes, status.ctypes.data, handle))
+        if n < 0:
+            self._refused(ticket, n, "a batch", len(triples) // 3, chunk_bytes)
+        return int(n)
+
+    def _queue(self, ticket: Ticket, status: np.ndarray, ev: Any,
+               describe_fault: Callable[[int], BaseException] | None, call: Callable[[int], int]) -> int:
+        """Give ``ticket`` its status words and event (alive with it until issued), then run
+        ``call(handle)`` with a use of the pool counted; -1 if the pool is closing."""
+        ticket._status, ticket._native_event = status, ev
         ticket._native_lib = self.lib
         ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
         h = self._enter(closing_ok=False)
         try:
-            n = self.lib.mo_pool_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes,
-                                        status.ctypes.data, handle) if h else -1
+            return call(h) if h else -1
         finally:
             if h:
                 self._leave()
-        if n < 0:
-            ticket._status = None
-            if n == -1:
-                raise RuntimeError("transfer engine is closed")
-            raise MemoryError(f"the native copy pool refused a batch of {len(triples) // 3} pieces "
-                              f"(chunk_bytes {chunk_bytes}): too many pieces or no memory")
-        return int(n)
+
+    @staticmethod
+    def _refused(ticket: Ticket, n: int, what: str, pieces: int, chunk_bytes: int) -> None:
+        ticket._status = None
+        if n == -1:
+            raise RuntimeError("transfer engine is closed")
+        raise MemoryError(f"the native copy pool refused {what} of {pieces} pieces (chunk_bytes {chunk_bytes}): "
+                          "too many pieces or no memory")
 
     def submit_ordered(self, triples: np.ndarray, chunk_bytes: int, stream_handle: int, ticket: Ticket,
                        describe_fault: Callable[[int], BaseException] | None = None,
@@ -268,27 +278,15 @@ class _NativePool:
             return False
         status = np.zeros(_ST_GATED_LEN, dtype=np.int64)
         ev, handle = self._ordered_event()
-        ticket._status, ticket._native_event = status, ev
-        ticket._native_lib = self.lib
-        ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
-        ticket.ordered = True
-        h = self._enter(closing_ok=False)
-        try:
-            n = self.lib.mo_gate_submit(h, triples.ctypes.data, len(triples) // 3, chunk_bytes, group_bytes,
-                                        stream_handle, status.ctypes.data, handle) if h else -1
-        finally:
-            if h:
-                self._leave()
+        n = self._queue(ticket, status, ev, describe_fault, lambda h: self.lib.mo_gate_submit(
+            h, triples.ctypes.data, len(triples) // 3, chunk_bytes, group_bytes, stream_handle,
+            status.ctypes.data, handle))
         if n in (_GATE_UNSUPPORTED, _GATE_TOO_BIG, _GATE_OTHER_STREAM):
             ticket._status = ticket._native_event = None
-            ticket.ordered = False
             return False
         if n < 0:
-            ticket._status = None
-            if n == -1:
-                raise RuntimeError("transfer engine is closed")
-            raise MemoryError(f"the native copy pool refused a stream-ordered batch of {len(triples) // 3} "
-                              f"pieces (chunk_bytes {chunk_bytes}): too many pieces or no memory")
+            self._refused(ticket, n, "a stream-ordered batch", len(triples) // 3, chunk_bytes)
+        ticket.ordered = True
         if status[_ST_CUDA]:
             self.wait(ticket)  # the fill reads into the arena: let it finish before raising
             err = int(status[_ST_CUDA])
