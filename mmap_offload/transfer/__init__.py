@@ -57,6 +57,12 @@ last copy: no host sync with the GPU, kernels queued after ``wait`` see the byte
 kvikio) the bytes are in place when ``wait`` returns. ``synchronize(ticket)`` also waits for the
 device. Destinations must not be read or written by pending kernels when the ticket starts:
 ``submit(..., after=event)`` makes the copy stream wait on ``event`` first.
+
+Stream-ordered batches (mmap engine with ``ordered_fraction`` > 0): ``submit_ordered(copies)`` enqueues
+the copies on the current stream at once, behind a host-function gate that opens when the pool's own
+threads have read the bytes; the host never waits, and ``wait(ticket)`` only waits for the reads and
+raises their error, which must be checked before results computed from the destinations are used
+(docs/TRANSFER.md, "Stream-ordered batches").
 """
 
 from __future__ import annotations

@@ -34,7 +34,11 @@ class MmapEngine(_RingEngine):
     (``native=False`` picks them on purpose, for comparison). Knobs kept because a measured case
     prefers them (docs/TRANSFER.md): ``slot_reuse="oldest"`` (better than "hot" with ``nt4``, the
     kernel of CPUs without ERMS), ``copy_impl="nt4"``; the others are test hooks or switch off a
-    default (``populate``, ``hugepage``, ``ring_hugepage``, ``blocking_events``)."""
+    default (``populate``, ``hugepage``, ``ring_hugepage``, ``blocking_events``).
+
+    ``ordered_fraction`` (0 by default; the vLLM backend's expert cache uses 0.5) sets that part of
+    the ring aside for stream-ordered batches (``submit_ordered``, ``submit_ordered_raw``; the native
+    pool only), each cut into up to ``ordered_gates`` groups with a gate each (TRANSFER.md)."""
 
     kind = "mmap"
     ORDERED_MIN_GROUP = 1 << 20  # submit_ordered: a gate per group of at least this many bytes
