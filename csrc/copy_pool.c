@@ -963,11 +963,13 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
             i = j;
         }
     }
-    if (!cuda && event) cuda = p->event_record(event, stream);
-    if (!cuda && p->g_last_event) {
-        cuda = p->event_record(p->g_last_event, stream);
-        if (!cuda) __atomic_store_n(&p->g_event_recorded, 1, __ATOMIC_RELAXED);
-    }
+    /* the events are recorded after a failed copy too: they mark the point after the copies that
+     * were issued, which still run and write their destinations (the caller keeps those alive
+     * until the event completes) and read the arena (destroy waits for the last event) */
+    int rec = event ? p->event_record(event, stream) : 0;
+    if (p->g_last_event && !p->event_record(p->g_last_event, stream))
+        __atomic_store_n(&p->g_event_recorded, 1, __ATOMIC_RELAXED);
+    if (!cuda) cuda = rec;
     if (cuda) status[ST_CUDA] = cuda; /* the caller still owns status: it checks this on return */
     if (launched < ng) pthread_mutex_lock(&p->mu); /* the error path below waits under mu */
     for (int k = 0; k < ng; k++) {

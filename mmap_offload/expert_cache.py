@@ -449,30 +449,61 @@ class ExpertCache:
         """A stream-ordered submit of ``pairs``, or None (the engine cannot: use ``submit``). With
         the mmap engine the pieces are planned here with numpy from addresses kept per expert and
         per slot (``submit_ordered_raw``): no Copy objects or per-piece checks on the decode path."""
-        eng = self.engine
-        raw = getattr(eng, "submit_ordered_raw", None)
-        if raw is None:
-            return eng.submit_ordered(self._copies(pool, li, pairs))
-        if self._raw is None or self._raw[0] != eng.map_generation:  # mappings (re)made: addresses anew
-            sizes = np.array([sp.nbytes for sp in self.specs], dtype=np.uint64)
-            keep = sizes > 0
-            self._raw = (eng.map_generation, np.zeros(self._lut.shape, dtype=np.uint64),
-                         np.array([sp.offset for sp in self.specs], dtype=np.uint64)[keep], sizes[keep], keep)
-        _, src, offs, sizes, keep = self._raw
+        if getattr(self.engine, "submit_ordered_raw", None) is None:
+            return self.engine.submit_ordered(self._copies(pool, li, pairs))
         if pool.dst_ptr is None:
+            keep = self._raw_plan()[3]
             pool.dst_ptr = np.array([[pool.tensors[sp.name][s].data_ptr() for sp in self.specs]
                                      for s in range(pool.size)], dtype=np.uint64)[:, keep]
         es = np.fromiter((e for e, _ in pairs), dtype=np.int64, count=len(pairs))
         ss = np.fromiter((s for _, s in pairs), dtype=np.int64, count=len(pairs))
+        return self._submit_raw(li, es, pool.dst_ptr[ss])
+
+    def submit_rows_ordered(self, layer: int, experts, rows: dict[str, torch.Tensor]):
+        """Stream-ordered copy of ``experts`` of ``layer`` into their rows of ``rows`` (``{name: [E,
+        ...]}``, contiguous, a layer buffer): the vLLM backend's sparse path. Returns the engine's
+        ticket, or None where the engine has no raw ordered submit or cannot take the batch (then
+        copy them another way). The caller checks the reads (``admit(..., ordered_ticket=)``)."""
+        if not self.stream_ordered or getattr(self.engine, "submit_ordered_raw", None) is None:
+            return None
+        _, offs, sizes, keep = self._raw_plan()
+        names = [sp.name for sp, k in zip(self.specs, keep) if k]
+        base, stride = np.empty(len(names), dtype=np.uint64), np.empty(len(names), dtype=np.uint64)
+        for j, (name, n) in enumerate(zip(names, sizes)):
+            t = rows[name]
+            row = t.element_size() * (t.numel() // max(1, t.shape[0]))
+            if not t.is_contiguous() or row < int(n):
+                raise ValueError(f"rows[{name!r}] must be contiguous with rows of at least {int(n)} bytes")
+            base[j], stride[j] = t.data_ptr(), row
+        es = np.asarray(experts, dtype=np.int64).reshape(-1)
+        dst = base[None, :] + es.astype(np.uint64)[:, None] * stride[None, :]
+        return self._submit_raw(self._li(layer), es, dst)
+
+    def _raw_plan(self):
+        """(engine map generation, [L, E] source addresses (0: not looked up yet), offsets and
+        sizes of the non-empty tensors in an expert's record, their mask over ``specs``)."""
+        gen = self.engine.map_generation
+        if self._raw is None or self._raw[0] != gen:  # mappings (re)made: addresses anew
+            sizes = np.array([sp.nbytes for sp in self.specs], dtype=np.uint64)
+            keep = sizes > 0
+            self._raw = (gen, np.zeros(self._lut.shape, dtype=np.uint64),
+                         np.array([sp.offset for sp in self.specs], dtype=np.uint64)[keep], sizes[keep], keep)
+        _, src, offs, sizes, keep = self._raw
+        return src, offs, sizes, keep
+
+    def _submit_raw(self, li: int, es: np.ndarray, dst: np.ndarray):
+        """Ordered submit of experts ``es`` of layer position ``li`` to ``dst`` ([len(es), tensors]
+        device addresses) through ``engine.submit_ordered_raw``."""
+        src, offs, sizes, _ = self._raw_plan()
         base = src[li, es]
         for j in np.flatnonzero(base == 0):  # first use of the expert: its mapping's address
             ext = self._extent(li, int(es[j]))
-            base[j] = src[li, es[j]] = eng.mapped_address(ext.path) + int(ext.offset)
-        tr = np.empty((len(pairs), len(sizes), 3), dtype=np.uint64)
+            base[j] = src[li, es[j]] = self.engine.mapped_address(ext.path) + int(ext.offset)
+        tr = np.empty((len(es), len(sizes), 3), dtype=np.uint64)
         tr[:, :, 0] = base[:, None] + offs[None, :]
-        tr[:, :, 1] = pool.dst_ptr[ss]
+        tr[:, :, 1] = dst
         tr[:, :, 2] = sizes[None, :]
-        return raw(tr.reshape(-1, 3))
+        return self.engine.submit_ordered_raw(tr.reshape(-1, 3))
 
     # -- the two verbs ------------------------------------------------------------------------
     def ensure(self, layer: int, expert_ids) -> torch.Tensor:

@@ -491,3 +491,29 @@ def test_ordered_fills_follow_the_engine_remapping_its_files(cache):
         assert ec.metrics["ordered_fills"] == 8 and eng.metrics["ordered_batches"] == 8
     finally:
         eng.close()
+
+
+def test_submit_rows_ordered_fills_exactly_the_routed_rows(cache):
+    """The sparse path's ordered copy (numpy-planned): the routed experts' rows of a layer buffer
+    hold their cache bytes, every other row is untouched; a pool without stream_ordered declines."""
+    reals = [f for f in real_engines() if getattr(f, "name", "") == "real-mmap-ordered"]
+    if not reals:
+        pytest.skip("the native pool is unavailable")
+    eng = reals[0]()
+    try:
+        ec = ExpertCache(cache, eng, "cpu", capacity_experts=2 * len(LAYERS), stream_ordered=True)
+        rows = {s.name: torch.full((E, *s.shape), 7, dtype=s.torch_dtype) for s in cache.expert_specs}
+        before = {n: v.clone() for n, v in rows.items()}
+        routed = [6, 1, 3]
+        t = ec.submit_rows_ordered(LAYERS[1], routed, rows)
+        assert t is not None and t.ordered
+        eng.wait(t)
+        for e in range(E):
+            if e in routed:
+                assert expert_matches(cache, LAYERS[1], e, rows, e)
+            else:
+                assert all(torch.equal(rows[n][e], before[n][e]) for n in rows)
+        plain = ExpertCache(cache, eng, "cpu", capacity_experts=2 * len(LAYERS))
+        assert plain.submit_rows_ordered(LAYERS[1], routed, rows) is None
+    finally:
+        eng.close()

@@ -172,10 +172,15 @@ class MmapEngine(_RingEngine):
         else:
             handle = pool._fake_stream
         ticket = Ticket(total, 1)
-        if not pool.submit_ordered(flat, self._chunk_bytes(total), handle, ticket,
-                                   describe_fault=lambda addr: self._fault_error(addr, copies),
-                                   group_bytes=self._ordered_group_bytes(total)):
-            return None
+        try:
+            if not pool.submit_ordered(flat, self._chunk_bytes(total), handle, ticket,
+                                       describe_fault=lambda addr: self._fault_error(addr, copies),
+                                       group_bytes=self._ordered_group_bytes(total)):
+                return None
+        except RuntimeError:
+            if ticket._status is not None:  # a failed copy: those issued before it still write
+                self._retain(ticket, copies)  # their destinations, which must outlive them
+            raise
         self._retain(ticket, copies)  # the destinations (Copy objects) and the status words live on
         self._count(len(flat) // 3, 0)
         return ticket

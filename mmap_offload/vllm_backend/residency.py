@@ -250,15 +250,16 @@ class Residency:
             self.cache.check_experts_once(t.layer, misses)
         tensors, after = off.prefetcher.claim(t.layer)
         if len(misses):
-            cache, specs = self.cache, self.ec.specs
-            copies = [Copy(src=cache.expert_extent(t.layer, int(e)),
-                           dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs],
-                           label=f"layer {t.layer} expert {int(e)}")
-                      for e in misses]
             # stream-ordered: behind the buffer's earlier readers on this stream (``after`` is for
             # other streams); the launching thread does not wait for the reads
-            ticket = off.engine.submit_ordered(copies) if self.ordered else None
+            ticket = ec.submit_rows_ordered(t.layer, misses, {n: v.data for n, v in tensors.items()}) \
+                if self.ordered else None
             if ticket is None:
+                cache, specs = self.cache, self.ec.specs
+                copies = [Copy(src=cache.expert_extent(t.layer, int(e)),
+                               dst=[(sp.offset, sp.nbytes, tensors[sp.name].data[int(e)]) for sp in specs],
+                               label=f"layer {t.layer} expert {int(e)}")
+                          for e in misses]
                 ticket = off.engine.submit(copies, after=after)
             self.metrics["sparse_miss_bytes"] += len(misses) * ec.expert_nbytes
         if len(hits):  # the pool's copies of them are complete (ensure waited for them)
