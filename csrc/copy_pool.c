@@ -662,11 +662,14 @@ void mo_pool_destroy(mo_pool *p) {
  * shared granule would make a fill wait for its own batch's gate: fill and stream in lock-step) */
 enum { GATE_ALIGN = 256, GATE_GRANULE = 64 << 10 };
 
-static void gbatch_unref(gbatch *b) { /* atomic: the submitting call drops its own without mu */
-    if (__atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL)) return;
+static void gbatch_free(gbatch *b) {
     free(b->pieces);
     free(b->chunks);
     free(b);
+}
+
+static void gbatch_unref(gbatch *b) { /* atomic: the submitting call drops its own without mu */
+    if (!__atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL)) gbatch_free(b);
 }
 
 static void gate_fn(void *arg) {
@@ -837,7 +840,7 @@ static gbatch *gplan(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_byte
 
 static void gbatch_free_unqueued(gbatch **g, int ng) {
     for (int i = 0; i < ng; i++)
-        if (g[i]) { free(g[i]->pieces); free(g[i]->chunks); free(g[i]); }
+        if (g[i]) gbatch_free(g[i]);
     free(g);
 }
 
@@ -974,7 +977,7 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     if (launched < ng) pthread_mutex_lock(&p->mu); /* the error path below waits under mu */
     for (int k = 0; k < ng; k++) {
         gbatch *b = g[k];
-        if (!b->nchunks) { free(b->pieces); free(b->chunks); free(b); continue; }
+        if (!b->nchunks) { gbatch_free(b); continue; } /* never queued */
         if (k >= launched) {
             /* a copy error stopped the loop before this group's gate: nothing will open it. Its
              * fill must end before the call returns (a later batch may reuse its arena bytes as

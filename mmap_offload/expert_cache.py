@@ -374,26 +374,23 @@ class ExpertCache:
             pool.owner_li[s] = pool.owner_e[s] = -1
             pool.used[s] = pool.hinted[s] = False
 
-    def check_ordered(self, block: bool = True) -> None:
-        """Wait for the reads of every stream-ordered fill so far (``block=False``: only those done
-        already) and raise the first read error, after forgetting the slots the failed ones filled
-        (the next call fetches those experts again). Kernels already enqueued on those slots read
-        stale bytes: the caller must drop their results (the vLLM backend fails the step)."""
+    def check_ordered(self) -> None:
+        """Wait for the reads of every stream-ordered fill so far and raise the first read error,
+        after forgetting the slots the failed ones filled (the next call fetches those experts
+        again). Kernels already enqueued on those slots read stale bytes: the caller must drop their
+        results (the vLLM backend fails the step)."""
         if not self._unchecked:
             return
-        keep, first = [], None
+        first = None
         t0 = time.perf_counter()
         for pool, pend in self._unchecked:
-            if not block and not pend.ticket.issued():
-                keep.append((pool, pend))
-                continue
             try:
                 self.engine.wait(pend.ticket)
             except BaseException as e:
                 self._drop_failed(pool, pend)
                 first = first or e
             pend.done = True
-        self._unchecked = keep
+        self._unchecked = []
         self.metrics["stall_s"] += time.perf_counter() - t0
         if first is not None:
             raise first
@@ -406,8 +403,8 @@ class ExpertCache:
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None
-        pend = _Pending(self._fill(pool, li, pairs, after, ordered))
-        pend.ordered = bool(getattr(pend.ticket, "ordered", False))
+        ticket = self._fill(pool, li, pairs, after, ordered)
+        pend = _Pending(ticket, ordered=bool(getattr(ticket, "ordered", False)))
         for _, s in pairs:
             pool.fill_of[s] = pend
         return pend
@@ -480,8 +477,9 @@ class ExpertCache:
         return self._submit_raw(self._li(layer), es, dst)
 
     def _raw_plan(self):
-        """(engine map generation, [L, E] source addresses (0: not looked up yet), offsets and
-        sizes of the non-empty tensors in an expert's record, their mask over ``specs``)."""
+        """([L, E] source addresses in the engine's mappings (0: not looked up yet), offsets and
+        sizes of the non-empty tensors in an expert's record, their mask over ``specs``), made anew
+        when the engine's map generation changed."""
         gen = self.engine.map_generation
         if self._raw is None or self._raw[0] != gen:  # mappings (re)made: addresses anew
             sizes = np.array([sp.nbytes for sp in self.specs], dtype=np.uint64)

@@ -92,11 +92,11 @@ class MmapEngine(_RingEngine):
         self._pool: _NativePool | None = None
         if pool:
             try:
-                ordered = int(self.ring.num_slots * ordered_fraction) if ordered_fraction else 0
+                n = self.ring.num_slots  # at least one slot each side when asked for
+                ordered = min(max(int(n * ordered_fraction), 1), n - 1) if ordered_fraction else 0
                 self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
                                          _NATIVE_COPY_KINDS[self.copy_impl], stream_delay_us,
-                                         hot_slots=self.slot_reuse == "hot",
-                                         ordered_slots=min(max(ordered, 1), self.ring.num_slots - 1) if ordered_fraction else 0)
+                                         hot_slots=self.slot_reuse == "hot", ordered_slots=ordered)
             except BaseException:
                 self.ring.close()
                 self.stream.close()

@@ -97,8 +97,10 @@ def _cuda_runtime_api() -> list[int] | None:
     lib = loaded_cudart()
     names = ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventSynchronize",
              "cudaEventDestroy", "cudaSetDevice", "cudaEventQuery")
+    if not lib:
+        return None
     try:
-        api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names] if lib else None
+        api = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
     except AttributeError:
         return None
     fn = getattr(lib, "cudaLaunchHostFunc", None)  # CUDA 10+; without it no stream-ordered batches
@@ -155,6 +157,8 @@ class _NativePool:
         self.lib = lib
         self.device = device
         self._fake_stream = None
+        self._ordered_ring: list = []  # CUDA: the events of stream-ordered tickets (_ordered_event)
+        self._ordered_next = 0
         self._cv = threading.Condition()
         self._users = 0
         self._closing = False
@@ -205,11 +209,11 @@ class _NativePool:
         older ticket later (conservative); ``wait`` of an ordered ticket does not use it."""
         if self.device.type != "cuda":
             return self.new_event()
-        ring = self.__dict__.setdefault("_ordered_ring", [])
+        ring = self._ordered_ring
         if len(ring) < self.ORDERED_EVENTS:
             ring.append(self.new_event())
             return ring[-1]
-        self._ordered_next = (getattr(self, "_ordered_next", -1) + 1) % len(ring)
+        self._ordered_next = (self._ordered_next + 1) % len(ring)
         return ring[self._ordered_next]
 
     def _enter(self, closing_ok: bool) -> int:
