@@ -21,6 +21,8 @@ a model cleanly):
     noff        no offload: every expert in VRAM (the roofline)                 all
     mmap-cache-wait (``--configs``) mmap-cache with ``stream_ordered=False``: the      B + 2 layer buffers
                 launching thread waits for the misses' reads (the path before session 7)
+    mmap-cache-py (``--configs``) mmap-cache with ``native_step=False``: expert mode  B + 2 layer buffers
+                in Python (the path before session 8; mmap_offload/expert_step.py)
     mmap-all    (``--configs``) mmap-cache whose pool holds every expert: the     all + 2 layer buffers
                 residency step's own price at 100% hits (against noff); a diagnostic
     uva-eqtotal (``--configs``) uva given B + the mmap layer buffers             B + 2 layer buffers
@@ -73,8 +75,9 @@ MIB = 1 << 20
 USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
 TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 DECODE_BATCHES = (1, 8, 64)
-CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-hybrid", "noff", "uva-eqtotal", "mmap-all")
-POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-hybrid", "mmap-all")  # an expert pool; the trace via the backend
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-hybrid", "noff", "uva-eqtotal",
+           "mmap-all")
+POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-hybrid", "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
 
@@ -287,6 +290,8 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                 pool["hybrid"] = True
             if cfg == "mmap-cache-wait":  # the same pool; the launching thread waits for the misses' reads
                 pool["stream_ordered"] = False
+            if cfg == "mmap-cache-py":  # the same pool; expert mode in Python, not in one native call
+                pool["native_step"] = False
             if skewed:  # the trace goes through the backend's own option: one engine per routing
                 specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True,
                               "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
@@ -385,13 +390,15 @@ def rows_from_child(child: dict) -> list[dict]:
             # wait for the router's ids (the one sync per layer), the pool's ensure (misses' copies
             # included) and its part blocked on copies
             # (stream-ordered misses: check = the end-of-step wait for their reads; gate wait = the
-            # time the MoE stream stood at a gate whose reads were not done, the device's stall)
+            # time the MoE stream stood at a gate whose reads were not done, the device's stall;
+            # native step = expert mode's calls served by expert_step.py whole, ids to slot ids)
             for key, name in (("residency_route_s", "route_ms"), ("residency_sync_s", "sync_ms"),
                               ("residency_ensure_s", "ensure_ms"), ("residency_pool_stall_s", "stall_ms"),
                               ("residency_check_s", "check_ms"), ("engine_ordered_gate_wait_seconds", "gate_wait_ms"),
                               ("residency_ids_s", "ids_ms"), ("residency_map_s", "map_ms"),
                               ("residency_pool_submit_s", "submit_ms"),
-                              ("engine_ordered_submit_seconds", "native_submit_ms")):
+                              ("engine_ordered_submit_seconds", "native_submit_ms"),
+                              ("residency_native_s", "native_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
         rows.append(row)
@@ -515,7 +522,8 @@ def markdown(res: dict) -> str:
         if r.get("ids_ms") is not None:  # route's parts: ids to the host, the pool's submits, the slot map
             host += (f" [ids {r['ids_ms']:.2f}, submit {r.get('submit_ms', 0):.2f}"
                      f"{' (C %.2f)' % r['native_submit_ms'] if r.get('native_submit_ms') is not None else ''}, "
-                     f"map {r.get('map_ms', 0):.2f}]")
+                     f"map {r.get('map_ms', 0):.2f}"
+                     f"{', native step %.2f' % r['native_ms'] if r.get('native_ms') else ''}]")
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "

@@ -105,7 +105,7 @@ class _Pool:
     used: np.ndarray  # [S] bool: handed out by an ensure() at least once since filled
     hinted: np.ndarray  # [S] bool: filled by a hint, not used since
     pending: dict[int, _Pending] = field(default_factory=dict)  # slot -> copy in flight
-    pinned: set[int] = field(default_factory=set)  # slots of the latest ensure() on this pool
+    pinned: np.ndarray | None = None  # [S] uint8: the slots of the latest ensure() on this pool
     use_call: np.ndarray | None = None  # [S] number of the last ensure() that handed the slot out
     dst: dict[int, list] = field(default_factory=dict)  # slot -> (offset, nbytes, view) per tensor, built once
     fill_of: dict[int, _Pending] = field(default_factory=dict)  # slot -> the copy that last filled it
@@ -194,16 +194,26 @@ class ExpertCache:
         self._fences: deque = deque(maxlen=256)  # (call number, event), see _fence()
 
         # policy state for every (layer position, expert), resident or not
-        self._now = 0
+        self._clock = np.zeros(1, dtype=np.int64)  # the call clock (``_now``), shared with expert_step.py
         self._last = np.full((L, E), -np.inf)
         self._logscore = np.full((L, E), -np.inf)
         calls_per_half_life = max(half_life_steps, 1e-9) * max(L, 1)
         self._lam = 0.0 if policy == "lfu" else math.log(2.0) / calls_per_half_life
+        # experts whose first-use check ran (verify_first_use), for the native decode step
+        self._verified = np.zeros((L, E), dtype=np.uint8)
 
         self.metrics: dict[str, float] = dict(
             calls=0, hits=0, misses=0, evictions=0, routed_bytes=0, miss_bytes=0, bytes_moved=0,
             hint_fetches=0, hint_used=0, hint_wasted=0, stall_s=0.0, admitted=0, ordered_fills=0, submit_s=0.0,
         )
+
+    @property
+    def _now(self) -> int:
+        return int(self._clock[0])
+
+    @_now.setter
+    def _now(self, value: int) -> None:
+        self._clock[0] = value
 
     # -- set-up -------------------------------------------------------------------------------
     def _make_pool(self, layer_positions: list[int], size: int) -> _Pool:
@@ -214,7 +224,7 @@ class ExpertCache:
             layers=layer_positions, size=size, tensors=tensors,
             owner_li=np.full(size, -1, dtype=np.int64), owner_e=np.full(size, -1, dtype=np.int64),
             used=np.zeros(size, dtype=bool), hinted=np.zeros(size, dtype=bool),
-            use_call=np.full(size, -1, dtype=np.int64),
+            use_call=np.full(size, -1, dtype=np.int64), pinned=np.zeros(size, dtype=np.uint8),
         )
 
     def _li(self, layer: int) -> int:
@@ -400,6 +410,7 @@ class ExpertCache:
         is ordered after ``fence`` (the copy stream waits on it: no host sync)."""
         if self.verify_first_use:  # the experts it fetches, each once per process, before any slot is emptied
             self.cache.check_experts_once(self.layers[li], [e for e, _ in pairs])
+            self._verified[li, [e for e, _ in pairs]] = 1
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None
@@ -448,13 +459,19 @@ class ExpertCache:
         per slot (``submit_ordered_raw``): no Copy objects or per-piece checks on the decode path."""
         if getattr(self.engine, "submit_ordered_raw", None) is None:
             return self.engine.submit_ordered(self._copies(pool, li, pairs))
-        if pool.dst_ptr is None:
-            keep = self._raw_plan()[3]
-            pool.dst_ptr = np.array([[pool.tensors[sp.name][s].data_ptr() for sp in self.specs]
-                                     for s in range(pool.size)], dtype=np.uint64)[:, keep]
         es = np.fromiter((e for e, _ in pairs), dtype=np.int64, count=len(pairs))
         ss = np.fromiter((s for _, s in pairs), dtype=np.int64, count=len(pairs))
-        return self._submit_raw(li, es, pool.dst_ptr[ss])
+        return self._submit_raw(li, es, self._slot_addresses(pool)[ss])
+
+    def _slot_addresses(self, pool: _Pool) -> np.ndarray:
+        """``[S, tensors]`` uint64 device addresses of the pool's slots (the non-empty tensors of
+        ``_raw_plan``), C-contiguous, made once."""
+        if pool.dst_ptr is None:
+            keep = self._raw_plan()[3]
+            pool.dst_ptr = np.ascontiguousarray(np.array(
+                [[pool.tensors[sp.name][s].data_ptr() for sp in self.specs] for s in range(pool.size)],
+                dtype=np.uint64)[:, keep])
+        return pool.dst_ptr
 
     def submit_rows_ordered(self, layer: int, experts, rows: dict[str, torch.Tensor]):
         """Stream-ordered copy of ``experts`` of ``layer`` into their rows of ``rows`` (``{name: [E,
@@ -564,8 +581,10 @@ class ExpertCache:
                 m["hint_used"] += 1
                 hinted[s] = False
             used[s] = True
-        pool.use_call[list(needed)] = self._now
-        pool.pinned = needed
+        needed_a = list(needed)
+        pool.use_call[needed_a] = self._now
+        pool.pinned[:] = 0
+        pool.pinned[needed_a] = 1
         self._touch(li, uniq_a)
 
         out = torch.from_numpy(row[ids])
@@ -656,7 +675,7 @@ class ExpertCache:
         if not want.size:
             return 0
         pool = self._pool_of[li]
-        protected = set(pool.pinned) | set(pool.pending)
+        protected = set(np.flatnonzero(pool.pinned).tolist()) | set(pool.pending)
         victims = self._victims(pool, int(want.size), protected)
         want = want[: len(victims)]
         if self.policy != "lru" and want.size:

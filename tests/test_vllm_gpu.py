@@ -103,6 +103,7 @@ def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):
     # for their reads), every gate launched
     assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"] > 0
     assert s.get("engine_ordered_ungated", 0) == 0
+    assert s["residency_native_calls"] > 0  # decode calls served whole by the native step (expert_step.py)
 
 
 def test_pinned_host_memory_is_small(run):

@@ -185,6 +185,22 @@ class MmapEngine(_RingEngine):
         self._count(len(flat) // 3, 0)
         return ticket
 
+    def native_ordered(self) -> Any:
+        """The native pool, for a native caller that queues stream-ordered batches itself
+        (mmap_offload/expert_step.py: ``enter`` / ``leave`` around the call, ``prepare_ordered``
+        before it, ``adopt_ordered`` after); None without an ordered part of the ring."""
+        return self._pool if not self._closed and self.ordered_bytes else None
+
+    def adopt_ordered(self, ticket: Ticket, npieces: int, nbytes: int) -> None:
+        """A native caller queued ``ticket``'s batch (prepared by ``native_ordered().prepare_ordered``):
+        the engine keeps it as its own (``_ordered``'s bookkeeping); raises its copies' CUDA error."""
+        ticket.nbytes = nbytes
+        try:
+            self._pool.queued_ordered(ticket)
+        finally:
+            self._retain(ticket, ())  # issued copies still write their destinations, failed or not
+        self._count(npieces, 0)
+
     def _ordered_group_bytes(self, total: int) -> int:
         """Groups of a stream-ordered batch (one gate each): the stream copies one while the
         threads fill the next."""

@@ -247,15 +247,19 @@ class _NativePool:
                describe_fault: Callable[[int], BaseException] | None, call: Callable[[int], int]) -> int:
         """Give ``ticket`` its status words and event (alive with it until issued), then run
         ``call(handle)`` with a use of the pool counted; -1 if the pool is closing."""
-        ticket._status, ticket._native_event = status, ev
-        ticket._native_lib = self.lib
-        ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
+        self._attach(ticket, status, ev, describe_fault)
         h = self._enter(closing_ok=False)
         try:
             return call(h) if h else -1
         finally:
             if h:
                 self._leave()
+
+    def _attach(self, ticket: Ticket, status: np.ndarray, ev: Any,
+                describe_fault: Callable[[int], BaseException] | None) -> None:
+        ticket._status, ticket._native_event = status, ev
+        ticket._native_lib = self.lib
+        ticket._native_error = lambda err: _pool_error(err, int(status[_ST_FAULT]), describe_fault)
 
     @staticmethod
     def _refused(ticket: Ticket, n: int, what: str, pieces: int, chunk_bytes: int) -> None:
@@ -280,9 +284,8 @@ class _NativePool:
         ones (``wait`` raises them)."""
         if not self.ordered_bytes:
             return False
-        status = np.zeros(_ST_GATED_LEN, dtype=np.int64)
-        ev, handle = self._ordered_event()
-        n = self._queue(ticket, status, ev, describe_fault, lambda h: self.lib.mo_gate_submit(
+        status, handle = self.prepare_ordered(ticket, describe_fault)
+        n = self._queue(ticket, status, ticket._native_event, describe_fault, lambda h: self.lib.mo_gate_submit(
             h, triples.ctypes.data, len(triples) // 3, chunk_bytes, group_bytes, stream_handle,
             status.ctypes.data, handle))
         if n in (_GATE_UNSUPPORTED, _GATE_TOO_BIG, _GATE_OTHER_STREAM):
@@ -290,13 +293,28 @@ class _NativePool:
             return False
         if n < 0:
             self._refused(ticket, n, "a stream-ordered batch", len(triples) // 3, chunk_bytes)
+        self.queued_ordered(ticket)
+        return True
+
+    def prepare_ordered(self, ticket: Ticket, describe_fault: Callable[[int], BaseException] | None = None
+                        ) -> tuple[np.ndarray, int]:
+        """Give ``ticket`` the status words and event of a stream-ordered batch before it is queued
+        (here, or by a native caller of mo_gate_submit: csrc/route_step.c); returns (status, the
+        event's handle to record after the batch's copies)."""
+        status = np.zeros(_ST_GATED_LEN, dtype=np.int64)
+        ev, handle = self._ordered_event()
+        self._attach(ticket, status, ev, describe_fault)
+        return status, handle
+
+    def queued_ordered(self, ticket: Ticket) -> None:
+        """``ticket``'s batch was queued: mark it ordered; raise its copies' CUDA error, once its
+        fill (which reads into the arena) finished."""
         ticket.ordered = True
-        if status[_ST_CUDA]:
-            self.wait(ticket)  # the fill reads into the arena: let it finish before raising
-            err = int(status[_ST_CUDA])
+        err = int(ticket._status[_ST_CUDA])
+        if err:
+            self.wait(ticket)
             raise RuntimeError(f"cudaMemcpyAsync / cudaEventRecord of a stream-ordered batch failed "
                                f"with CUDA error {err}")
-        return True
 
     def ordered_stats(self) -> dict[str, float]:
         h = self._enter(closing_ok=True)

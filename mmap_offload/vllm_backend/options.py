@@ -47,6 +47,9 @@ class MmapOptions:
     # the launching thread waiting for the threads to read and issue them; half of the pinned ring
     # is set aside for them. False: the launching thread waits (the path before session 7)
     stream_ordered: bool = True
+    # with stream_ordered: expert mode's per-layer work (ids to the host, hits and misses, eviction,
+    # the misses' batch, slot ids) in one native call (mmap_offload/expert_step.py); False: Python
+    native_step: bool = True
     # hybrid: at decode, misses are split between host compute (straight from the cache's bytes,
     # host/kernel.py) and the copy path, so that both finish together (host_experts.py)
     hybrid: bool = False

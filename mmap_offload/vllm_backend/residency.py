@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..expert_cache import ExpertCache
+from ..expert_step import ExpertStep
 from ..transfer import Copy
 
 
@@ -58,6 +59,8 @@ class Residency:
             stream_ordered=opts.stream_ordered and getattr(off.engine, "ordered_bytes", 0) > 0,
         )
         self.ordered = self.ec.stream_ordered
+        # expert mode in one native call per layer (expert_step.py); None: the Python path only
+        self.step = ExpertStep.create(self.ec) if opts.native_step else None
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
         self.threshold = max(1, int(opts.layer_stream_fraction * self.num_experts))
@@ -86,10 +89,12 @@ class Residency:
             self.host = HostExperts(off, threads=opts.host_threads)  # 0: its default (cores, TP, copy threads)
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
-        # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads);
+        # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads,
+        # native_s in the native expert step, all of it, for native_calls calls: expert_step.py);
         # map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
+                                            native_calls=0, native_s=0.0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -200,27 +205,49 @@ class Residency:
             if self._expected_distinct(n, k) > self.threshold:
                 out = self._layer_mode(t, topk_ids, ahead=True)
             else:
-                inputs = None  # hybrid: the step's ids, weights and activations on the host
                 t1 = time.perf_counter()
-                if self.host is not None and x is not None and n <= self.host.MAX_TOKENS:
-                    used, *inputs = self._routed_with_inputs(topk_ids, topk_weights, x)
-                else:
-                    used = self._routed(topk_ids)
-                self.metrics["ids_s"] += time.perf_counter() - t1
-                if len(used) <= self.slots and inputs:
-                    topk_weights, out = self._hybrid_mode(t, topk_ids, topk_weights, used, *inputs)
-                elif len(used) <= self.slots:
-                    out = self._expert_mode(t, topk_ids, used)
-                elif len(used) <= self.threshold:
-                    out = self._sparse_mode(t, topk_ids, used)
-                else:
-                    out = self._layer_mode(t, topk_ids, ahead=False)
+                hybrid = self.host is not None and x is not None and n <= self.host.MAX_TOKENS
+                out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
+                if self.step is not None and not hybrid:
+                    out, used = self._native_mode(t, topk_ids)
+                if out is None:
+                    if hybrid:
+                        used, *inputs = self._routed_with_inputs(topk_ids, topk_weights, x)
+                    elif used is None:
+                        used = self._routed(topk_ids)
+                    self.metrics["ids_s"] += time.perf_counter() - t1
+                    if len(used) <= self.slots and inputs:
+                        topk_weights, out = self._hybrid_mode(t, topk_ids, topk_weights, used, *inputs)
+                    elif len(used) <= self.slots:
+                        out = self._expert_mode(t, topk_ids, used)
+                    elif len(used) <= self.threshold:
+                        out = self._sparse_mode(t, topk_ids, used)
+                    else:
+                        out = self._layer_mode(t, topk_ids, ahead=False)
         if t.index == len(self.off.targets) - 1:
             self._step += 1
             if self.ordered:  # the step's stream-ordered reads, before anything samples from it
                 self._check_step()
         self.metrics["route_s"] += time.perf_counter() - t0
         return topk_weights, out
+
+    def _native_mode(self, t, ids: torch.Tensor):
+        """Expert mode in one native call (expert_step.py): (slot ids, distinct experts), or (None,
+        the distinct experts or None) where the Python path serves the call."""
+        t0 = time.perf_counter()
+        out, used = self.step.run(t.layer, ids)
+        self.metrics["native_s"] += time.perf_counter() - t0
+        if out is None:
+            return None, used
+        self.metrics["expert_calls"] += 1
+        self.metrics["native_calls"] += 1
+        if self.off._transforms and self.step.pairs:  # CPU prepacked kernels: the slots just filled
+            pool = self.ec.slots(t.layer)
+            for _, s in self.step.pairs:
+                for name, fn in self.off._transforms.items():
+                    fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
+        self._bind_pool(t)
+        return out, used
 
     def _check_step(self) -> None:
         """Wait for the reads of this step's stream-ordered misses (all but the last layer's are
@@ -341,6 +368,8 @@ class Residency:
     def summary(self) -> dict[str, Any]:
         out = dict(self.metrics)
         out.update({f"pool_{k}": v for k, v in self.ec.summary().items()})
+        if self.step is not None:
+            out.update({f"step_{k}": v for k, v in self.step.summary().items()})
         out["pool_slots_per_layer"] = self.slots
         out["pool_bytes"] = self.ec.capacity_bytes
         out["layer_stream_threshold"] = self.threshold

@@ -1,0 +1,273 @@
+/* The expert cache's decode step for one MoE layer in one call (mmap_offload/expert_step.py wraps it;
+ * built into mo_native with copy_pool.c, whose mo_gate_submit it calls).
+ *
+ * At decode the vLLM backend's residency step (vllm_backend/residency.py) did, per layer, in Python:
+ * copy the routed ids to the host and wait for them, take their distinct experts, split them into
+ * hits and misses against the layer's pool, choose the misses' slots (ExpertCache's eviction policy),
+ * plan their copies and queue them as one stream-ordered batch, then write the expert -> slot map and
+ * hand the kernel slot ids. On the H200's host that took ~1.1 ms per layer of which the C parts were
+ * ~0.1 ms. mo_step_run does all of it for the common case and leaves every other case, untouched,
+ * to the Python path, which stays the reference (tests/test_expert_step.py compares the two):
+ *
+ *   1. ids -> host: cudaMemcpyAsync into pinned staging + event record + sync (CPU: read in place)
+ *   2. distinct experts (ascending) into out; more than the pool's slots: MO_STEP_SPARSE
+ *   3. hits / misses; a miss whose first-use check has not run, or whose source address is not
+ *      known yet, or a shared pool, hints in flight (the caller checks those): MO_STEP_PYTHON
+ *   4. victims: free slots first (ascending), then the lowest eviction keys among slots not hit,
+ *      ties by least recent use: ExpertCache._victims exactly (lfu-decay, lfu, lru)
+ *   5. mo_gate_submit of the misses' pieces; a refusal (no arena, too big, another stream):
+ *      MO_STEP_PYTHON with nothing changed
+ *   6. commit: the clock, evictions, new owners, use marks, the policy's scores (ExpertCache._touch)
+ *   7. slot ids = map[ids] into pinned staging + cudaMemcpyAsync to the device (CPU: in place)
+ *
+ * Every array is owned by the caller (numpy, shared with ExpertCache's Python path); the call keeps
+ * nothing. The GIL is released by ctypes for its whole length. Floating point follows numpy's
+ * logaddexp (x == y: x + ln 2; else max + log1p(exp(-|x - y|))) and is built without contraction
+ * (-ffp-contract=off), so both paths rank experts identically. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*fn_memcpy_async)(void *dst, const void *src, size_t n, int kind, void *stream);
+typedef int (*fn_event_record)(void *ev, void *stream);
+typedef int (*fn_event_sync)(void *ev);
+
+/* copy_pool.c */
+int64_t mo_gate_submit(void *p, const void *in, size_t n, size_t chunk_bytes, size_t group_bytes,
+                       void *stream, int64_t *status, void *event);
+enum { ST_CUDA_WORD = 5 };
+
+enum { D2H = 2, H2D_KIND = 1 };
+enum { POLICY_LFU_DECAY = 0, POLICY_LFU = 1, POLICY_LRU = 2 };
+enum { MAX_EXPERTS = 1024 }; /* stack arrays; more experts: the Python path */
+#define RECENT_BONUS 1e12 /* expert_cache._RECENT_BONUS */
+
+/* results below 0 (>= 0: done, the number of misses queued) */
+enum {
+    MO_STEP_SPARSE = -10,  /* more distinct experts than slots: out holds them */
+    MO_STEP_PYTHON = -11,  /* the Python path must serve this call: out holds the distinct experts */
+    MO_STEP_RANGE = -12,   /* an id outside [0, E): out[OUT_DETAIL] is it */
+    MO_STEP_CUDA = -13,    /* a CUDA call failed (ids copy, sync, slot ids copy): out[OUT_DETAIL] */
+    MO_STEP_COPY = -14,    /* the batch's copies failed (status[ST_CUDA]): its slots were emptied */
+    MO_STEP_CLOSED = -15,  /* the pool is closing: nothing changed */
+    MO_STEP_INVALID = -16, /* bad sizes, or the pool refused the batch as invalid: nothing changed */
+};
+/* out: counters, then the distinct experts [E], then the (expert, slot) pairs of the misses [2 S] */
+enum { OUT_USED = 0, OUT_MISSES, OUT_HITS, OUT_EVICTIONS, OUT_HINT_USED, OUT_HINT_WASTED, OUT_PIECES,
+       OUT_DETAIL, OUT_HEAD };
+
+typedef struct {
+    /* CUDA runtime; NULL on the CPU (ids and slot ids are host memory, read and written in place) */
+    fn_memcpy_async memcpy_async;
+    fn_event_record event_record;
+    fn_event_sync event_sync;
+    void *event;                  /* this step's own event: after the ids' copy to the host */
+    int64_t E, S, T;              /* experts of the layer, slots of its pool, tensors per expert */
+    int64_t policy;               /* POLICY_* */
+    int64_t window;               /* the policy's recent window in calls (the layers of one step) */
+    double lam;                   /* decay per call (0: lfu) */
+    int64_t li;                   /* the layer's position in the cache (owner_li of its slots) */
+    int64_t *now;                 /* the cache's call clock */
+    int64_t *lut;                 /* [E] expert -> slot, -1 */
+    double *last, *logscore;      /* [E] the policy's state of the layer's experts */
+    int64_t *owner_li, *owner_e, *use_call; /* [S] the pool's slots */
+    uint8_t *used, *hinted, *pinned;        /* [S] */
+    const uint8_t *verified;      /* [E] first-use check done; NULL: no check asked for */
+    const uint64_t *src;          /* [E] address of the expert's record in the engine's mapping, 0: unknown */
+    const uint64_t *dst;          /* [S * T] device address of slot s's tensor t */
+    const uint64_t *offs, *sizes; /* [T] the tensors in a record */
+    uint64_t *pieces;             /* [S * T * 3] scratch: (src, dst, n) */
+    /* MmapEngine._chunk_bytes and _ordered_group_bytes */
+    int64_t slot_bytes, min_chunk, chunk_div, align, gates, min_group;
+    void *ids_host;               /* CUDA: pinned [cap] ids staging */
+    void *slot_host;              /* CUDA: pinned [cap] slot ids staging; CPU: the output itself */
+    void *slot_dev;               /* CUDA: device [cap] slot ids (the kernel's) */
+    int64_t cap;
+} mo_step;
+
+int64_t mo_step_abi(void) { return (int64_t)sizeof(mo_step); }
+
+static double logaddexp0(double x) { /* numpy's npy_logaddexp(x, 0.0) */
+    if (x == 0.0) return x + M_LN2;
+    double tmp = x - 0.0;
+    if (tmp > 0) return x + log1p(exp(-tmp));
+    if (tmp <= 0) return 0.0 + log1p(exp(tmp));
+    return tmp;
+}
+
+static int64_t read_id(const void *ids, int64_t i, int64_t size) {
+    return size == 4 ? (int64_t)((const int32_t *)ids)[i] : ((const int64_t *)ids)[i];
+}
+
+/* ExpertCache._victims for ``n`` slots, the slots in prot[] (hit) spared: free ones first
+ * (ascending), then the lowest keys (ties: least recently used first). Returns how many. */
+static int64_t victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out) {
+    int64_t S = st->S, k = 0;
+    for (int64_t s = 0; s < S && k < n; s++)
+        if (st->owner_li[s] < 0) out[k++] = s;
+    if (k >= n) return k;
+    int64_t occ[MAX_EXPERTS], m = 0;
+    double key[MAX_EXPERTS], tie[MAX_EXPERTS], sorted[MAX_EXPERTS];
+    for (int64_t s = 0; s < S; s++) {
+        if (st->owner_li[s] < 0 || prot[s]) continue;
+        int64_t e = st->owner_e[s];
+        double last = st->last[e], kv;
+        if (st->policy == POLICY_LRU) {
+            kv = last;
+        } else {
+            kv = st->logscore[e] + last * st->lam;
+            if ((double)nowv - last < (double)st->window) kv = kv + RECENT_BONUS;
+        }
+        occ[m] = s; key[m] = kv; tie[m] = last; m++;
+    }
+    int64_t need = n - k < m ? n - k : m;
+    if (need == 0) return k;
+    if (need == m) {
+        for (int64_t i = 0; i < m; i++) out[k++] = occ[i];
+        return k;
+    }
+    memcpy(sorted, key, (size_t)m * sizeof(double));
+    for (int64_t i = 1; i < m; i++) { /* insertion sort: m is a pool's slots (tens to hundreds) */
+        double v = sorted[i];
+        int64_t j = i - 1;
+        while (j >= 0 && sorted[j] > v) { sorted[j + 1] = sorted[j]; j--; }
+        sorted[j + 1] = v;
+    }
+    double kth = sorted[need - 1];
+    int64_t below = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (key[i] < kth) { out[k++] = occ[i]; below++; }
+    int64_t at[MAX_EXPERTS], na = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (key[i] == kth) at[na++] = i;
+    for (int64_t i = 1; i < na; i++) { /* stable by tie (np.argsort kind="stable") */
+        int64_t v = at[i], j = i - 1;
+        while (j >= 0 && tie[at[j]] > tie[v]) { at[j + 1] = at[j]; j--; }
+        at[j + 1] = v;
+    }
+    for (int64_t i = 0; i < na && i < need - below; i++) out[k++] = occ[at[i]];
+    return k;
+}
+
+int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, void *pool, void *stream,
+                    int64_t *status, void *ticket_event, int64_t *out) {
+    int64_t E = st->E, S = st->S, T = st->T;
+    if (nk < 0 || nk > st->cap || (id_size != 4 && id_size != 8) || E > MAX_EXPERTS || S > E)
+        return MO_STEP_INVALID;
+    memset(out, 0, OUT_HEAD * sizeof(int64_t));
+    int cuda = st->memcpy_async != NULL;
+    const void *h = ids;
+    if (cuda && nk) { /* 1. the ids on the host: the layer's one wait for the device */
+        int err = st->memcpy_async(st->ids_host, ids, (size_t)(nk * id_size), D2H, stream);
+        if (!err) err = st->event_record(st->event, stream);
+        if (!err) err = st->event_sync(st->event);
+        if (err) { out[OUT_DETAIL] = err; return MO_STEP_CUDA; }
+        h = st->ids_host;
+    }
+    /* 2. distinct experts, ascending */
+    uint8_t mark[MAX_EXPERTS];
+    memset(mark, 0, (size_t)E);
+    for (int64_t i = 0; i < nk; i++) {
+        int64_t v = read_id(h, i, id_size);
+        if (v < 0 || v >= E) { out[OUT_DETAIL] = v; return MO_STEP_RANGE; }
+        mark[v] = 1;
+    }
+    int64_t *used = out + OUT_HEAD, *pairs = out + OUT_HEAD + E, nu = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (mark[e]) used[nu++] = e;
+    out[OUT_USED] = nu;
+    if (nu > S) return MO_STEP_SPARSE;
+    /* 3. hits and misses */
+    uint8_t prot[MAX_EXPERTS];
+    memset(prot, 0, (size_t)S);
+    int64_t miss[MAX_EXPERTS], nm = 0, nh = 0;
+    for (int64_t i = 0; i < nu; i++) {
+        int64_t e = used[i], s = st->lut[e];
+        if (s >= 0) { prot[s] = 1; nh++; continue; }
+        if ((st->verified && !st->verified[e]) || !st->src[e]) return MO_STEP_PYTHON;
+        miss[nm++] = e;
+    }
+    int64_t nowv = *st->now + 1;
+    /* 4. their slots */
+    int64_t vic[MAX_EXPERTS];
+    if (nm && victims(st, nowv, nm, prot, vic) < nm) return MO_STEP_PYTHON; /* cannot happen: nu <= S */
+    /* 5. one stream-ordered batch */
+    if (nm) {
+        uint64_t total = 0, np = 0;
+        for (int64_t i = 0; i < nm; i++)
+            for (int64_t t = 0; t < T; t++) {
+                uint64_t *pc = st->pieces + 3 * np++;
+                pc[0] = st->src[miss[i]] + st->offs[t];
+                pc[1] = st->dst[vic[i] * T + t];
+                pc[2] = st->sizes[t];
+                total += st->sizes[t];
+            }
+        uint64_t div = (uint64_t)st->chunk_div, al = (uint64_t)st->align;
+        uint64_t per = (total + div - 1) / div;
+        per = (per + al - 1) / al * al;
+        uint64_t chunk = per > (uint64_t)st->min_chunk ? per : (uint64_t)st->min_chunk;
+        if (chunk > (uint64_t)st->slot_bytes) chunk = (uint64_t)st->slot_bytes;
+        uint64_t group = 0;
+        if (st->gates > 1) {
+            group = (total + (uint64_t)st->gates - 1) / (uint64_t)st->gates;
+            if (group < (uint64_t)st->min_group) group = (uint64_t)st->min_group;
+        }
+        int64_t rc = mo_gate_submit(pool, st->pieces, np, chunk, group, stream, status, ticket_event);
+        if (rc == -3 || rc == -4 || rc == -5) return MO_STEP_PYTHON; /* GATE_*: nothing queued */
+        if (rc == -1) return MO_STEP_CLOSED;
+        if (rc < 0) return MO_STEP_INVALID;
+        out[OUT_PIECES] = (int64_t)np;
+    }
+    /* 6. commit (ExpertCache.ensure after its _refill) */
+    *st->now = nowv;
+    for (int64_t i = 0; i < nm; i++) {
+        int64_t s = vic[i];
+        if (st->owner_li[s] >= 0) {
+            if (st->hinted[s]) out[OUT_HINT_WASTED]++;
+            st->lut[st->owner_e[s]] = -1;
+            out[OUT_EVICTIONS]++;
+        }
+        st->owner_li[s] = st->owner_e[s] = -1;
+        st->used[s] = st->hinted[s] = 0;
+    }
+    out[OUT_MISSES] = nm;
+    out[OUT_HITS] = nh;
+    if (nm && status[ST_CUDA_WORD]) return MO_STEP_COPY; /* emptied, not filled: the Python path's rule */
+    for (int64_t i = 0; i < nm; i++) {
+        int64_t s = vic[i];
+        st->owner_li[s] = st->li;
+        st->owner_e[s] = miss[i];
+        st->lut[miss[i]] = s;
+        pairs[2 * i] = miss[i];
+        pairs[2 * i + 1] = s;
+        prot[s] = 1;
+    }
+    for (int64_t s = 0; s < S; s++) {
+        st->pinned[s] = prot[s];
+        if (!prot[s]) continue;
+        if (st->hinted[s]) { out[OUT_HINT_USED]++; st->hinted[s] = 0; }
+        st->used[s] = 1;
+        st->use_call[s] = nowv;
+    }
+    for (int64_t i = 0; i < nu; i++) { /* ExpertCache._touch */
+        int64_t e = used[i];
+        if (st->policy != POLICY_LRU) {
+            double ls = st->logscore[e];
+            double dec = st->lam == 0.0 ? ls : ls - ((double)nowv - st->last[e]) * st->lam;
+            st->logscore[e] = logaddexp0(dec);
+        }
+        st->last[e] = (double)nowv;
+    }
+    /* 7. slot ids, in the ids' dtype */
+    void *sl = st->slot_host;
+    for (int64_t i = 0; i < nk; i++) {
+        int64_t s = st->lut[read_id(h, i, id_size)];
+        if (id_size == 4) ((int32_t *)sl)[i] = (int32_t)s; else ((int64_t *)sl)[i] = s;
+    }
+    if (cuda && nk) {
+        int err = st->memcpy_async(st->slot_dev, sl, (size_t)(nk * id_size), H2D_KIND, stream);
+        if (err) { out[OUT_DETAIL] = err; return MO_STEP_CUDA; }
+    }
+    return nm;
+}
