@@ -117,6 +117,7 @@ class ExpertStep:
             self._event = torch.cuda.Event()
             self._event.record()  # makes the handle
             self._stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.metrics = dict(calls=0, python=0, sparse=0, seconds=0.0)
 
     # -- set-up per (layer, ids dtype) ---------------------------------------------------------
@@ -192,7 +193,7 @@ class ExpertStep:
         ticket, status, ev = self._spare or self._prepare()
         self._spare = None
         if self.cuda:
-            stream = (self._stream_of(self.device.index) if self._stream_of is not None
+            stream = (self._stream_of(self._index) if self._stream_of is not None
                       else torch.cuda.current_stream(self.device).cuda_stream)
         else:
             stream = self.pool._fake_stream
