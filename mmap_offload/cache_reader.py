@@ -90,6 +90,7 @@ class Cache:
         self._checked: dict[int, list] = {}  # layer -> mismatches found by check_layer_once
         self._checked_experts: dict[int, dict[int, list]] = {}  # layer -> expert -> mismatches
         self._check_lock = threading.Lock()
+        self._clean: dict[int, np.ndarray] = {}  # layer -> [E] uint8: 1 once the expert checked clean
 
     # -- where bytes are ------------------------------------------------------------------------
     def layer_file(self, layer: int) -> Path:
@@ -196,6 +197,8 @@ class Cache:
                 if state is None:
                     bad = self.verify_layer(layer)
                     state = self._checked[layer] = bad
+                    if not bad:
+                        self.clean_mask(layer)[:] = 1
         if state:
             self._raise_corrupt(layer, state)
 
@@ -212,6 +215,8 @@ class Cache:
                 todo = [e for e in todo if e not in done]
                 for e in todo:
                     done[e] = self._verify_records(layer, [e])
+                    if not done[e]:
+                        self.clean_mask(layer)[e] = 1
         bad = [m for e in experts for m in done.get(int(e), ())]
         if bad:
             self._raise_corrupt(layer, bad)
@@ -230,8 +235,20 @@ class Cache:
         with self._check_lock:
             done = self._checked_experts.setdefault(layer, {})
             done.setdefault(expert, bad)
+            if not done[expert]:
+                self.clean_mask(layer)[expert] = 1
             if len(done) == self.num_experts and layer not in self._checked and not any(done.values()):
                 self._checked[layer] = []  # every expert clean: the whole layer is (a bad one stays per expert)
+
+    def clean_mask(self, layer: int) -> np.ndarray:
+        """``[E]`` uint8 of ``layer``: 1 where this process checked the expert and found it clean
+        (by any check: first use, background, whole layer), 0 where it has not checked it yet or
+        found it corrupt. The same array for the whole run, written in place (the native expert
+        step reads it: expert_step.py)."""
+        m = self._clean.get(layer)
+        if m is None:
+            m = self._clean.setdefault(layer, np.zeros(self.num_experts, dtype=np.uint8))
+        return m
 
     def _expert_checked(self, layer: int, expert: int) -> bool:
         return layer in self._checked or expert in self._checked_experts.get(layer, ())

@@ -199,8 +199,6 @@ class ExpertCache:
         self._logscore = np.full((L, E), -np.inf)
         calls_per_half_life = max(half_life_steps, 1e-9) * max(L, 1)
         self._lam = 0.0 if policy == "lfu" else math.log(2.0) / calls_per_half_life
-        # experts whose first-use check ran (verify_first_use), for the native decode step
-        self._verified = np.zeros((L, E), dtype=np.uint8)
 
         self.metrics: dict[str, float] = dict(
             calls=0, hits=0, misses=0, evictions=0, routed_bytes=0, miss_bytes=0, bytes_moved=0,
@@ -410,7 +408,6 @@ class ExpertCache:
         is ordered after ``fence`` (the copy stream waits on it: no host sync)."""
         if self.verify_first_use:  # the experts it fetches, each once per process, before any slot is emptied
             self.cache.check_experts_once(self.layers[li], [e for e, _ in pairs])
-            self._verified[li, [e for e, _ in pairs]] = 1
         last_use = max((int(pool.use_call[s]) for _, s in pairs), default=-1)
         reused = [self._evict(pool, s) for _, s in pairs]
         after = self._fence_after(last_use + 1, fence) if any(reused) else None

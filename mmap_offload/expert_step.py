@@ -87,7 +87,8 @@ class ExpertStep:
         engine = ec.engine
         pool = engine.native_ordered() if hasattr(engine, "native_ordered") else None
         if (pool is None or not ec.stream_ordered or len(ec._pools) != len(ec.layers)
-                or ec.num_experts > _MAX_EXPERTS or getattr(engine, "submit_ordered_raw", None) is None):
+                or ec.num_experts > _MAX_EXPERTS or getattr(engine, "submit_ordered_raw", None) is None
+                or (ec.verify_first_use and not hasattr(ec.cache, "clean_mask"))):
             return None
         lib = _typed_lib()
         return cls(ec, lib, pool, max_ids) if lib is not None else None
@@ -118,7 +119,8 @@ class ExpertStep:
             self._event.record()  # makes the handle
             self._stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self.metrics = dict(calls=0, python=0, sparse=0, seconds=0.0)
+        # runs: calls of run(); served: those it served whole; python / sparse: handed back
+        self.metrics = dict(runs=0, served=0, python=0, sparse=0, seconds=0.0)
 
     # -- set-up per (layer, ids dtype) ---------------------------------------------------------
     def _struct(self, li: int, dtype: torch.dtype) -> tuple[_Step, torch.Tensor, Any]:
@@ -134,6 +136,11 @@ class ExpertStep:
         ec = self.ec
         pool = ec._pool_of[li]
         src, offs, sizes, _ = ec._raw_plan()
+        layer = ec.layers[li]
+        for e in np.flatnonzero(src[li] == 0).tolist():  # every expert's address now: no first-use fallbacks
+            ext = ec._extent(li, e)
+            src[li, e] = self.engine.mapped_address(ext.path) + int(ext.offset)
+        clean = ec.cache.clean_mask(layer) if ec.verify_first_use else None
         dst = ec._slot_addresses(pool)
         T = int(len(sizes))
         pin = self.cuda
@@ -141,7 +148,8 @@ class ExpertStep:
         slot_dev = torch.empty(self.cap, dtype=dtype, device=self.device) if self.cuda else slot_host
         ids_host = self._ids_host(dtype)
         pieces = np.zeros(pool.size * T * 3, dtype=np.uint64)
-        rows = (ec._lut[li], ec._last[li], ec._logscore[li], src[li], offs, sizes, pieces, dst)
+        rows = (ec._lut[li], ec._last[li], ec._logscore[li], src[li], offs, sizes, pieces, dst) + (
+            (clean,) if clean is not None else ())
         if not all(a.flags.c_contiguous for a in rows):  # the C step reads them as flat arrays
             raise AssertionError("the expert cache's arrays must be C-contiguous")
         eng = self.engine
@@ -150,7 +158,7 @@ class ExpertStep:
             li=li, now=_addr(ec._clock), lut=_addr(ec._lut[li]), last=_addr(ec._last[li]),
             logscore=_addr(ec._logscore[li]), owner_li=_addr(pool.owner_li), owner_e=_addr(pool.owner_e),
             use_call=_addr(pool.use_call), used=_addr(pool.used), hinted=_addr(pool.hinted), pinned=_addr(pool.pinned),
-            verified=_addr(ec._verified[li]) if ec.verify_first_use else None, src=_addr(src[li]),
+            verified=_addr(clean) if clean is not None else None, src=_addr(src[li]),
             dst=_addr(dst), offs=_addr(offs), sizes=_addr(sizes), pieces=_addr(pieces),
             slot_bytes=eng.ring.slot_bytes, min_chunk=eng.min_chunk_bytes,
             chunk_div=eng.chunks_per_thread * eng.threads, align=4096,
@@ -206,7 +214,7 @@ class ExpertStep:
                                       status.ctypes.data, ev, out.ctypes.data)
         finally:
             self.pool._leave()
-        self.metrics["calls"] += 1
+        self.metrics["runs"] += 1
         queued = rc > 0 or rc == _COPY
         if not queued:
             self._spare = (ticket, status, ev)
@@ -217,6 +225,7 @@ class ExpertStep:
         used = out[_OUT_HEAD : _OUT_HEAD + int(out[_OUT_USED])].copy() if rc not in (_RANGE, _CUDA) else None
         self.metrics["seconds"] += time.perf_counter() - t0
         if rc >= 0:
+            self.metrics["served"] += 1
             v = self._views.get((li, nk, tuple(ids.shape)))
             if v is None:
                 v = self._views[(li, nk, tuple(ids.shape))] = slot_dev[:nk].view(ids.shape)

@@ -45,6 +45,7 @@ say() { echo "$@" | tee -a "$LOG"; }
   echo "cpus $(getconf _NPROCESSORS_ONLN); $(free -g | awk 'NR==2{print "mem GiB total " $2 ", available " $7}')"
   df -h "$WORK" | tail -1
   head -3 /proc/self/cgroup
+  echo "cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo -)"
 } >>"$LOG" 2>&1
 tail -4 "$LOG"
 rc=0
@@ -97,13 +98,15 @@ if has bench; then
   t=$SECONDS
   D=$(cap "${BENCH_DEADLINE:-420}" 55)
   say "== bench_vllm (deadline $D s)"
+  thr0=$(awk '/throttled_usec/{print $2}' /sys/fs/cgroup/cpu.stat 2>/dev/null)
   timeout -k 10 $((D + 45)) "$PY" benchmarks/bench_vllm.py --out "$OUT" --workdir "$WORK/bench" --deadline "$D" \
     ${BENCH_ARGS:-} >>"$LOG" 2>&1
   r=$?
   [ $r = 0 ] || rc=1
   awk '/^\| bar \(issue 12\)/{on=1} on&&/^$/{exit} on' "$OUT/bench_vllm.md" 2>/dev/null
   grep -E "^- (uva_prefill|expected)" "$OUT/bench_vllm.md" 2>/dev/null
-  say "bench: rc $r, $((SECONDS - t)) s"
+  thr1=$(awk '/throttled_usec/{print $2}' /sys/fs/cgroup/cpu.stat 2>/dev/null)
+  say "bench: rc $r, $((SECONDS - t)) s; cgroup CPU throttled $(( (${thr1:-0} - ${thr0:-0}) / 1000 )) ms meanwhile"
 fi
 
 n=$(find "$OUT" -type f | wc -l)

@@ -79,8 +79,8 @@ def test_native_step_makes_the_python_paths_decisions(cache, policy, dtype):
                 for e, s in zip(ids.reshape(-1).tolist(), out.reshape(-1).tolist()):
                     assert expert_matches(cache, layer, e, slots, s)
                 _same(_state(native), _state(python))
-        # the first fetch of each expert is the Python path's (first-use check, source address)
-        assert step.metrics["python"] <= len(LAYERS) * E
+        # the first fetch of each expert is the Python path's (its first-use check)
+        assert step.metrics["python"] <= len(LAYERS) * E  # (none once an earlier case checked them all)
         assert served > tr.shape[0] * len(LAYERS) // 2
         assert native.metrics["ordered_fills"] > 0
     finally:
@@ -113,8 +113,8 @@ def test_native_step_declines_without_changing_anything(cache):
 
 
 def test_native_step_follows_the_engine_remapping_its_files(cache):
-    """After the engine dropped its mappings (a new map generation) the step re-reads the source
-    addresses (through one Python call per expert), so the bytes stay right."""
+    """After the engine dropped its mappings (a new map generation) the step looks the source
+    addresses up again, so the bytes stay right."""
     eng = _ordered_engine()
     try:
         ec = ExpertCache(cache, eng, "cpu", capacity_experts=2 * len(LAYERS), stream_ordered=True)
@@ -129,7 +129,7 @@ def test_native_step_follows_the_engine_remapping_its_files(cache):
                 assert expert_matches(cache, layer, e, ec.slots(layer), s)
             if i == 7:
                 eng.unmap_all()
-        assert step.metrics["calls"] == 16 and step.metrics["python"] >= 8
+        assert step.metrics["runs"] == 16 and step.metrics["served"] >= 8
     finally:
         eng.close()
 
@@ -225,6 +225,34 @@ def test_gpu_native_step_exact_under_a_busy_stream(tmp_path, dtype):
         torch.cuda.synchronize()
         for key, sums in got:
             assert {n: v.item() for n, v in sums.items()} == want[key]
-        assert step.metrics["calls"] - step.metrics["python"] > tr.shape[0] * 4 // 2
+        assert step.metrics["served"] > tr.shape[0] * 4 // 2
+    finally:
+        eng.close()
+
+
+def test_experts_checked_in_the_background_are_served_natively(tmp_path):
+    """The first-use check is the cache's: experts it found clean (here by a background check,
+    before any fetch) are served by the native step from their first fetch on; an expert whose
+    check failed is never marked clean, so its fetch goes to the Python path, which refuses it."""
+    from fakes import flip_byte
+    from mmap_offload.errors import CorruptCacheError
+
+    c = make_cache(tmp_path, layers=(0, 1), num_experts=E)
+    flip_byte(c.layer_file(1), 5 * c.record_nbytes + c.expert_specs[0].offset)  # layer 1, expert 5
+    assert c.check_in_background(nice=0).wait(60)
+    eng = _ordered_engine()
+    try:
+        ec = ExpertCache(c, eng, "cpu", capacity_experts=2 * 3, stream_ordered=True)
+        step = ExpertStep.create(ec)
+        assert c.clean_mask(0).all() and c.clean_mask(1)[5] == 0 and c.clean_mask(1).sum() == E - 1
+        for ids in ([0, 1], [2, 3], [4, 6]):
+            out, _ = step.run(1, torch.tensor(ids))
+            assert out is not None
+            assert all(expert_matches(c, 1, e, ec.slots(1), s) for e, s in zip(ids, out.tolist()))
+        out, used = step.run(1, torch.tensor([5, 6]))
+        assert out is None and used.tolist() == [5, 6] and step.metrics["python"] == 1
+        with pytest.raises(CorruptCacheError):
+            ec.ensure(1, [5, 6])
+        assert ec.slot_map(1)[5] < 0
     finally:
         eng.close()
