@@ -38,7 +38,7 @@ int64_t mo_gate_submit(void *p, const void *in, size_t n, size_t chunk_bytes, si
                        void *stream, int64_t *status, void *event);
 enum { ST_CUDA_WORD = 5 };
 
-enum { D2H = 2, H2D_KIND = 1 };
+enum { D2H = 2, H2D_KIND = 1, D2D = 3 };
 enum { POLICY_LFU_DECAY = 0, POLICY_LFU = 1, POLICY_LRU = 2 };
 enum { MAX_EXPERTS = 1024 }; /* stack arrays; more experts: the Python path */
 #define RECENT_BONUS 1e12 /* expert_cache._RECENT_BONUS */
@@ -55,10 +55,11 @@ enum {
 };
 /* out: counters, then the distinct experts [E], then the (expert, slot) pairs of the misses [2 S] */
 enum { OUT_USED = 0, OUT_MISSES, OUT_HITS, OUT_EVICTIONS, OUT_HINT_USED, OUT_HINT_WASTED, OUT_PIECES,
-       OUT_DETAIL, OUT_HEAD };
+       OUT_DETAIL, OUT_ADMITTED, OUT_HEAD };
 
 typedef struct {
-    /* CUDA runtime; NULL on the CPU (ids and slot ids are host memory, read and written in place) */
+    /* CUDA runtime, or on the CPU the copy pool's CPU stand-in stream (mo_fake_*) */
+    int64_t host_ids;             /* 1 on the CPU: ids and slot ids are host memory, read and written in place */
     fn_memcpy_async memcpy_async;
     fn_event_record event_record;
     fn_event_sync event_sync;
@@ -77,7 +78,8 @@ typedef struct {
     const uint64_t *src;          /* [E] address of the expert's record in the engine's mapping, 0: unknown */
     const uint64_t *dst;          /* [S * T] device address of slot s's tensor t */
     const uint64_t *offs, *sizes; /* [T] the tensors in a record */
-    uint64_t *pieces;             /* [S * T * 3] scratch: (src, dst, n) */
+    uint64_t *pieces;             /* [pieces_cap] scratch: (src, dst, n) per piece */
+    int64_t pieces_cap;
     /* MmapEngine._chunk_bytes and _ordered_group_bytes */
     int64_t slot_bytes, min_chunk, chunk_div, align, gates, min_group;
     void *ids_host;               /* CUDA: pinned [cap] ids staging */
@@ -94,6 +96,19 @@ static double logaddexp0(double x) { /* numpy's npy_logaddexp(x, 0.0) */
     if (tmp > 0) return x + log1p(exp(-tmp));
     if (tmp <= 0) return 0.0 + log1p(exp(tmp));
     return tmp;
+}
+
+static double decayed(const mo_step *st, int64_t e, int64_t nowv) { /* ExpertCache._decayed */
+    double ls = st->logscore[e];
+    return st->lam == 0.0 ? ls : ls - ((double)nowv - st->last[e]) * st->lam;
+}
+
+static void touch(mo_step *st, const int64_t *used, int64_t nu, int64_t nowv) { /* ExpertCache._touch */
+    for (int64_t i = 0; i < nu; i++) {
+        int64_t e = used[i];
+        if (st->policy != POLICY_LRU) st->logscore[e] = logaddexp0(decayed(st, e, nowv));
+        st->last[e] = (double)nowv;
+    }
 }
 
 static int64_t read_id(const void *ids, int64_t i, int64_t size) {
@@ -150,13 +165,37 @@ static int64_t victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t
     return k;
 }
 
+/* mo_gate_submit of st->pieces[0, np) with the engine's chunking; 0, or the MO_STEP_* refusal
+ * (nothing queued) */
+static int64_t submit(const mo_step *st, int64_t np, void *pool, void *stream, int64_t *status, void *ticket_event,
+                      int64_t *out) {
+    uint64_t total = 0;
+    for (int64_t i = 0; i < np; i++) total += st->pieces[3 * i + 2];
+    uint64_t div = (uint64_t)st->chunk_div, al = (uint64_t)st->align;
+    uint64_t per = (total + div - 1) / div;
+    per = (per + al - 1) / al * al;
+    uint64_t chunk = per > (uint64_t)st->min_chunk ? per : (uint64_t)st->min_chunk;
+    if (chunk > (uint64_t)st->slot_bytes) chunk = (uint64_t)st->slot_bytes;
+    uint64_t group = 0;
+    if (st->gates > 1) {
+        group = (total + (uint64_t)st->gates - 1) / (uint64_t)st->gates;
+        if (group < (uint64_t)st->min_group) group = (uint64_t)st->min_group;
+    }
+    int64_t rc = mo_gate_submit(pool, st->pieces, (size_t)np, chunk, group, stream, status, ticket_event);
+    if (rc == -3 || rc == -4 || rc == -5) return MO_STEP_PYTHON; /* GATE_*: nothing queued */
+    if (rc == -1) return MO_STEP_CLOSED;
+    if (rc < 0) return MO_STEP_INVALID;
+    out[OUT_PIECES] = np;
+    return 0;
+}
+
 int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, void *pool, void *stream,
                     int64_t *status, void *ticket_event, int64_t *out) {
     int64_t E = st->E, S = st->S, T = st->T;
     if (nk < 0 || nk > st->cap || (id_size != 4 && id_size != 8) || E > MAX_EXPERTS || S > E)
         return MO_STEP_INVALID;
     memset(out, 0, OUT_HEAD * sizeof(int64_t));
-    int cuda = st->memcpy_async != NULL;
+    int cuda = !st->host_ids;
     const void *h = ids;
     if (cuda && nk) { /* 1. the ids on the host: the layer's one wait for the device */
         int err = st->memcpy_async(st->ids_host, ids, (size_t)(nk * id_size), D2H, stream);
@@ -194,30 +233,16 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
     if (nm && victims(st, nowv, nm, prot, vic) < nm) return MO_STEP_PYTHON; /* cannot happen: nu <= S */
     /* 5. one stream-ordered batch */
     if (nm) {
-        uint64_t total = 0, np = 0;
+        if (nm * T * 3 > st->pieces_cap) return MO_STEP_INVALID;
         for (int64_t i = 0; i < nm; i++)
             for (int64_t t = 0; t < T; t++) {
-                uint64_t *pc = st->pieces + 3 * np++;
+                uint64_t *pc = st->pieces + 3 * (i * T + t);
                 pc[0] = st->src[miss[i]] + st->offs[t];
                 pc[1] = st->dst[vic[i] * T + t];
                 pc[2] = st->sizes[t];
-                total += st->sizes[t];
             }
-        uint64_t div = (uint64_t)st->chunk_div, al = (uint64_t)st->align;
-        uint64_t per = (total + div - 1) / div;
-        per = (per + al - 1) / al * al;
-        uint64_t chunk = per > (uint64_t)st->min_chunk ? per : (uint64_t)st->min_chunk;
-        if (chunk > (uint64_t)st->slot_bytes) chunk = (uint64_t)st->slot_bytes;
-        uint64_t group = 0;
-        if (st->gates > 1) {
-            group = (total + (uint64_t)st->gates - 1) / (uint64_t)st->gates;
-            if (group < (uint64_t)st->min_group) group = (uint64_t)st->min_group;
-        }
-        int64_t rc = mo_gate_submit(pool, st->pieces, np, chunk, group, stream, status, ticket_event);
-        if (rc == -3 || rc == -4 || rc == -5) return MO_STEP_PYTHON; /* GATE_*: nothing queued */
-        if (rc == -1) return MO_STEP_CLOSED;
-        if (rc < 0) return MO_STEP_INVALID;
-        out[OUT_PIECES] = (int64_t)np;
+        int64_t rc = submit(st, nm * T, pool, stream, status, ticket_event, out);
+        if (rc) return rc;
     }
     /* 6. commit (ExpertCache.ensure after its _refill) */
     *st->now = nowv;
@@ -250,15 +275,7 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
         st->used[s] = 1;
         st->use_call[s] = nowv;
     }
-    for (int64_t i = 0; i < nu; i++) { /* ExpertCache._touch */
-        int64_t e = used[i];
-        if (st->policy != POLICY_LRU) {
-            double ls = st->logscore[e];
-            double dec = st->lam == 0.0 ? ls : ls - ((double)nowv - st->last[e]) * st->lam;
-            st->logscore[e] = logaddexp0(dec);
-        }
-        st->last[e] = (double)nowv;
-    }
+    touch(st, used, nu, nowv);
     /* 7. slot ids, in the ids' dtype */
     void *sl = st->slot_host;
     for (int64_t i = 0; i < nk; i++) {
@@ -269,5 +286,121 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
         int err = st->memcpy_async(st->slot_dev, sl, (size_t)(nk * id_size), H2D_KIND, stream);
         if (err) { out[OUT_DETAIL] = err; return MO_STEP_CUDA; }
     }
+    return nm;
+}
+
+/* The sparse step (vllm_backend/residency.py ``_sparse_mode``, after mo_step_run said
+ * MO_STEP_SPARSE for the same ids): more distinct experts than the pool's slots, so the layer's
+ * buffer (rows[t] + e * stride[t]: tensor t of expert e) gets exactly the routed ones: the misses
+ * by one stream-ordered batch from the cache, the hits by device copies from their pool slots;
+ * then ExpertCache.admit: the routed experts' use is counted and up to ``max_admit`` of the misses
+ * whose decayed use beats the slot they would take are copied from their rows into the pool.
+ * out[OUT_HEAD ..] must still hold the distinct experts of that mo_step_run. Returns the misses
+ * queued (out: hits, misses, admitted, the admitted (expert, slot) pairs), or MO_STEP_PYTHON /
+ * _CLOSED / _INVALID with nothing changed, or MO_STEP_COPY / _CUDA (the step must fail; admitted
+ * nothing). On the CPU stream every copy is ordered there too: the caller waits for the stream. */
+int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit, void *pool,
+                       void *stream, int64_t *status, void *ticket_event, int64_t *out) {
+    int64_t E = st->E, S = st->S, T = st->T, nu = out[OUT_USED];
+    if (nu < 0 || nu > E || E > MAX_EXPERTS || S > E) return MO_STEP_INVALID;
+    int64_t *used = out + OUT_HEAD, *pairs = out + OUT_HEAD + E;
+    int64_t miss[MAX_EXPERTS], hit[MAX_EXPERTS], nm = 0, nh = 0;
+    for (int64_t i = 0; i < nu; i++) {
+        int64_t e = used[i];
+        if (st->lut[e] >= 0) { hit[nh++] = e; continue; }
+        if ((st->verified && !st->verified[e]) || !st->src[e]) return MO_STEP_PYTHON;
+        miss[nm++] = e;
+    }
+    if (nm * T * 3 > st->pieces_cap) return MO_STEP_INVALID;
+    for (int64_t k = OUT_MISSES; k < OUT_HEAD; k++) out[k] = 0;
+    /* the misses into their rows */
+    if (nm) {
+        for (int64_t i = 0; i < nm; i++)
+            for (int64_t t = 0; t < T; t++) {
+                uint64_t *pc = st->pieces + 3 * (i * T + t);
+                pc[0] = st->src[miss[i]] + st->offs[t];
+                pc[1] = rows[t] + (uint64_t)miss[i] * stride[t];
+                pc[2] = st->sizes[t];
+            }
+        int64_t rc = submit(st, nm * T, pool, stream, status, ticket_event, out);
+        if (rc) return rc;
+    }
+    out[OUT_MISSES] = nm;
+    out[OUT_HITS] = nh;
+    if (nm && status[ST_CUDA_WORD]) return MO_STEP_COPY;
+    /* the hits from their slots (runs of neighbouring experts in neighbouring slots: one copy) */
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < nh;) {
+            int64_t e = hit[i], s = st->lut[e], j = i + 1;
+            while (j < nh && hit[j] == hit[j - 1] + 1 && st->lut[hit[j]] == st->lut[hit[j - 1]] + 1 &&
+                   stride[t] == st->sizes[t] && st->dst[(s + 1) * T + t] == st->dst[s * T + t] + st->sizes[t])
+                j++;
+            int err = st->memcpy_async((void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),
+                                       (const void *)(uintptr_t)st->dst[s * T + t],
+                                       (size_t)(st->sizes[t] * (uint64_t)(j - i)), D2D, stream);
+            if (err) { out[OUT_DETAIL] = err; return MO_STEP_CUDA; }
+            i = j;
+        }
+    }
+    if (!nm) return 0; /* nothing fetched: the Python path calls no admit either */
+    /* ExpertCache.admit */
+    int64_t nowv = *st->now + 1;
+    *st->now = nowv;
+    touch(st, used, nu, nowv);
+    uint8_t prot[MAX_EXPERTS];
+    memset(prot, 0, (size_t)S);
+    for (int64_t i = 0; i < nh; i++) {
+        int64_t s = st->lut[hit[i]];
+        prot[s] = 1;
+        st->used[s] = 1;
+        st->use_call[s] = nowv;
+    }
+    int64_t want = nm < max_admit ? nm : (max_admit > 0 ? max_admit : 0);
+    if (!want) return nm;
+    int64_t vic[MAX_EXPERTS];
+    int64_t nv = victims(st, nowv, want, prot, vic);
+    if (!nv) return nm;
+    /* the hottest misses first (np.argsort(-decayed, kind="stable")), as many as victims */
+    int64_t order[MAX_EXPERTS];
+    double dw[MAX_EXPERTS];
+    for (int64_t i = 0; i < nm; i++) { order[i] = i; dw[i] = decayed(st, miss[i], nowv); }
+    for (int64_t i = 1; i < nm; i++) {
+        int64_t v = order[i], j = i - 1;
+        while (j >= 0 && -dw[order[j]] > -dw[v]) { order[j + 1] = order[j]; j--; }
+        order[j + 1] = v;
+    }
+    int64_t na = 0;
+    for (int64_t i = 0; i < nv; i++) {
+        int64_t e = miss[order[i]], s = vic[i];
+        /* _displaces: a free slot, or a holder whose decayed use is lower */
+        if (st->owner_li[s] >= 0 && !(dw[order[i]] > decayed(st, st->owner_e[s], nowv))) continue;
+        if (st->owner_li[s] >= 0) { /* _evict */
+            if (st->hinted[s]) out[OUT_HINT_WASTED]++;
+            st->lut[st->owner_e[s]] = -1;
+            out[OUT_EVICTIONS]++;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            int err = st->memcpy_async((void *)(uintptr_t)st->dst[s * T + t],
+                                       (const void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),
+                                       (size_t)st->sizes[t], D2D, stream);
+            if (err) { /* the slot's bytes are unknown now: leave it empty */
+                st->owner_li[s] = st->owner_e[s] = -1;
+                st->used[s] = st->hinted[s] = 0;
+                out[OUT_DETAIL] = err;
+                out[OUT_ADMITTED] = na;
+                return MO_STEP_CUDA;
+            }
+        }
+        st->owner_li[s] = st->li;
+        st->owner_e[s] = e;
+        st->lut[e] = s;
+        st->hinted[s] = 0;
+        st->used[s] = 1;
+        st->use_call[s] = nowv;
+        pairs[2 * na] = e;
+        pairs[2 * na + 1] = s;
+        na++;
+    }
+    out[OUT_ADMITTED] = na;
     return nm;
 }

@@ -38,8 +38,9 @@ __all__ = ["ExpertStep"]
 
 # csrc/route_step.c
 _SPARSE, _PYTHON, _RANGE, _CUDA, _COPY, _CLOSED, _INVALID = -10, -11, -12, -13, -14, -15, -16
-_OUT_USED, _OUT_MISSES, _OUT_HITS, _OUT_EVICTIONS, _OUT_HINT_USED, _OUT_HINT_WASTED, _OUT_PIECES, _OUT_DETAIL = range(8)
-_OUT_HEAD = 8
+(_OUT_USED, _OUT_MISSES, _OUT_HITS, _OUT_EVICTIONS, _OUT_HINT_USED, _OUT_HINT_WASTED, _OUT_PIECES, _OUT_DETAIL,
+ _OUT_ADMITTED) = range(9)
+_OUT_HEAD = 9
 _MAX_EXPERTS = 1024
 _POLICY = {"lfu-decay": 0, "lfu": 1, "lru": 2}
 
@@ -50,12 +51,12 @@ class _Step(ctypes.Structure):
     """csrc/route_step.c ``mo_step``: one layer's arrays and staging."""
 
     _fields_ = [
-        ("memcpy_async", _vp), ("event_record", _vp), ("event_sync", _vp), ("event", _vp),
+        ("host_ids", _i64), ("memcpy_async", _vp), ("event_record", _vp), ("event_sync", _vp), ("event", _vp),
         ("E", _i64), ("S", _i64), ("T", _i64), ("policy", _i64), ("window", _i64), ("lam", _f64),
         ("li", _i64), ("now", _vp), ("lut", _vp), ("last", _vp), ("logscore", _vp),
         ("owner_li", _vp), ("owner_e", _vp), ("use_call", _vp), ("used", _vp), ("hinted", _vp),
         ("pinned", _vp), ("verified", _vp), ("src", _vp), ("dst", _vp), ("offs", _vp), ("sizes", _vp),
-        ("pieces", _vp), ("slot_bytes", _i64), ("min_chunk", _i64), ("chunk_div", _i64), ("align", _i64),
+        ("pieces", _vp), ("pieces_cap", _i64), ("slot_bytes", _i64), ("min_chunk", _i64), ("chunk_div", _i64), ("align", _i64),
         ("gates", _i64), ("min_group", _i64), ("ids_host", _vp), ("slot_host", _vp), ("slot_dev", _vp),
         ("cap", _i64),
     ]
@@ -70,6 +71,8 @@ def _typed_lib() -> Any:
         return None
     lib.mo_step_run.restype = _i64
     lib.mo_step_run.argtypes = [_vp, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _vp]
+    lib.mo_step_sparse.restype = _i64
+    lib.mo_step_sparse.argtypes = [_vp, _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp]
     return lib
 
 
@@ -119,8 +122,19 @@ class ExpertStep:
             self._event.record()  # makes the handle
             self._stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        else:  # the sparse step's copies go through the pool's CPU stand-in stream, waited for here
+            from .transfer.native_pool import _FakeEvent
+
+            self._api = tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in (
+                "mo_fake_memcpy_async", "mo_fake_event_record", "mo_fake_event_sync"))
+            self._event = _FakeEvent(lib)
+        self._sparse_li: tuple[int, Any] | None = None  # (layer position, struct) of a run() handed back as sparse
+        # id(rows) -> (rows, bases, strides): a layer buffer's dict (the prefetcher's, one per buffer)
+        self._rows: dict[int, tuple[Any, np.ndarray, np.ndarray]] = {}
+        self.last_misses = 0  # experts the last call served read from the cache
         # runs: calls of run(); served: those it served whole; python / sparse: handed back
-        self.metrics = dict(runs=0, served=0, python=0, sparse=0, seconds=0.0)
+        # sparse_served: run_sparse calls it served whole
+        self.metrics = dict(runs=0, served=0, python=0, sparse=0, sparse_served=0, seconds=0.0)
 
     # -- set-up per (layer, ids dtype) ---------------------------------------------------------
     def _struct(self, li: int, dtype: torch.dtype) -> tuple[_Step, torch.Tensor, Any]:
@@ -147,7 +161,7 @@ class ExpertStep:
         slot_host = torch.empty(self.cap, dtype=dtype, pin_memory=pin)
         slot_dev = torch.empty(self.cap, dtype=dtype, device=self.device) if self.cuda else slot_host
         ids_host = self._ids_host(dtype)
-        pieces = np.zeros(pool.size * T * 3, dtype=np.uint64)
+        pieces = np.zeros(ec.num_experts * T * 3, dtype=np.uint64)
         rows = (ec._lut[li], ec._last[li], ec._logscore[li], src[li], offs, sizes, pieces, dst) + (
             (clean,) if clean is not None else ())
         if not all(a.flags.c_contiguous for a in rows):  # the C step reads them as flat arrays
@@ -159,16 +173,16 @@ class ExpertStep:
             logscore=_addr(ec._logscore[li]), owner_li=_addr(pool.owner_li), owner_e=_addr(pool.owner_e),
             use_call=_addr(pool.use_call), used=_addr(pool.used), hinted=_addr(pool.hinted), pinned=_addr(pool.pinned),
             verified=_addr(clean) if clean is not None else None, src=_addr(src[li]),
-            dst=_addr(dst), offs=_addr(offs), sizes=_addr(sizes), pieces=_addr(pieces),
+            dst=_addr(dst), offs=_addr(offs), sizes=_addr(sizes), pieces=_addr(pieces), pieces_cap=pieces.size,
+            host_ids=0 if self.cuda else 1,
             slot_bytes=eng.ring.slot_bytes, min_chunk=eng.min_chunk_bytes,
             chunk_div=eng.chunks_per_thread * eng.threads, align=4096,
             gates=eng.ordered_gates, min_group=eng.ORDERED_MIN_GROUP,
             ids_host=ids_host.data_ptr() if ids_host is not None else None, slot_host=slot_host.data_ptr(),
             slot_dev=slot_dev.data_ptr(), cap=self.cap,
         )
-        if self.cuda:
-            st.memcpy_async, st.event_record, st.event_sync = self._api
-            st.event = self._event.cuda_event
+        st.memcpy_async, st.event_record, st.event_sync = self._api
+        st.event = self._event.cuda_event if self.cuda else self._event.handle
         self._keep.append((rows, slot_host, slot_dev, ids_host))
         got = self._steps[key] = (st, slot_dev, ctypes.byref(st))
         return got
@@ -200,11 +214,7 @@ class ExpertStep:
         st, slot_dev, ref = self._struct(li, ids.dtype)
         ticket, status, ev = self._spare or self._prepare()
         self._spare = None
-        if self.cuda:
-            stream = (self._stream_of(self._index) if self._stream_of is not None
-                      else torch.cuda.current_stream(self.device).cuda_stream)
-        else:
-            stream = self.pool._fake_stream
+        stream = self._stream() if self.cuda else self.pool._fake_stream
         out = self._out
         h = self.pool._enter(closing_ok=False)
         if not h:
@@ -224,8 +234,12 @@ class ExpertStep:
             self._account(li, ticket if queued else None)
         used = out[_OUT_HEAD : _OUT_HEAD + int(out[_OUT_USED])].copy() if rc not in (_RANGE, _CUDA) else None
         self.metrics["seconds"] += time.perf_counter() - t0
+        self._sparse_li = (li, ref) if rc == _SPARSE else None
         if rc >= 0:
             self.metrics["served"] += 1
+            self.last_misses = int(out[_OUT_MISSES])
+            if not self.cuda and queued:
+                self._drain_cpu_stream()
             v = self._views.get((li, nk, tuple(ids.shape)))
             if v is None:
                 v = self._views[(li, nk, tuple(ids.shape))] = slot_dev[:nk].view(ids.shape)
@@ -243,6 +257,103 @@ class ExpertStep:
         if rc == _CLOSED:
             raise RuntimeError("transfer engine is closed")
         raise MemoryError(f"the native expert step refused a call of {nk} ids (rc {rc})")  # _INVALID
+
+    def run_sparse(self, layer: int, rows: dict[str, torch.Tensor], max_admit: int = 4) -> bool:
+        """Right after ``run(layer, ...)`` handed back more distinct experts than the pool holds:
+        fill ``rows`` (the layer's buffer, ``{name: [E, ...]}``) with exactly those experts (misses
+        from the cache by one stream-ordered batch, hits from their pool slots on the device) and
+        let the pool learn from the call (``ExpertCache.admit`` with ``max_admit``), in one native
+        call. False, with nothing changed, where the Python path must do it (a first use, a batch
+        the engine refuses, no such run() just before)."""
+        pending, self._sparse_li = self._sparse_li, None
+        ec = self.ec
+        li = ec._li(layer)
+        if pending is None or pending[0] != li or ec._pool_of[li].pending:
+            return False
+        t0 = time.perf_counter()
+        ref = pending[1]
+        got = self._rows.get(id(rows))
+        if got is None or got[0] is not rows:
+            bases, strides = self._row_addresses(rows)
+            got = self._rows[id(rows)] = (rows, bases, strides)
+        _, bases, strides = got
+        ticket, status, ev = self._spare or self._prepare()
+        self._spare = None
+        stream = self._stream() if self.cuda else self.pool._fake_stream
+        out = self._out
+        h = self.pool._enter(closing_ok=False)
+        if not h:
+            raise RuntimeError("transfer engine is closed")
+        try:
+            rc = self.lib.mo_step_sparse(ref, bases.ctypes.data, strides.ctypes.data, int(max_admit), h, stream,
+                                         status.ctypes.data, ev, out.ctypes.data)
+        finally:
+            self.pool._leave()
+        nm = int(out[_OUT_MISSES]) if rc >= 0 or rc in (_COPY, _CUDA) else 0
+        queued = nm > 0
+        if not queued:
+            self._spare = (ticket, status, ev)
+        else:  # raises the copies' CUDA error (_COPY)
+            self.engine.adopt_ordered(ticket, int(out[_OUT_PIECES]), nm * ec.expert_nbytes)
+        if rc in (_PYTHON, _INVALID, _CLOSED):
+            return False
+        self.metrics["sparse_served"] += 1
+        self.last_misses = nm
+        na = int(out[_OUT_ADMITTED])
+        base = _OUT_HEAD + ec.num_experts
+        flat = out[base : base + 2 * na].tolist()
+        self.pairs = list(zip(flat[0::2], flat[1::2]))
+        pool = ec._pool_of[li]
+        m = ec.metrics
+        m["admitted"] += na
+        m["evictions"] += int(out[_OUT_EVICTIONS])
+        m["hint_wasted"] += int(out[_OUT_HINT_WASTED])
+        if queued:  # the admitted slots' bytes came from the batch's rows: its failure forgets them
+            pend = _Pending(ticket, ordered=True)
+            for _, s in self.pairs:
+                pool.fill_of[s] = pend
+            if ec._defer_checks:
+                ec._unchecked.append((pool, pend))
+            else:
+                self._drain_cpu_stream()
+                try:
+                    ec._wait(pend)
+                except BaseException:
+                    ec._drop_failed(pool, pend)
+                    raise
+        else:
+            for _, s in self.pairs:
+                pool.fill_of.pop(s, None)
+        if not self.cuda and not queued:
+            self._drain_cpu_stream()  # the hits' copies
+        self.metrics["seconds"] += time.perf_counter() - t0
+        if rc == _CUDA:
+            raise RuntimeError(f"a device copy of the sparse step failed with CUDA error {int(out[_OUT_DETAIL])}")
+        return True
+
+    def _row_addresses(self, rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """(base address, row stride in bytes) of each non-empty expert tensor's rows."""
+        ec = self.ec
+        _, _, sizes, keep = ec._raw_plan()
+        names = [sp.name for sp, k in zip(ec.specs, keep) if k]
+        bases, strides = np.empty(len(names), dtype=np.uint64), np.empty(len(names), dtype=np.uint64)
+        for j, (name, n) in enumerate(zip(names, sizes)):
+            t = rows[name]
+            row = t.element_size() * (t.numel() // max(1, t.shape[0]))
+            if not t.is_contiguous() or row < int(n) or t.shape[0] < ec.num_experts:
+                raise ValueError(f"rows[{name!r}] must be contiguous, [{ec.num_experts}, ...], rows of >= {int(n)} bytes")
+            bases[j], strides[j] = t.data_ptr(), row
+        return bases, strides
+
+    def _stream(self) -> int:
+        return (self._stream_of(self._index) if self._stream_of is not None
+                else torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _drain_cpu_stream(self) -> None:
+        """CPU: wait until the stand-in stream ran every copy queued so far (the CPU kernels read
+        the destinations at once)."""
+        self.lib.mo_fake_event_record(self._event.handle, self.pool._fake_stream)
+        self._event.synchronize()
 
     def _prepare(self) -> tuple[Ticket, np.ndarray, int]:
         ticket = Ticket(0, 1)

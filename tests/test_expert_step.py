@@ -33,7 +33,8 @@ def cache(tmp_path_factory):
 def _state(ec: ExpertCache):
     pools = [(p.owner_li.copy(), p.owner_e.copy(), p.used.copy(), p.hinted.copy(), p.use_call.copy(), p.pinned.copy())
              for p in ec._pools]
-    keys = ("calls", "hits", "misses", "evictions", "routed_bytes", "miss_bytes", "bytes_moved", "ordered_fills")
+    keys = ("calls", "hits", "misses", "evictions", "routed_bytes", "miss_bytes", "bytes_moved", "ordered_fills",
+            "admitted")
     return (ec._lut.copy(), ec._last.copy(), ec._logscore.copy(), ec._now, pools, {k: ec.metrics[k] for k in keys})
 
 
@@ -83,6 +84,65 @@ def test_native_step_makes_the_python_paths_decisions(cache, policy, dtype):
         assert step.metrics["python"] <= len(LAYERS) * E  # (none once an earlier case checked them all)
         assert served > tr.shape[0] * len(LAYERS) // 2
         assert native.metrics["ordered_fills"] > 0
+    finally:
+        eng_n.close()
+        eng_p.close()
+
+
+def _python_sparse(ec: ExpertCache, layer: int, used: np.ndarray, rows: dict) -> None:
+    """vllm_backend/residency.py ``_sparse_mode`` on the CPU, without vLLM: the reference."""
+    row = ec.slot_map(layer)
+    slots = row[used]
+    misses, hits = used[slots < 0], used[slots >= 0]
+    if len(misses):
+        ec.cache.check_experts_once(layer, misses)
+        ticket = ec.submit_rows_ordered(layer, misses, rows)
+        ec.engine.wait(ticket)
+        ec.engine.synchronize(ticket)
+    pool = ec.slots(layer)
+    for name in pool:
+        rows[name][torch.from_numpy(hits)] = pool[name][torch.from_numpy(row[hits])]
+    if len(misses):
+        ec.admit(layer, used, rows, misses, read_slots=slots[slots >= 0])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_native_sparse_step_makes_the_python_paths_decisions(cache, policy):
+    """Calls with more distinct experts than the pool's slots (vLLM's sparse mode): the native
+    step fills exactly the routed rows of the layer buffer (misses from the cache, hits from the
+    pool) and admits the same experts into the same slots as the Python path; after every call the
+    caches' state is identical and every resident slot holds its expert's bytes."""
+    eng_n, eng_p = _ordered_engine(), _ordered_engine()
+    try:
+        kw = dict(capacity_experts=3 * len(LAYERS), policy=policy, stream_ordered=True)
+        native, python = ExpertCache(cache, eng_n, "cpu", **kw), ExpertCache(cache, eng_p, "cpu", **kw)
+        step = ExpertStep.create(native)
+        bufs = [{s.name: torch.zeros((E, *s.shape), dtype=s.torch_dtype) for s in cache.expert_specs} for _ in range(2)]
+        tr = skewed_trace(40, len(LAYERS), E, top_k=2, batch=3, seed=5)
+        sparse = 0
+        for t in range(tr.shape[0]):
+            for li, layer in enumerate(LAYERS):
+                ids = torch.from_numpy(tr[t, li])
+                used = np.unique(tr[t, li])
+                out, got = step.run(layer, ids)
+                if len(used) > 3:
+                    assert out is None and np.array_equal(got, used)
+                    rows_n, rows_p = bufs[0], bufs[1]
+                    if step.run_sparse(layer, rows_n):
+                        sparse += 1
+                    else:
+                        _python_sparse(native, layer, used, rows_n)
+                    _python_sparse(python, layer, used, rows_p)
+                    for e in used.tolist():
+                        assert expert_matches(cache, layer, e, rows_n, e)
+                else:
+                    if out is None:
+                        native.ensure(layer, ids)
+                    python.ensure(layer, ids)
+                _same(_state(native), _state(python))
+                for e, s in native.resident(layer).items():
+                    assert expert_matches(cache, layer, e, native.slots(layer), s)
+        assert sparse > 10 and native.metrics["admitted"] > 0
     finally:
         eng_n.close()
         eng_p.close()
@@ -192,40 +252,56 @@ def test_a_failed_native_read_is_raised_and_its_slots_forgotten(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_gpu_native_step_exact_under_a_busy_stream(tmp_path, dtype):
     """CUDA: the step reads device ids, queues its misses on the current (busy) stream and writes
-    slot ids on the device; gathered bytes, in stream order, equal the cache; the deferred check
-    finds no error; it served most calls."""
+    slot ids on the device; calls with more experts than the pool's 3 slots fill a layer buffer's
+    rows natively (misses from the cache, hits from the pool, admissions into it). Gathered bytes,
+    in stream order, equal the cache, for the slots and rows handed out and, at the end, for every
+    resident slot; the deferred check finds no error; the native step served most calls."""
     c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=16,
                    specs=[("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 128))])
+    assert c.check_in_background(nice=0).wait(60)  # every expert checked: no first-use fallbacks
     eng = cuda_engine("ordered")
     dev = torch.device("cuda")
     want = {(l, e): {s.name: c.tensor(l, e, s.name).contiguous().view(-1).view(torch.uint8).sum().item()
                      for s in c.expert_specs} for l in c.layers for e in range(16)}
     stream = torch.cuda.Stream(dev)
-    tr = skewed_trace(30, 4, 16, top_k=2, batch=2, seed=0)
+    tr = skewed_trace(30, 4, 16, top_k=2, batch=2, seed=0)  # 66 of its 120 calls route > 3 experts
     got = []
+
+    def sums(tensors, i):
+        return {n: v[i].view(-1).view(torch.uint8).sum() for n, v in tensors.items()}
+
     try:
         with torch.cuda.stream(stream):
-            ec = ExpertCache(c, eng, dev, capacity_experts=4 * 4, stream_ordered=True)
+            ec = ExpertCache(c, eng, dev, capacity_experts=3 * 4, stream_ordered=True)
             step = ExpertStep.create(ec)
             assert step is not None
+            rows = {s.name: torch.zeros((16, *s.shape), dtype=s.torch_dtype, device=dev) for s in c.expert_specs}
             for t in range(tr.shape[0]):
                 for li, layer in enumerate(c.layers):
                     ids = torch.from_numpy(tr[t, li]).to(dev, dtype)
                     x = torch.randn(1024, 1024, device=dev)
                     x = x @ x  # the ids come after work the step must wait for
-                    out, _ = step.run(layer, ids)
+                    out, used = step.run(layer, ids)
+                    if out is None and len(used) > 3:
+                        if not step.run_sparse(layer, rows):
+                            _python_sparse(ec, layer, used, rows)
+                        for e in used.tolist():
+                            got.append(((layer, e), sums(rows, e)))
+                        continue
                     if out is None:
                         out = ec.ensure(layer, ids)
                     slots = ec.slots(layer)
                     flat = out.reshape(-1).to(torch.int64)
                     for i, e in enumerate(tr[t, li].reshape(-1).tolist()):
-                        sums = {n: v[flat[i]].view(-1).view(torch.uint8).sum() for n, v in slots.items()}
-                        got.append(((layer, e), sums))
+                        got.append(((layer, e), sums(slots, flat[i])))
                 ec.check_ordered()
+            for layer in c.layers:
+                for e, s in ec.resident(layer).items():
+                    got.append(((layer, e), sums(ec.slots(layer), s)))
         torch.cuda.synchronize()
-        for key, sums in got:
-            assert {n: v.item() for n, v in sums.items()} == want[key]
-        assert step.metrics["served"] > tr.shape[0] * 4 // 2
+        for key, sm in got:
+            assert {n: v.item() for n, v in sm.items()} == want[key], key
+        assert step.metrics["served"] == 54 and step.metrics["sparse_served"] == 66 and ec.metrics["admitted"] > 0
     finally:
         eng.close()
 

@@ -94,7 +94,7 @@ class Residency:
         # map_copies: device maps rewritten (only on change)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
-                                            native_calls=0, native_s=0.0,
+                                            native_calls=0, native_sparse_calls=0, native_s=0.0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -270,12 +270,21 @@ class Residency:
     def _sparse_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
         self.metrics["sparse_calls"] += 1
         off, ec = self.off, self.ec
+        tensors, after = off.prefetcher.claim(t.layer)
+        if self.step is not None and not off._transforms:  # the whole call in one native call
+            t0 = time.perf_counter()
+            served = self.step.run_sparse(t.layer, tensors)  # the buffer's own dict: its addresses are kept
+            self.metrics["native_s"] += time.perf_counter() - t0
+            if served:
+                self.metrics["native_sparse_calls"] += 1
+                self.metrics["sparse_miss_bytes"] += self.step.last_misses * ec.expert_nbytes
+                self._bind_layer(t, tensors)
+                return ids
         row = ec.slot_map(t.layer)
         slots = row[used]
         misses, hits = used[slots < 0], used[slots >= 0]
         if off.options.verify_first_use:  # the experts read from the cache, each once per process
             self.cache.check_experts_once(t.layer, misses)
-        tensors, after = off.prefetcher.claim(t.layer)
         if len(misses):
             # stream-ordered: behind the buffer's earlier readers on this stream (``after`` is for
             # other streams); the launching thread does not wait for the reads
