@@ -271,15 +271,38 @@ class Residency:
         self.metrics["sparse_calls"] += 1
         off, ec = self.off, self.ec
         tensors, after = off.prefetcher.claim(t.layer)
-        if self.step is not None and not off._transforms:  # the whole call in one native call
-            t0 = time.perf_counter()
-            served = self.step.run_sparse(t.layer, tensors)  # the buffer's own dict: its addresses are kept
-            self.metrics["native_s"] += time.perf_counter() - t0
-            if served:
-                self.metrics["native_sparse_calls"] += 1
-                self.metrics["sparse_miss_bytes"] += self.step.last_misses * ec.expert_nbytes
-                self._bind_layer(t, tensors)
-                return ids
+        admitted = self._native_sparse(t, tensors) if self.step is not None else None
+        if admitted is None:
+            admitted = self._python_sparse(t, used, tensors, after)
+        layer_tensors = tensors
+        if off._transforms:  # CPU prepacked kernels: the admitted slots' twins, the buffer's twin, whole
+            pool = ec.slots(t.layer)
+            for e, s in admitted:
+                for name, fn in off._transforms.items():
+                    fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
+            b = off.prefetcher.buffer_index(t.layer)
+            twin = off._kernel_buffers[b]
+            for name, fn in off._transforms.items():
+                fn(tensors[name].data, twin[name])
+            off._kernel_layer[b] = None  # holds some experts of a layer, not a whole one
+            layer_tensors = {**tensors, **twin}
+        self._bind_layer(t, layer_tensors)
+        return ids
+
+    def _native_sparse(self, t, tensors) -> list[tuple[int, int]] | None:
+        """The sparse call in one native call (``ExpertStep.run_sparse``): the pool's admitted
+        (expert, slot) pairs, or None where the Python path must serve it."""
+        t0 = time.perf_counter()
+        served = self.step.run_sparse(t.layer, tensors)  # the buffer's own dict: its addresses are kept
+        self.metrics["native_s"] += time.perf_counter() - t0
+        if not served:
+            return None
+        self.metrics["native_sparse_calls"] += 1
+        self.metrics["sparse_miss_bytes"] += self.step.last_misses * self.ec.expert_nbytes
+        return self.step.pairs
+
+    def _python_sparse(self, t, used: np.ndarray, tensors, after) -> list[tuple[int, int]]:
+        off, ec = self.off, self.ec
         row = ec.slot_map(t.layer)
         slots = row[used]
         misses, hits = used[slots < 0], used[slots >= 0]
@@ -308,29 +331,16 @@ class Residency:
             for name in t.served:
                 dst = tensors[name].data
                 dst.index_copy_(0, idx[0], pool[name].index_select(0, idx[1]))
-        if len(misses):
-            ordered = ticket.ordered and self.device.type == "cuda"  # on CPU: waited for here
-            if not ordered:
-                off.engine.wait(ticket)
-            # the pool learns from this step too: the hottest misses are copied into it on the
-            # device (a pool smaller than a step's experts would otherwise never change here)
-            pool = ec.slots(t.layer)
-            admitted = ec.admit(t.layer, used, {name: tensors[name].data for name in pool}, misses,
-                                read_slots=slots[slots >= 0], ordered_ticket=ticket if ordered else None)
-            if admitted and off._transforms:  # CPU prepacked kernels: their twins too
-                for e, s in admitted:
-                    for name, fn in off._transforms.items():
-                        fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
-        layer_tensors = tensors
-        if off._transforms:  # CPU prepacked kernels: the buffer's kernel-layout twin, whole
-            b = off.prefetcher.buffer_index(t.layer)
-            twin = off._kernel_buffers[b]
-            for name, fn in off._transforms.items():
-                fn(tensors[name].data, twin[name])
-            off._kernel_layer[b] = None  # holds some experts of a layer, not a whole one
-            layer_tensors = {**tensors, **twin}
-        self._bind_layer(t, layer_tensors)
-        return ids
+        if not len(misses):
+            return []
+        ordered = ticket.ordered and self.device.type == "cuda"  # on CPU: waited for here
+        if not ordered:
+            off.engine.wait(ticket)
+        # the pool learns from this step too: the hottest misses are copied into it on the
+        # device (a pool smaller than a step's experts would otherwise never change here)
+        pool = ec.slots(t.layer)
+        return ec.admit(t.layer, used, {name: tensors[name].data for name in pool}, misses,
+                        read_slots=slots[slots >= 0], ordered_ticket=ticket if ordered else None)
 
     def _expert_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
         self.metrics["expert_calls"] += 1
