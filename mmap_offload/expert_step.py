@@ -10,9 +10,9 @@ device buffer of the layer's own. On the H200's host the Python version cost ~1.
 It serves the common case only and says so instead of guessing: ``run`` returns ``(slot_ids,
 used)`` with ``slot_ids`` None where the Python path must serve the call, ``used`` (the distinct
 experts, sorted) then telling the caller which path (more than the pool's slots: sparse or layer
-mode). The Python path takes a call whose misses were never fetched before (the first-use check
-and the source addresses are made there), a pool with hints in flight, an engine that refuses the
-batch. Both paths share the cache's state (its numpy arrays: slot map, owners, policy scores, call
+mode). The Python path takes a call with a miss the cache has not checked yet (the first-use check
+runs there; ``Cache.clean_mask`` says which experts any check found clean, the background one
+included), a pool with hints in flight, an engine that refuses the batch. Both paths share the cache's state (its numpy arrays: slot map, owners, policy scores, call
 clock), so they may alternate freely; tests/test_expert_step.py runs both on the same trace and
 compares slots, counters and bytes.
 
@@ -103,7 +103,10 @@ class ExpertStep:
         self.cap = int(max_ids)
         self._out = np.zeros(_OUT_HEAD + ec.num_experts + 2 * ec.slots_per_pool, dtype=np.int64)
         self._steps: dict[tuple[int, torch.dtype], tuple[_Step, torch.Tensor, Any]] = {}
-        self._keep: list[Any] = []  # arrays and tensors the structs point into
+        self._keep: dict[tuple[int, torch.dtype], Any] = {}  # the arrays a struct points into
+        # (layer position, ids dtype) -> (pinned slot ids, device slot ids): made once, kept for the
+        # run (a raw copy from them may still be queued when a struct is made anew)
+        self._buffers: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._gen = None
         self._spare: tuple[Ticket, np.ndarray, int] | None = None
         self._views: dict[tuple, torch.Tensor] = {}
@@ -157,9 +160,12 @@ class ExpertStep:
         clean = ec.cache.clean_mask(layer) if ec.verify_first_use else None
         dst = ec._slot_addresses(pool)
         T = int(len(sizes))
-        pin = self.cuda
-        slot_host = torch.empty(self.cap, dtype=dtype, pin_memory=pin)
-        slot_dev = torch.empty(self.cap, dtype=dtype, device=self.device) if self.cuda else slot_host
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            slot_host = torch.empty(self.cap, dtype=dtype, pin_memory=self.cuda)
+            slot_dev = torch.empty(self.cap, dtype=dtype, device=self.device) if self.cuda else slot_host
+            bufs = self._buffers[key] = (slot_host, slot_dev)
+        slot_host, slot_dev = bufs
         ids_host = self._ids_host(dtype)
         pieces = np.zeros(ec.num_experts * T * 3, dtype=np.uint64)
         rows = (ec._lut[li], ec._last[li], ec._logscore[li], src[li], offs, sizes, pieces, dst) + (
@@ -183,7 +189,7 @@ class ExpertStep:
         )
         st.memcpy_async, st.event_record, st.event_sync = self._api
         st.event = self._event.cuda_event if self.cuda else self._event.handle
-        self._keep.append((rows, slot_host, slot_dev, ids_host))
+        self._keep[key] = rows
         got = self._steps[key] = (st, slot_dev, ctypes.byref(st))
         return got
 
