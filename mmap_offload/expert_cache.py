@@ -477,18 +477,25 @@ class ExpertCache:
         copy them another way). The caller checks the reads (``admit(..., ordered_ticket=)``)."""
         if not self.stream_ordered or getattr(self.engine, "submit_ordered_raw", None) is None:
             return None
-        _, offs, sizes, keep = self._raw_plan()
-        names = [sp.name for sp, k in zip(self.specs, keep) if k]
-        base, stride = np.empty(len(names), dtype=np.uint64), np.empty(len(names), dtype=np.uint64)
-        for j, (name, n) in enumerate(zip(names, sizes)):
-            t = rows[name]
-            row = t.element_size() * (t.numel() // max(1, t.shape[0]))
-            if not t.is_contiguous() or row < int(n):
-                raise ValueError(f"rows[{name!r}] must be contiguous with rows of at least {int(n)} bytes")
-            base[j], stride[j] = t.data_ptr(), row
+        base, stride = self._row_addresses(rows)
         es = np.asarray(experts, dtype=np.int64).reshape(-1)
         dst = base[None, :] + es.astype(np.uint64)[:, None] * stride[None, :]
         return self._submit_raw(self._li(layer), es, dst)
+
+    def _row_addresses(self, rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """(base address, row stride in bytes) of each non-empty tensor of a layer buffer ``rows``
+        (``{name: [E, ...]}``, contiguous), in ``_raw_plan``'s order."""
+        _, _, sizes, keep = self._raw_plan()
+        names = [sp.name for sp, k in zip(self.specs, keep) if k]
+        bases, strides = np.empty(len(names), dtype=np.uint64), np.empty(len(names), dtype=np.uint64)
+        for j, (name, n) in enumerate(zip(names, sizes)):
+            t = rows[name]
+            row = t.element_size() * (t.numel() // max(1, t.shape[0]))
+            if not t.is_contiguous() or row < int(n) or t.shape[0] < self.num_experts:
+                raise ValueError(f"rows[{name!r}] must be contiguous, [{self.num_experts}, ...], with rows of at "
+                                 f"least {int(n)} bytes")
+            bases[j], strides[j] = t.data_ptr(), row
+        return bases, strides
 
     def _raw_plan(self):
         """([L, E] source addresses in the engine's mappings (0: not looked up yet), offsets and

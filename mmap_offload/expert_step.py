@@ -218,18 +218,8 @@ class ExpertStep:
         if not ids.is_contiguous():
             ids = ids.contiguous()
         st, slot_dev, ref = self._struct(li, ids.dtype)
-        ticket, status, ev = self._spare or self._prepare()
-        self._spare = None
-        stream = self._stream() if self.cuda else self.pool._fake_stream
+        rc, ticket, status, ev = self._call(self.lib.mo_step_run, ref, ids.data_ptr(), nk, ids.element_size())
         out = self._out
-        h = self.pool._enter(closing_ok=False)
-        if not h:
-            raise RuntimeError("transfer engine is closed")
-        try:
-            rc = self.lib.mo_step_run(ref, ids.data_ptr(), nk, ids.element_size(), h, stream,
-                                      status.ctypes.data, ev, out.ctypes.data)
-        finally:
-            self.pool._leave()
         self.metrics["runs"] += 1
         queued = rc > 0 or rc == _COPY
         if not queued:
@@ -280,21 +270,12 @@ class ExpertStep:
         ref = pending[1]
         got = self._rows.get(id(rows))
         if got is None or got[0] is not rows:
-            bases, strides = self._row_addresses(rows)
+            bases, strides = self.ec._row_addresses(rows)
             got = self._rows[id(rows)] = (rows, bases, strides)
         _, bases, strides = got
-        ticket, status, ev = self._spare or self._prepare()
-        self._spare = None
-        stream = self._stream() if self.cuda else self.pool._fake_stream
+        rc, ticket, status, ev = self._call(self.lib.mo_step_sparse, ref, bases.ctypes.data, strides.ctypes.data,
+                                            int(max_admit))
         out = self._out
-        h = self.pool._enter(closing_ok=False)
-        if not h:
-            raise RuntimeError("transfer engine is closed")
-        try:
-            rc = self.lib.mo_step_sparse(ref, bases.ctypes.data, strides.ctypes.data, int(max_admit), h, stream,
-                                         status.ctypes.data, ev, out.ctypes.data)
-        finally:
-            self.pool._leave()
         nm = int(out[_OUT_MISSES]) if rc >= 0 or rc in (_COPY, _CUDA) else 0
         queued = nm > 0
         if not queued:
@@ -337,19 +318,22 @@ class ExpertStep:
             raise RuntimeError(f"a device copy of the sparse step failed with CUDA error {int(out[_OUT_DETAIL])}")
         return True
 
-    def _row_addresses(self, rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-        """(base address, row stride in bytes) of each non-empty expert tensor's rows."""
-        ec = self.ec
-        _, _, sizes, keep = ec._raw_plan()
-        names = [sp.name for sp, k in zip(ec.specs, keep) if k]
-        bases, strides = np.empty(len(names), dtype=np.uint64), np.empty(len(names), dtype=np.uint64)
-        for j, (name, n) in enumerate(zip(names, sizes)):
-            t = rows[name]
-            row = t.element_size() * (t.numel() // max(1, t.shape[0]))
-            if not t.is_contiguous() or row < int(n) or t.shape[0] < ec.num_experts:
-                raise ValueError(f"rows[{name!r}] must be contiguous, [{ec.num_experts}, ...], rows of >= {int(n)} bytes")
-            bases[j], strides[j] = t.data_ptr(), row
-        return bases, strides
+    def _call(self, fn, *args) -> tuple[int, Ticket, np.ndarray, int]:
+        """``fn(*args, pool, stream, status, event, out)`` with a prepared ticket (the spare one left
+        by a call that queued nothing, else a new one) and a use of the pool counted: (its result,
+        the ticket, its status words, its event handle)."""
+        ticket, status, ev = self._spare or self._prepare()
+        self._spare = None
+        stream = self._stream() if self.cuda else self.pool._fake_stream
+        h = self.pool._enter(closing_ok=False)
+        if not h:
+            self._spare = (ticket, status, ev)
+            raise RuntimeError("transfer engine is closed")
+        try:
+            rc = fn(*args, h, stream, status.ctypes.data, ev, self._out.ctypes.data)
+        finally:
+            self.pool._leave()
+        return rc, ticket, status, ev
 
     def _stream(self) -> int:
         return (self._stream_of(self._index) if self._stream_of is not None

@@ -261,3 +261,17 @@ class SafeOpenTap:
 
     def __getattr__(self, name: str):
         return getattr(self._f, name)
+
+
+def run_child(code: str, *args: str, timeout: float = 120) -> tuple[list[str], str]:
+    """Run ``code`` in a child Python (from the checkout's root; a SIGBUS test must not risk this
+    process) with ``args``; asserts it exited 0. Returns (its stdout lines, the first of them
+    starting with "ERR" or "NO ERROR", "" if none)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    return lines, next((line for line in lines if line.startswith(("ERR", "NO ERROR"))), "")

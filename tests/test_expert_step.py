@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fakes import cuda_engine, expert_matches, make_cache, real_engines
+from fakes import cuda_engine, expert_matches, make_cache, real_engines, run_child
 from mmap_offload.expert_cache import POLICIES, ExpertCache
 from mmap_offload.expert_step import ExpertStep
 from mmap_offload.traces import skewed_trace
@@ -199,10 +199,7 @@ def test_a_failed_native_read_is_raised_and_its_slots_forgotten(tmp_path):
     naming the file (SIGBUS caught in a fill thread; on CPU the step waits at once), the pool
     forgets the experts it was filling, and the other layer is still served exactly. In a child
     process (a SIGBUS)."""
-    import subprocess
-    import sys
     import textwrap
-    from pathlib import Path
 
     code = textwrap.dedent("""
         import os, sys
@@ -237,12 +234,7 @@ def test_a_failed_native_read_is_raised_and_its_slots_forgotten(tmp_path):
         print("OTHER", serve(1, [6, 7]) and step.metrics["python"] == 6)
         eng.close()
     """)
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                       timeout=120, cwd=root)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
-    err = next(line for line in lines if line.startswith(("ERR", "NO ERROR")))
+    lines, err = run_child(code, str(tmp_path))
     assert err.startswith("ERR") and "SIGBUS" in err, lines
     assert "FORGOTTEN True" in lines and "OTHER True" in lines, lines
 

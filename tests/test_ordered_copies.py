@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from fakes import run_child
 from mmap_offload.cache_format import Extent
 from mmap_offload.errors import MmapOffloadError
 from mmap_offload.transfer import Copy, make_engine, native_copy_lib
@@ -298,10 +299,7 @@ def test_a_read_fault_fails_only_its_batch(tmp_path):
     """A file truncated under its mapping: the ordered batch that reads past the new end fails with
     the CacheError naming file and label (SIGBUS caught in the fill thread); its gate still opened,
     the process lives, and a later batch of the other file is exact. In a child process."""
-    import subprocess
-    import sys
     import textwrap
-    from pathlib import Path
 
     code = textwrap.dedent("""
         import os, sys
@@ -335,11 +333,6 @@ def test_a_read_fault_fails_only_its_batch(tmp_path):
         print("B", bool(np.array_equal(dst2.numpy(), data["b.bin"])))
         eng.close()
     """)
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                       timeout=120, cwd=root)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
-    err = next(line for line in lines if line.startswith(("ERR", "NO ERROR")))
+    lines, err = run_child(code, str(tmp_path))
     assert err.startswith("ERR") and "a.bin" in err and "layer 3 expert 5" in err and "SIGBUS" in err, lines
     assert "B True" in lines
