@@ -398,7 +398,8 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("residency_ids_s", "ids_ms"), ("residency_map_s", "map_ms"),
                               ("residency_pool_submit_s", "submit_ms"),
                               ("engine_ordered_submit_seconds", "native_submit_ms"),
-                              ("residency_native_s", "native_ms")):
+                              ("residency_native_s", "native_ms"), ("residency_between_s", "between_ms"),
+                              ("residency_outside_s", "outside_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
         rows.append(row)
@@ -524,6 +525,8 @@ def markdown(res: dict) -> str:
                      f"{' (C %.2f)' % r['native_submit_ms'] if r.get('native_submit_ms') is not None else ''}, "
                      f"map {r.get('map_ms', 0):.2f}"
                      f"{', native step %.2f' % r['native_ms'] if r.get('native_ms') else ''}]")
+        if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
+            host += f" {{between layers {r['between_ms']:.2f}, outside {r.get('outside_ms', 0):.2f}}}"
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "

@@ -334,3 +334,29 @@ def test_host_sampler_finds_where_the_thread_spends_its_time():
     assert prof["samples"] > 40 and 0.35 < prof["seconds"] < 0.6
     assert 0.55 < spin < 0.9 and 0.1 < sleep < 0.4, prof
     assert any(k.rsplit(":", 2)[-2] == "spin_here" for k, _ in prof["self"][:3])
+
+
+def test_host_time_around_route_is_reported_per_step():
+    """route()'s parts and vLLM's own host time between MoE layers and around them (Residency's
+    between_s / outside_s) land in the row, per decode step, and in the table's host column."""
+    import bench_vllm
+
+    def s(k):  # k: 0 before the timed steps, 1 after
+        return {"engine_bytes_moved": 0, "residency_pool_hits": 0, "residency_pool_misses": 0,
+                "residency_expert_calls": 4 * k, "residency_pool_calls": 99, "residency_route_s": 0.004 * k,
+                "residency_sync_s": 0.0, "residency_ids_s": 0.0, "residency_native_s": 0.002 * k,
+                "residency_between_s": 0.008 * k, "residency_outside_s": 0.012 * k}
+
+    task = {"event": "task", "kind": "decode", "name": "skewed/decode-1",
+            "result": {"tok_s": 50.0, "seconds": 1.0, "tokens": 4, "step_ms": 10.0,
+                       "summary_1": [s(0), s(0)], "summary_T1": [s(0), s(1)]}}
+    child = {"config": "mmap-cache", "label": "mmap-cache-skewed", "has_summary": True, "tasks": [task],
+             "outcome": "ok", "wall_s": 1, "events": [task], "cgroup": {}, "ready": {"ready_s": 1.0, "model_info": {}}}
+    row = bench_vllm.rows_from_child(child)[0]
+    assert row["between_ms"] == 2.0 and row["outside_ms"] == 3.0 and row["native_ms"] == 0.5  # per step of 4
+    res = {"rows": [row], "bars": [], "configs": [bench_vllm.config_summary(child, {"config": "mmap-cache", "llm": {}})],
+           "workloads": ["decode-1"], "shapes_text": "W4A16 toy", "expert_bytes": 4 << 30, "budget_bytes": 1 << 30,
+           "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
+           "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
+    md = bench_vllm.markdown(res)
+    assert "native step 0.50] {between layers 2.00, outside 3.00}" in md, md

@@ -80,6 +80,7 @@ class Residency:
             self.trace = traces.DeviceTrace(traces.read_csv(opts.routing_trace), self.device, E,
                                             source=f"routing trace {opts.routing_trace}")
         self._step = 0
+        self._route_end: float | None = None  # when the last route() returned
         self._idx_host = torch.empty((2, E), dtype=torch.int64, pin_memory=pin)  # sparse: rows, slots
         self._ids_host = self._w_host = self._mask_host = None  # hybrid: made on first use
         self.host = None
@@ -91,10 +92,14 @@ class Residency:
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
         # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads,
         # native_s in the native expert step, all of it, for native_calls calls: expert_step.py);
-        # map_copies: device maps rewritten (only on change)
+        # map_copies: device maps rewritten (only on change); between_s: wall time from one layer's
+        # route() to the next one's in the same forward (vLLM's layer code, launches, our kernel
+        # call), outside_s: from the last layer's to the next forward's first (sampling, scheduling,
+        # the layers before the first MoE layer)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0,
+                                            between_s=0.0, outside_s=0.0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -198,6 +203,8 @@ class Residency:
     def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor | None = None):
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
         t0 = time.perf_counter()
+        if self._route_end is not None:  # vLLM's own host time since the last route() (see metrics)
+            self.metrics["between_s" if t.index else "outside_s"] += t0 - self._route_end
         with torch.inference_mode(False):
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
@@ -228,7 +235,8 @@ class Residency:
             self._step += 1
             if self.ordered:  # the step's stream-ordered reads, before anything samples from it
                 self._check_step()
-        self.metrics["route_s"] += time.perf_counter() - t0
+        self._route_end = time.perf_counter()
+        self.metrics["route_s"] += self._route_end - t0
         return topk_weights, out
 
     def _native_mode(self, t, ids: torch.Tensor):
