@@ -249,13 +249,18 @@ class Residency:
             return None, used
         self.metrics["expert_calls"] += 1
         self.metrics["native_calls"] += 1
-        if self.off._transforms and self.step.pairs:  # CPU prepacked kernels: the slots just filled
-            pool = self.ec.slots(t.layer)
-            for _, s in self.step.pairs:
-                for name, fn in self.off._transforms.items():
-                    fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
+        self._transform_slots(t, [s for _, s in self.step.pairs])
         self._bind_pool(t)
         return out, used
+
+    def _transform_slots(self, t, slots) -> None:
+        """CPU prepacked kernels (vLLM-CPU): the kernel-layout twins of the pool slots just filled."""
+        if not self.off._transforms:
+            return
+        pool = self.ec.slots(t.layer)
+        for s in slots:
+            for name, fn in self.off._transforms.items():
+                fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
 
     def _check_step(self) -> None:
         """Wait for the reads of this step's stream-ordered misses (all but the last layer's are
@@ -284,10 +289,7 @@ class Residency:
             admitted = self._python_sparse(t, used, tensors, after)
         layer_tensors = tensors
         if off._transforms:  # CPU prepacked kernels: the admitted slots' twins, the buffer's twin, whole
-            pool = ec.slots(t.layer)
-            for e, s in admitted:
-                for name, fn in off._transforms.items():
-                    fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
+            self._transform_slots(t, [s for _, s in admitted])
             b = off.prefetcher.buffer_index(t.layer)
             twin = off._kernel_buffers[b]
             for name, fn in off._transforms.items():
@@ -359,12 +361,8 @@ class Residency:
         t1 = time.perf_counter()
         self.metrics["ensure_s"] += t1 - t0
         row = ec.slot_map(t.layer)
-        if self.off._transforms:  # CPU prepacked kernels: transform the slots just filled
-            pool = ec.slots(t.layer)
-            for e in used[before < 0]:
-                s = int(row[e])
-                for name, fn in self.off._transforms.items():
-                    fn(pool[name][s : s + 1], self._twin(t, name, pool[name])[s : s + 1])
+        if self.off._transforms:
+            self._transform_slots(t, [int(row[e]) for e in used[before < 0]])
         self._bind_pool(t)
         m, mh = self._map[t.index], self._map_host[t.index]
         if m.dtype != ids.dtype:  # the map in the router's id dtype: no conversion per call
