@@ -111,6 +111,17 @@ static void touch(mo_step *st, const int64_t *used, int64_t nu, int64_t nowv) { 
     }
 }
 
+/* ExpertCache._evict without a copy in flight (the callers check that there is none): empty slot s */
+static void evict(mo_step *st, int64_t s, int64_t *out) {
+    if (st->owner_li[s] >= 0) {
+        if (st->hinted[s]) out[OUT_HINT_WASTED]++;
+        st->lut[st->owner_e[s]] = -1;
+        out[OUT_EVICTIONS]++;
+    }
+    st->owner_li[s] = st->owner_e[s] = -1;
+    st->used[s] = st->hinted[s] = 0;
+}
+
 static int64_t read_id(const void *ids, int64_t i, int64_t size) {
     return size == 4 ? (int64_t)((const int32_t *)ids)[i] : ((const int64_t *)ids)[i];
 }
@@ -246,16 +257,7 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
     }
     /* 6. commit (ExpertCache.ensure after its _refill) */
     *st->now = nowv;
-    for (int64_t i = 0; i < nm; i++) {
-        int64_t s = vic[i];
-        if (st->owner_li[s] >= 0) {
-            if (st->hinted[s]) out[OUT_HINT_WASTED]++;
-            st->lut[st->owner_e[s]] = -1;
-            out[OUT_EVICTIONS]++;
-        }
-        st->owner_li[s] = st->owner_e[s] = -1;
-        st->used[s] = st->hinted[s] = 0;
-    }
+    for (int64_t i = 0; i < nm; i++) evict(st, vic[i], out);
     out[OUT_MISSES] = nm;
     out[OUT_HITS] = nh;
     if (nm && status[ST_CUDA_WORD]) return MO_STEP_COPY; /* emptied, not filled: the Python path's rule */
@@ -374,18 +376,12 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
         int64_t e = miss[order[i]], s = vic[i];
         /* _displaces: a free slot, or a holder whose decayed use is lower */
         if (st->owner_li[s] >= 0 && !(dw[order[i]] > decayed(st, st->owner_e[s], nowv))) continue;
-        if (st->owner_li[s] >= 0) { /* _evict */
-            if (st->hinted[s]) out[OUT_HINT_WASTED]++;
-            st->lut[st->owner_e[s]] = -1;
-            out[OUT_EVICTIONS]++;
-        }
+        evict(st, s, out);
         for (int64_t t = 0; t < T; t++) {
             int err = st->memcpy_async((void *)(uintptr_t)st->dst[s * T + t],
                                        (const void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),
                                        (size_t)st->sizes[t], D2D, stream);
-            if (err) { /* the slot's bytes are unknown now: leave it empty */
-                st->owner_li[s] = st->owner_e[s] = -1;
-                st->used[s] = st->hinted[s] = 0;
+            if (err) { /* the slot's bytes are unknown now: it stays empty */
                 out[OUT_DETAIL] = err;
                 out[OUT_ADMITTED] = na;
                 return MO_STEP_CUDA;

@@ -510,14 +510,21 @@ class ExpertCache:
         _, src, offs, sizes, keep = self._raw
         return src, offs, sizes, keep
 
+    def _source_addresses(self, li: int, es: np.ndarray) -> np.ndarray:
+        """The addresses of experts ``es``' records of layer position ``li`` in the engine's mappings
+        (``_raw_plan``'s table, looked up where still 0: mapping the file if need be)."""
+        src = self._raw_plan()[0]
+        base = src[li, es]
+        for j in np.flatnonzero(base == 0):
+            ext = self._extent(li, int(es[j]))
+            base[j] = src[li, es[j]] = self.engine.mapped_address(ext.path) + int(ext.offset)
+        return base
+
     def _submit_raw(self, li: int, es: np.ndarray, dst: np.ndarray):
         """Ordered submit of experts ``es`` of layer position ``li`` to ``dst`` ([len(es), tensors]
         device addresses) through ``engine.submit_ordered_raw``."""
-        src, offs, sizes, _ = self._raw_plan()
-        base = src[li, es]
-        for j in np.flatnonzero(base == 0):  # first use of the expert: its mapping's address
-            ext = self._extent(li, int(es[j]))
-            base[j] = src[li, es[j]] = self.engine.mapped_address(ext.path) + int(ext.offset)
+        _, offs, sizes, _ = self._raw_plan()
+        base = self._source_addresses(li, es)
         tr = np.empty((len(es), len(sizes), 3), dtype=np.uint64)
         tr[:, :, 0] = base[:, None] + offs[None, :]
         tr[:, :, 1] = dst

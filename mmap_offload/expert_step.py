@@ -144,7 +144,6 @@ class ExpertStep:
         gen = self.engine.map_generation
         if gen != self._gen:  # the engine's mappings were made anew: addresses from scratch
             self._steps.clear()
-            self._views.clear()
             self._gen = gen
         key = (li, dtype)
         got = self._steps.get(key)
@@ -152,11 +151,9 @@ class ExpertStep:
             return got
         ec = self.ec
         pool = ec._pool_of[li]
+        ec._source_addresses(li, np.arange(ec.num_experts))  # every expert's now: no first-use fallbacks
         src, offs, sizes, _ = ec._raw_plan()
         layer = ec.layers[li]
-        for e in np.flatnonzero(src[li] == 0).tolist():  # every expert's address now: no first-use fallbacks
-            ext = ec._extent(li, e)
-            src[li, e] = self.engine.mapped_address(ext.path) + int(ext.offset)
         clean = ec.cache.clean_mask(layer) if ec.verify_first_use else None
         dst = ec._slot_addresses(pool)
         T = int(len(sizes))
@@ -234,11 +231,10 @@ class ExpertStep:
         if rc >= 0:
             self.metrics["served"] += 1
             self.last_misses = int(out[_OUT_MISSES])
-            if not self.cuda and queued:
-                self._drain_cpu_stream()
-            v = self._views.get((li, nk, tuple(ids.shape)))
+            key = (li, ids.dtype, tuple(ids.shape))  # on CPU the batch was waited for in _account
+            v = self._views.get(key)
             if v is None:
-                v = self._views[(li, nk, tuple(ids.shape))] = slot_dev[:nk].view(ids.shape)
+                v = self._views[key] = slot_dev[:nk].view(ids.shape)
             return v, used
         if rc == _SPARSE:
             self.metrics["sparse"] += 1
@@ -295,6 +291,8 @@ class ExpertStep:
         m["admitted"] += na
         m["evictions"] += int(out[_OUT_EVICTIONS])
         m["hint_wasted"] += int(out[_OUT_HINT_WASTED])
+        if not self.cuda:  # every copy of the call (the batch's, the hits', the admissions') has run
+            self._drain_cpu_stream()
         if queued:  # the admitted slots' bytes came from the batch's rows: its failure forgets them
             pend = _Pending(ticket, ordered=True)
             for _, s in self.pairs:
@@ -302,7 +300,6 @@ class ExpertStep:
             if ec._defer_checks:
                 ec._unchecked.append((pool, pend))
             else:
-                self._drain_cpu_stream()
                 try:
                     ec._wait(pend)
                 except BaseException:
@@ -311,8 +308,6 @@ class ExpertStep:
         else:
             for _, s in self.pairs:
                 pool.fill_of.pop(s, None)
-        if not self.cuda and not queued:
-            self._drain_cpu_stream()  # the hits' copies
         self.metrics["seconds"] += time.perf_counter() - t0
         if rc == _CUDA:
             raise RuntimeError(f"a device copy of the sparse step failed with CUDA error {int(out[_OUT_DETAIL])}")
