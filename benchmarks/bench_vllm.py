@@ -362,6 +362,8 @@ def rows_from_child(child: dict) -> list[dict]:
             row["step_ms"] = r["step_ms"]
             if r.get("host_profile"):  # MMO_SAMPLE_DECODE=1 (vllm_runner.HostSampler)
                 row["host_profile"] = r["host_profile"]
+            if r.get("device_profile"):  # MMO_PROFILE_DECODE=1 (vllm_runner.device_timeline)
+                row["device_profile"] = r["device_profile"]
             s1, sT = r.get("summary_1") or [None, None], r.get("summary_T1") or [None, None]
             after = sT[1] or {}
 
@@ -564,6 +566,21 @@ def markdown(res: dict) -> str:
             ours = ", ".join(f"`{k.rsplit('/', 1)[-1]}` {v:.0%}" for k, v in mine) or "-"
             L.append(f"- {r['config']} {r['routing']} {r['workload']} ({hp['samples']} samples): this package "
                      f"{ours}; on top: " + ", ".join(f"`{k.rsplit('/', 1)[-1]}` {v:.0%}" for k, v in top))
+    timed = [r for r in res["rows"] if r.get("device_profile")]
+    if timed:  # MMO_PROFILE_DECODE=1: the device's own timeline of a few profiled decode steps
+        L += ["", "Device timeline of profiled decode steps (torch.profiler with CUDA activities; ms per step; the "
+              "profiled wall is longer than the unprofiled step):", "",
+              "| config | routing | workload | wall | device busy | device idle | top device ops (count, ms/step) | "
+              "host blocking CUDA calls (count, ms/step) |", "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+        for r in timed:
+            dp = r["device_profile"]
+            if "error" in dp:
+                L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {dp['error'][:80]} | | | | |")
+                continue
+            ops = "; ".join(f"{k[:40]} {c} {t}" for k, c, t in dp["device_ops"][:6])
+            hc = "; ".join(f"{k} {c} {t}" for k, c, t in dp["host_cuda_calls"][:4])
+            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {dp['wall_ms_per_step']} | "
+                     f"{dp['device_busy_ms_per_step']} | {dp['device_idle_ms_per_step']} | {ops} | {hc} |")
     L += ["", "| config | outcome | ready s | kernel | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | CUDA peak alloc GiB |",
           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for c in res["configs"]:

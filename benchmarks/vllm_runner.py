@@ -68,6 +68,61 @@ CHILD_ENV = {
 
 
 
+def device_timeline(fn, steps: int) -> dict:
+    """The device's side of ``steps`` decode steps (``MMO_PROFILE_DECODE=1``): ``fn()`` runs under
+    torch.profiler with CUDA activities (CUPTI timestamps, not Python sampling), and the result is
+    summarised per step: the wall time, the time the GPU ran anything (the union of kernels, copies and
+    memsets), the idle rest, the kernels by name and the host's blocking CUDA calls. Tracing adds a few
+    microseconds per launch, so the wall time is longer than the unprofiled step; the device
+    durations are the device's own."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    dev, kern, host = [], {}, {}
+    for e in prof.events():
+        name = e.name
+        start, end = e.time_range.start, e.time_range.end
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            dev.append((start, end))
+            kind = ("memcpy " + name.split("(")[-1].split(")")[0]) if "emcpy" in name else (
+                "memset" if "emset" in name else name[:70])
+            k = kern.setdefault(kind, [0, 0.0])
+            k[0] += 1
+            k[1] += end - start
+        elif name.startswith(("cuda", "cu")) and any(w in name for w in ("ynchronize", "Memcpy", "LaunchHostFunc",
+                                                                        "HostRegister", "StreamWait")):
+            h = host.setdefault(name, [0, 0.0])
+            h[0] += 1
+            h[1] += end - start
+    dev.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in dev:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    span = (dev[-1][1] - dev[0][0]) if dev else 0.0
+    per = max(steps, 1) * 1000.0  # us -> ms per step
+
+    def top(d, n):
+        return [[k, c, round(t / per, 4)] for k, (c, t) in sorted(d.items(), key=lambda kv: -kv[1][1])[:n]]
+
+    return {"steps": steps, "wall_ms_per_step": round(1000 * wall / max(steps, 1), 3),
+            "device_busy_ms_per_step": round(busy / per, 3), "device_span_ms_per_step": round(span / per, 3),
+            "device_idle_ms_per_step": round((span - busy) / per, 3),
+            "device_ops": top(kern, 14), "host_cuda_calls": top(host, 8)}
+
+
 class HostSampler:
     """Where the engine's host thread spends the timed decode (``MMO_SAMPLE_DECODE=1``): a thread
     samples this thread's Python stack every ``interval`` seconds and counts, per function, the samples
@@ -718,6 +773,12 @@ class _Child:
                "summary_1": [a0, a1], "summary_T1": [b0, b1]}
         if sampler is not None:
             res["host_profile"] = sampler.stop()
+        if os.environ.get("MMO_PROFILE_DECODE") and self.torch is not None and self.torch.cuda.is_available():
+            n = int(os.environ.get("MMO_PROFILE_STEPS", "8"))
+            try:  # n + 1 tokens minus the 1-token run's share is close enough for a per-step view
+                res["device_profile"] = device_timeline(lambda: self._gen(prompts, n + 1), n + 1)
+            except Exception as e:  # a profiler failure costs the view, not the row
+                res["device_profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         return res
 
     def task_prefill(self, task: dict) -> dict:
