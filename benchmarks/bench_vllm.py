@@ -23,6 +23,8 @@ a model cleanly):
                 launching thread waits for the misses' reads (the path before session 7)
     mmap-cache-py (``--configs``) mmap-cache with ``native_step=False``: expert mode  B + 2 layer buffers
                 in Python (the path before session 8; mmap_offload/expert_step.py)
+    mmap-cache-sync (``--configs``) mmap-cache with ``async_step=False``: the native   B + 2 layer buffers
+                step waits for each layer's ids (the path before session 9; async_step.py)
     mmap-all    (``--configs``) mmap-cache whose pool holds every expert: the     all + 2 layer buffers
                 residency step's own price at 100% hits (against noff); a diagnostic
     uva-eqtotal (``--configs``) uva given B + the mmap layer buffers             B + 2 layer buffers
@@ -75,9 +77,9 @@ MIB = 1 << 20
 USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
 TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 DECODE_BATCHES = (1, 8, 64)
-CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-hybrid", "noff", "uva-eqtotal",
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-hybrid", "noff", "uva-eqtotal",
            "mmap-all")
-POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-hybrid", "mmap-all")  # an expert pool; the trace via the backend
+POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-hybrid", "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
 
@@ -292,6 +294,8 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                 pool["stream_ordered"] = False
             if cfg == "mmap-cache-py":  # the same pool; expert mode in Python, not in one native call
                 pool["native_step"] = False
+            if cfg == "mmap-cache-sync":  # the same pool; the native step waits for each layer's ids
+                pool["async_step"] = False
             if skewed:  # the trace goes through the backend's own option: one engine per routing
                 specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True,
                               "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
@@ -401,7 +405,9 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("residency_pool_submit_s", "submit_ms"),
                               ("engine_ordered_submit_seconds", "native_submit_ms"),
                               ("residency_native_s", "native_ms"), ("residency_between_s", "between_ms"),
-                              ("residency_outside_s", "outside_ms")):
+                              ("residency_outside_s", "outside_ms"),
+                              ("residency_async_fill_s", "async_fill_ms"),
+                              ("residency_async_callback_s", "async_cb_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
         rows.append(row)
@@ -527,6 +533,8 @@ def markdown(res: dict) -> str:
                      f"{' (C %.2f)' % r['native_submit_ms'] if r.get('native_submit_ms') is not None else ''}, "
                      f"map {r.get('map_ms', 0):.2f}"
                      f"{', native step %.2f' % r['native_ms'] if r.get('native_ms') else ''}]")
+        if r.get("async_cb_ms"):  # the async step's stream callbacks (CUDA's thread): all, of it the fills
+            host += f" <callbacks {r['async_cb_ms']:.2f}, fills {r.get('async_fill_ms', 0):.2f}>"
         if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
             host += f" {{between layers {r['between_ms']:.2f}, outside {r.get('outside_ms', 0):.2f}}}"
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "

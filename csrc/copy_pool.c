@@ -100,6 +100,7 @@ typedef struct gbatch {      /* one group */
     chunk *chunks;
     uint32_t npieces, nchunks, taken, done;
     int filled, refs;        /* refs (atomic): its fill + its gate (if launched) + the submitting call */
+    char *base;              /* where its offsets point: NULL, the arena; mo_fill_wait's caller's buffer */
 } gbatch;
 
 enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
@@ -152,6 +153,7 @@ struct mo_pool {
     pthread_t *g_threads;
     /* stats (under mu): batches, bytes, fill ns, gates run, gates that waited, ns they waited */
     uint64_t st_g_batches, st_g_bytes, st_g_fill_ns, st_g_gates, st_g_gates_waited, st_g_gate_wait_ns;
+    uint64_t st_g_fill_waits; /* mo_fill_wait calls */
     uint64_t st_g_ungated; /* batches whose gate could not be launched (the submit waited) */
     uint64_t st_g_submit_ns; /* time inside mo_gate_submit (the caller's thread) */
 };
@@ -740,7 +742,7 @@ static void *gworker(void *arg) {
             const chunk *c = &b->chunks[ci];
             for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
             /* planned offsets are arena offsets: the "slot" is the arena's start */
-            err = guarded_copy(c, b->pieces, p->g_base, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN,
+            err = guarded_copy(c, b->pieces, b->base ? b->base : p->g_base, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN,
                                &fault);
             uint64_t dt = now_ns() - t0;
             pthread_mutex_lock(&p->mu);
@@ -993,6 +995,60 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     free(g);
     __atomic_add_fetch(&p->st_g_submit_ns, now_ns() - t_enter, __ATOMIC_RELAXED);
     return (int64_t)nc;
+}
+
+/* Fill pieces in[0, n) (src: an address in a mapping, dst: an offset in ``base``, n bytes) with the
+ * stream-ordered batches' threads and return once every byte is there: 0, ERR_FAULT (*fault: the
+ * address whose read raised SIGBUS) or ERR_CANCELLED (the pool is closing: nothing or part was
+ * filled). No CUDA call and no wait for device work, so a stream callback may call it (the async
+ * step's, csrc/route_step.c); ``base`` is the caller's own pinned buffer, not the arena, so no
+ * gated batch's bytes are touched and no gate is waited for. Each piece is cut into fill chunks of
+ * at most chunk_bytes. SUBMIT_INVALID: no ordered threads, or out of memory. */
+int mo_fill_wait(mo_pool *p, char *base, const mo_piece *in, size_t n, size_t chunk_bytes, uint64_t *fault) {
+    if (!p || !base || (n && !in) || !chunk_bytes || !p->g_nthreads) return SUBMIT_INVALID;
+    if (fault) *fault = 0;
+    size_t cap = 0;
+    for (size_t i = 0; i < n; i++) cap += in[i].n / chunk_bytes + 1;
+    if (!cap) return 0;
+    gbatch *b = calloc(1, sizeof(*b));
+    gparent *par = calloc(1, sizeof(*par));
+    planned_piece *pieces = malloc(cap * sizeof(*pieces));
+    chunk *chunks = malloc(cap * sizeof(*chunks));
+    if (!b || !par || !pieces || !chunks) { free(b); free(par); free(pieces); free(chunks); return SUBMIT_INVALID; }
+    uint32_t nc = 0;
+    for (size_t i = 0; i < n; i++)
+        for (uint64_t s = 0; s < in[i].n; s += chunk_bytes) {
+            uint64_t take = in[i].n - s < chunk_bytes ? in[i].n - s : chunk_bytes;
+            pieces[nc] = (planned_piece){in[i].src + s, 0, take, in[i].dst + s};
+            chunks[nc] = (chunk){nc, 1};
+            nc++;
+        }
+    int64_t status[ST_GATED_LEN] = {0};
+    b->p = p;
+    b->pieces = pieces;
+    b->chunks = chunks;
+    b->npieces = b->nchunks = nc;
+    b->base = base;
+    b->parent = par;
+    b->refs = 2; /* its fill's end and this call */
+    par->status = status;
+    par->left = 1;
+    pthread_mutex_lock(&p->mu);
+    if (p->closing) {
+        pthread_mutex_unlock(&p->mu);
+        gbatch_free(b);
+        free(par);
+        return ERR_CANCELLED;
+    }
+    if (p->g_tail_q) p->g_tail_q->next = b; else p->g_head_q = b;
+    p->g_tail_q = b;
+    p->st_g_fill_waits++;
+    pthread_cond_broadcast(&p->g_work_cv);
+    while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    gbatch_unref(b);
+    if (fault) *fault = (uint64_t)status[ST_FAULT];
+    return (int)status[ST_ERROR];
 }
 
 /* under no lock: wait up to ``seconds`` for every launched gate to have run; 1 if they all did */

@@ -29,64 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef int (*fn_memcpy_async)(void *dst, const void *src, size_t n, int kind, void *stream);
-typedef int (*fn_event_record)(void *ev, void *stream);
-typedef int (*fn_event_sync)(void *ev);
-
-/* copy_pool.c */
-int64_t mo_gate_submit(void *p, const void *in, size_t n, size_t chunk_bytes, size_t group_bytes,
-                       void *stream, int64_t *status, void *event);
-enum { ST_CUDA_WORD = 5 };
-
-enum { D2H = 2, H2D_KIND = 1, D2D = 3 };
-enum { POLICY_LFU_DECAY = 0, POLICY_LFU = 1, POLICY_LRU = 2 };
-enum { MAX_EXPERTS = 1024 }; /* stack arrays; more experts: the Python path */
-#define RECENT_BONUS 1e12 /* expert_cache._RECENT_BONUS */
-
-/* results below 0 (>= 0: done, the number of misses queued) */
-enum {
-    MO_STEP_SPARSE = -10,  /* more distinct experts than slots: out holds them */
-    MO_STEP_PYTHON = -11,  /* the Python path must serve this call: out holds the distinct experts */
-    MO_STEP_RANGE = -12,   /* an id outside [0, E): out[OUT_DETAIL] is it */
-    MO_STEP_CUDA = -13,    /* a CUDA call failed (ids copy, sync, slot ids copy): out[OUT_DETAIL] */
-    MO_STEP_COPY = -14,    /* the batch's copies failed (status[ST_CUDA]): its slots were emptied */
-    MO_STEP_CLOSED = -15,  /* the pool is closing: nothing changed */
-    MO_STEP_INVALID = -16, /* bad sizes, or the pool refused the batch as invalid: nothing changed */
-};
-/* out: counters, then the distinct experts [E], then the (expert, slot) pairs of the misses [2 S] */
-enum { OUT_USED = 0, OUT_MISSES, OUT_HITS, OUT_EVICTIONS, OUT_HINT_USED, OUT_HINT_WASTED, OUT_PIECES,
-       OUT_DETAIL, OUT_ADMITTED, OUT_HEAD };
-
-typedef struct {
-    /* CUDA runtime, or on the CPU the copy pool's CPU stand-in stream (mo_fake_*) */
-    int64_t host_ids;             /* 1 on the CPU: ids and slot ids are host memory, read and written in place */
-    fn_memcpy_async memcpy_async;
-    fn_event_record event_record;
-    fn_event_sync event_sync;
-    void *event;                  /* this step's own event: after the ids' copy to the host */
-    int64_t E, S, T;              /* experts of the layer, slots of its pool, tensors per expert */
-    int64_t policy;               /* POLICY_* */
-    int64_t window;               /* the policy's recent window in calls (the layers of one step) */
-    double lam;                   /* decay per call (0: lfu) */
-    int64_t li;                   /* the layer's position in the cache (owner_li of its slots) */
-    int64_t *now;                 /* the cache's call clock */
-    int64_t *lut;                 /* [E] expert -> slot, -1 */
-    double *last, *logscore;      /* [E] the policy's state of the layer's experts */
-    int64_t *owner_li, *owner_e, *use_call; /* [S] the pool's slots */
-    uint8_t *used, *hinted, *pinned;        /* [S] */
-    const uint8_t *verified;      /* [E] first-use check done; NULL: no check asked for */
-    const uint64_t *src;          /* [E] address of the expert's record in the engine's mapping, 0: unknown */
-    const uint64_t *dst;          /* [S * T] device address of slot s's tensor t */
-    const uint64_t *offs, *sizes; /* [T] the tensors in a record */
-    uint64_t *pieces;             /* [pieces_cap] scratch: (src, dst, n) per piece */
-    int64_t pieces_cap;
-    /* MmapEngine._chunk_bytes and _ordered_group_bytes */
-    int64_t slot_bytes, min_chunk, chunk_div, align, gates, min_group;
-    void *ids_host;               /* CUDA: pinned [cap] ids staging */
-    void *slot_host;              /* CUDA: pinned [cap] slot ids staging; CPU: the output itself */
-    void *slot_dev;               /* CUDA: device [cap] slot ids (the kernel's) */
-    int64_t cap;
-} mo_step;
+#include "route_step.h"
 
 int64_t mo_step_abi(void) { return (int64_t)sizeof(mo_step); }
 
@@ -98,21 +41,21 @@ static double logaddexp0(double x) { /* numpy's npy_logaddexp(x, 0.0) */
     return tmp;
 }
 
-static double decayed(const mo_step *st, int64_t e, int64_t nowv) { /* ExpertCache._decayed */
+double mo_step_decayed(const mo_step *st, int64_t e, int64_t nowv) { /* ExpertCache._decayed */
     double ls = st->logscore[e];
     return st->lam == 0.0 ? ls : ls - ((double)nowv - st->last[e]) * st->lam;
 }
 
-static void touch(mo_step *st, const int64_t *used, int64_t nu, int64_t nowv) { /* ExpertCache._touch */
+void mo_step_touch(mo_step *st, const int64_t *used, int64_t nu, int64_t nowv) { /* ExpertCache._touch */
     for (int64_t i = 0; i < nu; i++) {
         int64_t e = used[i];
-        if (st->policy != POLICY_LRU) st->logscore[e] = logaddexp0(decayed(st, e, nowv));
+        if (st->policy != POLICY_LRU) st->logscore[e] = logaddexp0(mo_step_decayed(st, e, nowv));
         st->last[e] = (double)nowv;
     }
 }
 
 /* ExpertCache._evict without a copy in flight (the callers check that there is none): empty slot s */
-static void evict(mo_step *st, int64_t s, int64_t *out) {
+void mo_step_evict(mo_step *st, int64_t s, int64_t *out) {
     if (st->owner_li[s] >= 0) {
         if (st->hinted[s]) out[OUT_HINT_WASTED]++;
         st->lut[st->owner_e[s]] = -1;
@@ -122,13 +65,13 @@ static void evict(mo_step *st, int64_t s, int64_t *out) {
     st->used[s] = st->hinted[s] = 0;
 }
 
-static int64_t read_id(const void *ids, int64_t i, int64_t size) {
+int64_t mo_step_read_id(const void *ids, int64_t i, int64_t size) {
     return size == 4 ? (int64_t)((const int32_t *)ids)[i] : ((const int64_t *)ids)[i];
 }
 
 /* ExpertCache._victims for ``n`` slots, the slots in prot[] (hit) spared: free ones first
  * (ascending), then the lowest keys (ties: least recently used first). Returns how many. */
-static int64_t victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out) {
+int64_t mo_step_victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out) {
     int64_t S = st->S, k = 0;
     for (int64_t s = 0; s < S && k < n; s++)
         if (st->owner_li[s] < 0) out[k++] = s;
@@ -219,7 +162,7 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
     uint8_t mark[MAX_EXPERTS];
     memset(mark, 0, (size_t)E);
     for (int64_t i = 0; i < nk; i++) {
-        int64_t v = read_id(h, i, id_size);
+        int64_t v = mo_step_read_id(h, i, id_size);
         if (v < 0 || v >= E) { out[OUT_DETAIL] = v; return MO_STEP_RANGE; }
         mark[v] = 1;
     }
@@ -241,7 +184,7 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
     int64_t nowv = *st->now + 1;
     /* 4. their slots */
     int64_t vic[MAX_EXPERTS];
-    if (nm && victims(st, nowv, nm, prot, vic) < nm) return MO_STEP_PYTHON; /* cannot happen: nu <= S */
+    if (nm && mo_step_victims(st, nowv, nm, prot, vic) < nm) return MO_STEP_PYTHON; /* cannot happen: nu <= S */
     /* 5. one stream-ordered batch */
     if (nm) {
         if (nm * T * 3 > st->pieces_cap) return MO_STEP_INVALID;
@@ -257,7 +200,7 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
     }
     /* 6. commit (ExpertCache.ensure after its _refill) */
     *st->now = nowv;
-    for (int64_t i = 0; i < nm; i++) evict(st, vic[i], out);
+    for (int64_t i = 0; i < nm; i++) mo_step_evict(st, vic[i], out);
     out[OUT_MISSES] = nm;
     out[OUT_HITS] = nh;
     if (nm && status[ST_CUDA_WORD]) return MO_STEP_COPY; /* emptied, not filled: the Python path's rule */
@@ -277,11 +220,11 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
         st->used[s] = 1;
         st->use_call[s] = nowv;
     }
-    touch(st, used, nu, nowv);
+    mo_step_touch(st, used, nu, nowv);
     /* 7. slot ids, in the ids' dtype */
     void *sl = st->slot_host;
     for (int64_t i = 0; i < nk; i++) {
-        int64_t s = st->lut[read_id(h, i, id_size)];
+        int64_t s = st->lut[mo_step_read_id(h, i, id_size)];
         if (id_size == 4) ((int32_t *)sl)[i] = (int32_t)s; else ((int64_t *)sl)[i] = s;
     }
     if (cuda && nk) {
@@ -348,7 +291,7 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
     /* ExpertCache.admit */
     int64_t nowv = *st->now + 1;
     *st->now = nowv;
-    touch(st, used, nu, nowv);
+    mo_step_touch(st, used, nu, nowv);
     uint8_t prot[MAX_EXPERTS];
     memset(prot, 0, (size_t)S);
     for (int64_t i = 0; i < nh; i++) {
@@ -360,12 +303,12 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
     int64_t want = nm < max_admit ? nm : (max_admit > 0 ? max_admit : 0);
     if (!want) return nm;
     int64_t vic[MAX_EXPERTS];
-    int64_t nv = victims(st, nowv, want, prot, vic);
+    int64_t nv = mo_step_victims(st, nowv, want, prot, vic);
     if (!nv) return nm;
     /* the hottest misses first (np.argsort(-decayed, kind="stable")), as many as victims */
     int64_t order[MAX_EXPERTS];
     double dw[MAX_EXPERTS];
-    for (int64_t i = 0; i < nm; i++) { order[i] = i; dw[i] = decayed(st, miss[i], nowv); }
+    for (int64_t i = 0; i < nm; i++) { order[i] = i; dw[i] = mo_step_decayed(st, miss[i], nowv); }
     for (int64_t i = 1; i < nm; i++) {
         int64_t v = order[i], j = i - 1;
         while (j >= 0 && -dw[order[j]] > -dw[v]) { order[j + 1] = order[j]; j--; }
@@ -375,8 +318,8 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
     for (int64_t i = 0; i < nv; i++) {
         int64_t e = miss[order[i]], s = vic[i];
         /* _displaces: a free slot, or a holder whose decayed use is lower */
-        if (st->owner_li[s] >= 0 && !(dw[order[i]] > decayed(st, st->owner_e[s], nowv))) continue;
-        evict(st, s, out);
+        if (st->owner_li[s] >= 0 && !(dw[order[i]] > mo_step_decayed(st, st->owner_e[s], nowv))) continue;
+        mo_step_evict(st, s, out);
         for (int64_t t = 0; t < T; t++) {
             int err = st->memcpy_async((void *)(uintptr_t)st->dst[s * T + t],
                                        (const void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),

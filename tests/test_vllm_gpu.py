@@ -101,14 +101,18 @@ def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):
     assert s["residency_pool_misses"] > 0
     # misses stream-ordered on vLLM's stream behind gates (one per group of a batch; no host wait
     # for their reads), every gate launched
-    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"] > 0
+    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"]
     assert s.get("engine_ordered_ungated", 0) == 0
-    assert s["residency_native_calls"] > 0  # decode calls served whole by the native step (expert_step.py)
+    # decode calls whose 4 ids fit the 6 slots are decided on the stream once every expert is
+    # checked (async_step.py: no host wait for the router); before that the native step serves them
+    assert s["residency_async_calls"] > 0 and s["residency_async_kernel"].startswith(("cubin", "ptx")), s
+    assert s["residency_async_calls"] + s["residency_native_calls"] >= s["residency_expert_calls"] // 2, s
 
 
 def test_pinned_host_memory_is_small(run):
     for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto"):
-        assert run["cases"][case]["summary"]["engine_pinned_bytes"] <= 0.5 * 2**30, case
+        s = run["cases"][case]["summary"]  # the ring, and the async step's staging and job areas
+        assert s["engine_pinned_bytes"] + s.get("residency_async_pinned_bytes", 0) <= 0.5 * 2**30, case
 
 
 TP2_CHILD = r'''

@@ -38,8 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..async_step import AsyncStep
 from ..expert_cache import ExpertCache
 from ..expert_step import ExpertStep
+from .patches import log
 from ..transfer import Copy
 
 
@@ -61,6 +63,18 @@ class Residency:
         self.ordered = self.ec.stream_ordered
         # expert mode in one native call per layer (expert_step.py); None: the Python path only
         self.step = ExpertStep.create(self.ec) if opts.native_step else None
+        # CUDA: decode layers whose ids fit the pool are decided on the stream (async_step.py)
+        self.async_step = None
+        self.async_off = "option async_step is off" if not opts.async_step else (
+            "not on CUDA" if self.device.type != "cuda" else "no native step" if self.step is None else "")
+        if not self.async_off:
+            nb = max(1, self.ec.expert_nbytes)
+            got = AsyncStep.create(self.step, max_experts=max(1, min(self.ec.slots_per_pool, 16, (96 << 20) // nb)))
+            if isinstance(got, str):
+                self.async_off = got
+                log.warning("mmap-offload: %s; decode layers wait for their routed ids instead", got)
+            else:
+                self.async_step = got
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
         self.threshold = max(1, int(opts.layer_stream_fraction * self.num_experts))
@@ -98,7 +112,7 @@ class Residency:
         # the layers before the first MoE layer)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
-                                            native_calls=0, native_sparse_calls=0, native_s=0.0,
+                                            native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0,
                                             between_s=0.0, outside_s=0.0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
@@ -215,7 +229,9 @@ class Residency:
                 t1 = time.perf_counter()
                 hybrid = self.host is not None and x is not None and n <= self.host.MAX_TOKENS
                 out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
-                if self.step is not None and not hybrid:
+                if self.async_step is not None and not hybrid:
+                    out = self._async_mode(t, topk_ids)
+                if out is None and self.step is not None and not hybrid:
                     out, used = self._native_mode(t, topk_ids)
                 if out is None:
                     if hybrid:
@@ -233,11 +249,28 @@ class Residency:
                         out = self._layer_mode(t, topk_ids, ahead=False)
         if t.index == len(self.off.targets) - 1:
             self._step += 1
-            if self.ordered:  # the step's stream-ordered reads, before anything samples from it
+            if self.ordered or self.async_step is not None:  # the step's reads, before anything samples from it
                 self._check_step()
         self._route_end = time.perf_counter()
         self.metrics["route_s"] += self._route_end - t0
         return topk_weights, out
+
+    def _async_mode(self, t, ids: torch.Tensor) -> torch.Tensor | None:
+        """Expert mode decided on the stream (async_step.py): the slot ids' device buffer, at once;
+        None where the call is not eligible, after waiting for the callbacks in flight (the other
+        paths read and write the arrays they mutate)."""
+        t0 = time.perf_counter()
+        out = self.async_step.run(t.layer, ids)
+        if out is None:
+            if self.async_step.pending():
+                self.async_step.wait()
+            self.metrics["native_s"] += time.perf_counter() - t0
+            return None
+        self.metrics["native_s"] += time.perf_counter() - t0
+        self.metrics["expert_calls"] += 1
+        self.metrics["async_calls"] += 1
+        self._bind_pool(t)
+        return out
 
     def _native_mode(self, t, ids: torch.Tensor):
         """Expert mode in one native call (expert_step.py): (slot ids, distinct experts), or (None,
@@ -268,6 +301,8 @@ class Residency:
         of the failed batch, which the pool has forgotten (the next step fetches them again)."""
         t0 = time.perf_counter()
         try:
+            if self.async_step is not None:  # every callback of the step ran, its reads succeeded
+                self.async_step.wait()
             self.ec.check_ordered()
         finally:
             self.metrics["check_s"] += time.perf_counter() - t0
@@ -391,10 +426,15 @@ class Residency:
         return self.trace.ids(self._step, t.index, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
 
     def summary(self) -> dict[str, Any]:
+        if self.async_step is not None:  # the callbacks' counters into the cache's (no wait)
+            self.async_step._fold()
         out = dict(self.metrics)
         out.update({f"pool_{k}": v for k, v in self.ec.summary().items()})
         if self.step is not None:
             out.update({f"step_{k}": v for k, v in self.step.summary().items()})
+        if self.async_step is not None:
+            out.update({f"async_{k}": v for k, v in self.async_step.summary().items()})
+        out["async_off"] = self.async_off
         out["pool_slots_per_layer"] = self.slots
         out["pool_bytes"] = self.ec.capacity_bytes
         out["layer_stream_threshold"] = self.threshold
@@ -405,6 +445,8 @@ class Residency:
         return out
 
     def close(self) -> None:
+        if self.async_step is not None:
+            self.async_step.close()
         self.ec.sync()
         if self.host is not None:
             self.host.close()

@@ -1,0 +1,340 @@
+/* The decode step decided in a stream callback: the launching thread never waits for the router
+ * (mmap_offload/async_step.py wraps it; built into mo_native with route_step.c and copy_pool.c).
+ *
+ * route_step.c's mo_step_run copies a layer's routed ids to the host and waits for them, so vLLM's
+ * launching thread stops at every MoE layer until the device has caught up with it: with eager
+ * vLLM's ~1.5 ms of host work per layer, the device then idles while the thread launches, and the
+ * thread idles while the device runs (BENCHMARKS.md, session 9). Here the thread only enqueues,
+ * on the layer's stream, three things that know nothing yet:
+ *
+ *   1. cudaMemcpyAsync(job.ids <- the router's ids)        device -> pinned job area
+ *   2. cudaLaunchHostFunc(async_cb, job)                   runs when the stream reaches it
+ *   3. the copy kernel (job.desc, staging)                 pinned -> the pool's slots, slot ids
+ *
+ * and goes on launching. When the stream reaches the callback, the ids are in host memory; the
+ * callback makes mo_step_run's decisions on them (distinct experts, hits, misses, the misses' slots
+ * by the pool's policy, bit for bit: the same helpers), reads the misses from the cache's mapping
+ * into a pinned staging buffer of its own with the copy pool's fill threads (mo_fill_wait: no CUDA
+ * call, no wait for device work), and writes the copy kernel's descriptors: (staging offset, slot
+ * address, bytes) per piece and the kernel's slot ids. The kernel then copies the staging bytes
+ * into the slots (the device reads pinned memory in place, as UVA does) and writes the slot ids
+ * where the MoE kernel reads them.
+ *
+ * Why the staging buffer and the job areas may be reused without tracking: everything runs on one
+ * stream, so a callback starts only after the previous job's kernel finished reading them.
+ * Host-side job fields are reused once their callback ran (mo_async_run waits for that; 32 jobs
+ * are 4 steps of an 8-layer model, and every step ends with a sync of its own).
+ *
+ * Errors never serve wrong bytes silently: a fill that fails (SIGBUS reading the mapping, the pool
+ * closing) empties the victims' slots (their old experts are gone, the new ones not there), copies
+ * nothing and records the error; the step must fail before sampling (mo_async_wait returns it).
+ * A call that breaks the launch-time promise (more distinct experts than slots, an expert not
+ * checked or without a source) does the same: the caller keeps the promise, this only refuses.
+ *
+ * On the CPU the stream is the copy pool's stand-in (mo_fake_*) and the "kernel" a host function
+ * doing the same copies, so the decisions and bytes are tested without a GPU. */
+#define _GNU_SOURCE
+#include "route_step.h"
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef void (*fn_host)(void *arg);
+typedef int (*fn_launch_host_func)(void *stream, fn_host fn, void *arg);
+typedef int (*fn_cu_launch)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned smem, void *stream, void **params, void **extra);
+
+/* copy_pool.c */
+typedef struct { uint64_t src, dst, n; } fill_piece;
+int mo_fill_wait(void *p, char *base, const fill_piece *in, size_t n, size_t chunk_bytes, uint64_t *fault);
+
+enum { AJ_JOBS = 32 };
+/* a job's descriptor words (pinned; the copy kernel reads them): */
+enum { D_NPIECES = 0, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_HEAD = 8 };
+/* then D_MAXPIECES triples (staging offset, device address, bytes), then D_NK slot ids (int64) */
+enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3 };
+/* mo_async_stats words */
+enum { AS_CALLS, AS_HITS, AS_MISSES, AS_EVICTIONS, AS_HINT_USED, AS_HINT_WASTED, AS_MISS_BYTES, AS_FILL_NS,
+       AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_LEN };
+
+typedef struct mo_async mo_async;
+typedef struct {
+    mo_async *a;
+    mo_step *st;
+    int64_t nk, id_size;
+    uint64_t *desc; /* pinned */
+    uint64_t desc_dev;
+    void *ids;      /* pinned */
+} mo_ajob;
+
+struct mo_async {
+    fn_memcpy_async memcpy_async;
+    fn_launch_host_func launch_host_func;
+    fn_cu_launch cu_launch; /* NULL: the CPU stand-in, the copies run in a host function */
+    void *kernel;           /* CUfunction */
+    void *pool;
+    char *staging;          /* pinned, host address */
+    uint64_t staging_dev;   /* its device address */
+    uint64_t staging_bytes;
+    uint64_t chunk_bytes;
+    int64_t max_pieces, cap;
+    unsigned grid, block, smem;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int64_t enq, done;
+    int64_t err, err_li, fault; /* the first failure since the last mo_async_wait */
+    uint64_t stats[AS_LEN];
+    mo_ajob jobs[AJ_JOBS];
+};
+
+static uint64_t ns_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+int64_t mo_async_job_bytes(int64_t max_pieces, int64_t cap) { /* pinned bytes of one job: desc + ids */
+    return (int64_t)(8 * (D_HEAD + 3 * max_pieces + cap) + 8 * cap);
+}
+
+/* jobmem: pinned, AJ_JOBS * mo_async_job_bytes; jobmem_dev: its device address (UVA: the same) */
+mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_launch, void *kernel, void *pool,
+                          char *staging, uint64_t staging_dev, uint64_t staging_bytes, uint64_t chunk_bytes,
+                          int64_t max_pieces, int64_t cap, char *jobmem, uint64_t jobmem_dev, int64_t grid,
+                          int64_t block) {
+    if (!memcpy_async || !launch_host_func || !pool || !staging || !jobmem || max_pieces < 1 || cap < 1 ||
+        !chunk_bytes || (cu_launch && !kernel))
+        return NULL;
+    mo_async *a = calloc(1, sizeof(*a));
+    if (!a) return NULL;
+    a->memcpy_async = (fn_memcpy_async)memcpy_async;
+    a->launch_host_func = (fn_launch_host_func)launch_host_func;
+    a->cu_launch = (fn_cu_launch)cu_launch;
+    a->kernel = kernel;
+    a->pool = pool;
+    a->staging = staging;
+    a->staging_dev = staging_dev;
+    a->staging_bytes = staging_bytes;
+    a->chunk_bytes = chunk_bytes;
+    a->max_pieces = max_pieces;
+    a->cap = cap;
+    a->grid = (unsigned)(grid > 0 ? grid : 64);
+    a->block = (unsigned)(block > 0 ? block : 512);
+    a->smem = (unsigned)(8 * (D_HEAD + 3 * max_pieces)); /* the kernel keeps the descriptors in shared memory */
+    int64_t jb = mo_async_job_bytes(max_pieces, cap);
+    for (int i = 0; i < AJ_JOBS; i++) {
+        mo_ajob *j = &a->jobs[i];
+        j->a = a;
+        j->desc = (uint64_t *)(jobmem + (size_t)i * (size_t)jb);
+        j->desc_dev = jobmem_dev + (uint64_t)i * (uint64_t)jb;
+        j->ids = (char *)j->desc + 8 * (D_HEAD + 3 * max_pieces + cap);
+        memset(j->desc, 0, (size_t)jb);
+        j->desc[D_MAXPIECES] = (uint64_t)max_pieces;
+    }
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_cond_init(&a->cv, NULL);
+    return a;
+}
+
+/* Only once every enqueued callback ran (mo_async_wait) and the stream is done with the jobs. */
+void mo_async_destroy(mo_async *a) {
+    if (!a) return;
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+    free(a);
+}
+
+static void fail(mo_async *a, int64_t err, int64_t li, uint64_t fault) { /* under mu */
+    if (a->err) return;
+    a->err = err;
+    a->err_li = li;
+    a->fault = (int64_t)fault;
+}
+
+/* The callback: mo_step_run's steps 2-4, 6-7 on the ids the stream copied, the misses filled here. */
+static void async_cb(void *arg) {
+    mo_ajob *j = (mo_ajob *)arg;
+    mo_async *a = j->a;
+    mo_step *st = j->st;
+    uint64_t t0 = ns_now(), fill_ns = 0, fault = 0;
+    int64_t E = st->E, S = st->S, T = st->T, nk = j->nk, isz = j->id_size;
+    int64_t out[OUT_HEAD];
+    memset(out, 0, sizeof(out));
+    uint64_t *desc = j->desc, *pc = desc + D_HEAD, *slot_ids = desc + D_HEAD + 3 * a->max_pieces;
+    int64_t err = A_ERR_NONE;
+    uint8_t mark[MAX_EXPERTS], prot[MAX_EXPERTS];
+    int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], vic[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, np = 0;
+    memset(mark, 0, (size_t)E);
+    memset(prot, 0, (size_t)S);
+    for (int64_t i = 0; i < nk && !err; i++) {
+        int64_t v = mo_step_read_id(j->ids, i, isz);
+        if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
+    }
+    for (int64_t e = 0; e < E && !err; e++)
+        if (mark[e]) used[nu++] = e;
+    if (nu > S) err = A_ERR_PROMISE;
+    for (int64_t i = 0; i < nu && !err; i++) {
+        int64_t e = used[i], s = st->lut[e];
+        if (s >= 0) { prot[s] = 1; nh++; continue; }
+        if ((st->verified && !st->verified[e]) || !st->src[e]) err = A_ERR_PROMISE;
+        miss[nm++] = e;
+    }
+    int64_t nowv = *st->now + 1;
+    if (!err && nm && mo_step_victims(st, nowv, nm, prot, vic) < nm) err = A_ERR_PROMISE;
+    if (!err && nm * T > a->max_pieces) err = A_ERR_PROMISE;
+    if (!err && nm) { /* the misses: staging <- mapping (the fill threads), then kernel: slot <- staging */
+        uint64_t off = 0;
+        fill_piece *fp = (fill_piece *)st->pieces;
+        for (int64_t i = 0; i < nm && !err; i++)
+            for (int64_t t = 0; t < T; t++) {
+                uint64_t n = st->sizes[t];
+                off = (off + 255) & ~(uint64_t)255;
+                if (off + n > a->staging_bytes) { err = A_ERR_PROMISE; break; }
+                fp[np] = (fill_piece){st->src[miss[i]] + st->offs[t], off, n};
+                pc[3 * np] = off;
+                pc[3 * np + 1] = st->dst[vic[i] * T + t];
+                pc[3 * np + 2] = n;
+                np++;
+                off += n;
+            }
+        if (!err) {
+            uint64_t f0 = ns_now();
+            int rc = mo_fill_wait(a->pool, a->staging, fp, (size_t)np, (size_t)a->chunk_bytes, &fault);
+            fill_ns = ns_now() - f0;
+            if (rc) err = A_ERR_FILL;
+        }
+    }
+    if (err == A_ERR_PROMISE) { /* nothing decided: the state is as before, the step fails */
+        desc[D_NPIECES] = 0;
+        for (int64_t i = 0; i < nk; i++) slot_ids[i] = 0;
+    } else { /* commit (mo_step_run's step 6); a failed fill empties the victims' slots */
+        *st->now = nowv;
+        for (int64_t i = 0; i < nm; i++) mo_step_evict(st, vic[i], out);
+        if (!err)
+            for (int64_t i = 0; i < nm; i++) {
+                int64_t s = vic[i];
+                st->owner_li[s] = st->li;
+                st->owner_e[s] = miss[i];
+                st->lut[miss[i]] = s;
+                prot[s] = 1;
+            }
+        for (int64_t s = 0; s < S; s++) {
+            st->pinned[s] = prot[s];
+            if (!prot[s]) continue;
+            if (st->hinted[s]) { out[OUT_HINT_USED]++; st->hinted[s] = 0; }
+            st->used[s] = 1;
+            st->use_call[s] = nowv;
+        }
+        mo_step_touch(st, used, nu, nowv);
+        for (int64_t i = 0; i < nk; i++) {
+            int64_t s = st->lut[mo_step_read_id(j->ids, i, isz)];
+            slot_ids[i] = (uint64_t)(s >= 0 ? s : 0); /* a failed fill's experts: any slot, the step fails */
+        }
+        desc[D_NPIECES] = err ? 0 : (uint64_t)np;
+    }
+    desc[D_NK] = (uint64_t)nk;
+    desc[D_IDSIZE] = (uint64_t)isz;
+    desc[D_SLOTDEV] = (uint64_t)(uintptr_t)st->slot_dev;
+    pthread_mutex_lock(&a->mu);
+    if (err) fail(a, err, st->li, fault);
+    if (err != A_ERR_PROMISE) {
+        a->stats[AS_CALLS]++;
+        a->stats[AS_HITS] += (uint64_t)nh;
+        a->stats[AS_USED] += (uint64_t)nu;
+        a->stats[AS_FILLS] += (uint64_t)(nm && !err);
+        a->stats[AS_MISSES] += (uint64_t)(err ? 0 : nm);
+        a->stats[AS_EVICTIONS] += (uint64_t)out[OUT_EVICTIONS];
+        a->stats[AS_HINT_USED] += (uint64_t)out[OUT_HINT_USED];
+        a->stats[AS_HINT_WASTED] += (uint64_t)out[OUT_HINT_WASTED];
+        for (int64_t i = 0; i < np && !err; i++) a->stats[AS_MISS_BYTES] += pc[3 * i + 2];
+    }
+    a->stats[AS_FILL_NS] += fill_ns;
+    a->stats[AS_CB_NS] += ns_now() - t0;
+    a->done++;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* The CPU stand-in of the copy kernel (a host function on the CPU stream, after the callback). */
+static void cpu_kernel(void *arg) {
+    mo_ajob *j = (mo_ajob *)arg;
+    const uint64_t *desc = j->desc, *pc = desc + D_HEAD, *ids = desc + D_HEAD + 3 * desc[D_MAXPIECES];
+    for (uint64_t i = 0; i < desc[D_NPIECES]; i++)
+        memcpy((void *)(uintptr_t)pc[3 * i + 1], j->a->staging + pc[3 * i], (size_t)pc[3 * i + 2]);
+    void *out = (void *)(uintptr_t)desc[D_SLOTDEV];
+    for (uint64_t i = 0; i < desc[D_NK]; i++)
+        if (desc[D_IDSIZE] == 4) ((int32_t *)out)[i] = (int32_t)ids[i]; else ((int64_t *)out)[i] = (int64_t)ids[i];
+}
+
+/* Enqueue layer ``st``'s step for the ``nk`` routed ids at ``ids`` (device, int32/int64) on
+ * ``stream``. Returns 0, or a CUDA error code (> 0: then the stream may hold part of the job;
+ * the step must fail, see mo_async_wait), or -1 for bad arguments (nothing enqueued). The caller
+ * promises: nk <= the pool's slots and <= cap, every expert checked and with a source address,
+ * no other step on this layer's arrays until mo_async_wait. */
+int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int64_t id_size, void *stream) {
+    if (!a || !st || nk < 0 || nk > a->cap || nk > st->S || (id_size != 4 && id_size != 8) || st->E > MAX_EXPERTS)
+        return -1;
+    pthread_mutex_lock(&a->mu);
+    if (a->enq - a->done >= AJ_JOBS) { /* the job's host fields are still the callback's */
+        uint64_t t0 = ns_now();
+        while (a->enq - a->done >= AJ_JOBS) pthread_cond_wait(&a->cv, &a->mu);
+        a->stats[AS_WAIT_NS] += ns_now() - t0;
+        a->stats[AS_WAITS]++;
+    }
+    mo_ajob *j = &a->jobs[a->enq % AJ_JOBS];
+    pthread_mutex_unlock(&a->mu);
+    j->st = st;
+    j->nk = nk;
+    j->id_size = id_size;
+    int err = nk ? a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream) : 0;
+    if (err) return err; /* nothing of this job is on the stream yet */
+    err = a->launch_host_func(stream, async_cb, j);
+    if (err) return err; /* the ids copy alone: harmless */
+    pthread_mutex_lock(&a->mu);
+    a->enq++;
+    a->stats[AS_ENQ]++;
+    pthread_mutex_unlock(&a->mu);
+    if (a->cu_launch) {
+        uint64_t desc_dev = j->desc_dev, staging_dev = a->staging_dev;
+        void *params[] = {&desc_dev, &staging_dev};
+        err = a->cu_launch(a->kernel, a->grid, 1, 1, a->block, 1, 1, a->smem, stream, params, NULL);
+    } else {
+        err = a->launch_host_func(stream, cpu_kernel, j);
+    }
+    if (err) { /* the callback will decide and commit, but no kernel copies: the step must fail */
+        pthread_mutex_lock(&a->mu);
+        fail(a, A_ERR_LAUNCH, st->li, (uint64_t)err);
+        pthread_mutex_unlock(&a->mu);
+    }
+    return err;
+}
+
+/* Wait until every enqueued callback ran (no CUDA call: the device must reach them). Returns the
+ * first error since the last call (0: none) and clears it; info[0..1]: its layer position and its
+ * detail (the faulting address of a failed fill, the CUDA error of a failed launch). */
+int64_t mo_async_wait(mo_async *a, int64_t *info) {
+    pthread_mutex_lock(&a->mu);
+    while (a->done < a->enq) pthread_cond_wait(&a->cv, &a->mu);
+    int64_t err = a->err;
+    if (info) { info[0] = a->err_li; info[1] = a->fault; }
+    a->err = a->err_li = a->fault = 0;
+    pthread_mutex_unlock(&a->mu);
+    return err;
+}
+
+int64_t mo_async_pending(mo_async *a) {
+    pthread_mutex_lock(&a->mu);
+    int64_t n = a->enq - a->done;
+    pthread_mutex_unlock(&a->mu);
+    return n;
+}
+
+void mo_async_stats(mo_async *a, uint64_t *out) {
+    pthread_mutex_lock(&a->mu);
+    memcpy(out, a->stats, sizeof(a->stats));
+    pthread_mutex_unlock(&a->mu);
+}
+
+int64_t mo_async_stats_len(void) { return AS_LEN; }
+int64_t mo_async_jobs(void) { return AJ_JOBS; }

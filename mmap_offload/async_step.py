@@ -1,0 +1,276 @@
+"""The expert cache's decode step, decided on the stream instead of on vLLM's thread
+(csrc/async_step.c; the synchronous form is expert_step.py).
+
+``ExpertStep.run`` copies a layer's routed ids to the host and waits for them: vLLM's launching
+thread then stops at every MoE layer until the device has caught up, so eager vLLM's own host work
+(~1.5 ms per layer on the H200's host) and the device's work add up instead of overlapping.
+``AsyncStep.run(layer, ids)`` enqueues the ids' copy to pinned memory, a stream callback that makes
+the same decisions (the same C helpers, bit for bit) and fills the misses into a pinned staging
+buffer, and a copy kernel (copy_kernel.py) that moves them into the pool's slots and writes the
+slot ids. It returns the slot ids' device buffer at once; nothing on vLLM's thread waits.
+
+The caller keeps the promise the callback cannot check in time (``eligible``): at most as many ids
+as the pool has slots (so every routed expert fits), every expert of the layer checked
+(``Cache.clean_mask``) and with its source address, no hint in flight, and no other path touching the
+cache's arrays until ``wait()``: the callback mutates them from CUDA's callback thread. ``wait()``
+blocks until every enqueued callback ran (the device must reach them) and raises the first failure:
+a read of the cache that failed (the victims' slots were emptied, the step's kernels read stale
+bytes: the step must fail, as with stream-ordered batches), a failed kernel launch (the layer's
+pool is forgotten). The vLLM backend calls it before the step samples and before any other path.
+
+Requirements (``create`` returns None, or a reason): the synchronous ExpertStep, and on CUDA the
+copy kernel (NVRTC and the driver API). On the CPU the stream is the copy pool's stand-in and the
+kernel a host function, so tests run the whole path without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import MmapOffloadError
+
+__all__ = ["AsyncStep"]
+
+_vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+(_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
+ _ENQ, _USED, _FILLS) = range(14)
+_N = 14  # csrc/async_step.c AS_LEN
+_ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH = 1, 2, 3
+
+
+def _typed(lib) -> bool:
+    if not hasattr(lib, "mo_async_create"):
+        return False
+    lib.mo_async_job_bytes.restype = _i64
+    lib.mo_async_job_bytes.argtypes = [_i64, _i64]
+    lib.mo_async_create.restype = _vp
+    lib.mo_async_create.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp, _u64, _u64, _u64, _i64, _i64, _vp, _u64, _i64, _i64]
+    lib.mo_async_destroy.argtypes = [_vp]
+    lib.mo_async_run.restype = _i64
+    lib.mo_async_run.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp]
+    lib.mo_async_wait.restype = _i64
+    lib.mo_async_wait.argtypes = [_vp, _vp]
+    lib.mo_async_pending.restype = _i64
+    lib.mo_async_pending.argtypes = [_vp]
+    lib.mo_async_stats.argtypes = [_vp, _vp]
+    lib.mo_async_stats_len.restype = _i64
+    return lib.mo_async_stats_len() == _N
+
+
+def _device_pointer(t: torch.Tensor) -> int:
+    """The device address of pinned host tensor ``t`` (with unified addressing, its own)."""
+    from .pinned import loaded_cudart
+
+    lib = loaded_cudart()
+    ptr = ctypes.c_void_p()
+    if lib is None or lib.cudaHostGetDevicePointer(ctypes.byref(ptr), ctypes.c_void_p(t.data_ptr()), 0):
+        raise RuntimeError("cudaHostGetDevicePointer failed for the async step's pinned memory")
+    return int(ptr.value)
+
+
+class AsyncStep:
+    """The stream-decided decode step over one ``ExpertStep`` (module docstring). ``max_experts``:
+    the most experts one call may fetch (its pinned staging holds that many)."""
+
+    @classmethod
+    def create(cls, step, max_experts: int = 16, grid: int = 0, block: int = 0) -> "AsyncStep | str":
+        """An AsyncStep over ``step`` (an ExpertStep), or one line saying why not."""
+        if step is None:
+            return "the native expert step is not available"
+        if not _typed(step.lib):
+            return "the native library has no async step (rebuild it)"
+        kernel = None
+        if step.cuda:
+            from . import copy_kernel
+
+            kernel = copy_kernel.load(step.device)
+            if isinstance(kernel, str):
+                return kernel
+        return cls(step, kernel, int(max_experts), grid, block)
+
+    def __init__(self, step, kernel, max_experts: int, grid: int, block: int):
+        self.step, self.ec, self.lib = step, step.ec, step.lib
+        self.cuda = step.cuda
+        ec = self.ec
+        _, offs, sizes, _ = ec._raw_plan()
+        self.T = int(len(sizes))
+        self.max_experts = max(1, int(max_experts))
+        per = int(sum((int(n) + 255) // 256 * 256 for n in sizes))
+        self.staging_bytes = per * self.max_experts
+        self.max_pieces = self.T * self.max_experts
+        self.cap = step.cap
+        pin = self.cuda
+        jb = int(self.lib.mo_async_job_bytes(self.max_pieces, self.cap))
+        self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._jobs = torch.zeros(jb * 32, dtype=torch.uint8, pin_memory=pin)
+        if self.cuda:
+            staging_dev, jobs_dev = _device_pointer(self._staging), _device_pointer(self._jobs)
+            memcpy, host_func = step._api[0], _host_func()
+            launch, function = kernel.launch, kernel.function
+            self.kernel_source = kernel.source
+        else:
+            staging_dev, jobs_dev = self._staging.data_ptr(), self._jobs.data_ptr()
+            memcpy = step._api[0]
+            host_func = ctypes.cast(self.lib.mo_fake_launch_host_func, ctypes.c_void_p).value
+            launch = function = None
+            self.kernel_source = "cpu stand-in"
+        # the callbacks use the pool's handle: close() must run before the engine's close (the
+        # vLLM backend's Residency.close does); a callback that runs during it finds the pool
+        # closing and fails its fill
+        self._pool = step.pool.handle
+        if not self._pool:
+            raise MmapOffloadError("transfer engine is closed")
+        eng = step.engine
+        chunk = max(int(eng.min_chunk_bytes), 256 << 10)
+        self.handle = self.lib.mo_async_create(
+            memcpy, host_func, launch, function, self._pool, self._staging.data_ptr(), staging_dev,
+            self.staging_bytes, chunk, self.max_pieces, self.cap, self._jobs.data_ptr(), jobs_dev, grid, block)
+        if not self.handle:
+            raise MemoryError("the async step could not be created")
+        self._stats = np.zeros(_N, dtype=np.uint64)
+        self._folded = np.zeros(_N, dtype=np.uint64)
+        self._info = np.zeros(2, dtype=np.int64)
+        self._all_clean: dict[int, bool] = {}
+        self._hold: list[torch.Tensor | None] = [None] * 64
+        self.metrics = dict(runs=0, declined=0, waits=0, wait_s=0.0)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return int(self._staging.numel() + self._jobs.numel()) if self.cuda else 0
+
+    def eligible(self, li: int, nk: int, dtype: torch.dtype) -> bool:
+        """The promise of the module docstring, for a call of ``nk`` ids on layer position ``li``."""
+        ec = self.ec
+        pool = ec._pool_of[li]
+        if nk > pool.size or nk > self.max_experts or nk > self.cap or pool.pending or \
+                dtype not in (torch.int32, torch.int64):
+            return False
+        if not self._all_clean.get(li):
+            if ec.verify_first_use:
+                clean = ec.cache.clean_mask(ec.layers[li])
+                if not bool(clean.all()):
+                    return False
+            self._all_clean[li] = True
+        return True
+
+    def run(self, layer: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """Enqueue layer ``layer``'s step for ``ids`` (int32/int64, on the step's device) and return
+        the slot ids (a device view shaped like ``ids``, written by the copy kernel), or None where
+        the call is not eligible (nothing enqueued: the caller takes another path, after ``wait``)."""
+        ec = self.ec
+        li = ec._li(layer)
+        nk = ids.numel()
+        if not self.eligible(li, nk, ids.dtype):
+            self.metrics["declined"] += 1
+            return None
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        st, slot_dev, ref = self.step._struct(li, ids.dtype)  # sources of every expert looked up once
+        stream = self.step._stream() if self.cuda else self.step.pool._fake_stream
+        if not self.step.pool._enter(closing_ok=False):
+            raise MmapOffloadError("transfer engine is closed")
+        try:
+            rc = self.lib.mo_async_run(self.handle, ref, ids.data_ptr(), nk, ids.element_size(), stream)
+        finally:
+            self.step.pool._leave()
+        if rc < 0:
+            self.metrics["declined"] += 1
+            return None
+        self.metrics["runs"] += 1
+        if not self.cuda:  # the stand-in stream copies the ids later: keep them alive (32 jobs)
+            self._hold[self.metrics["runs"] % len(self._hold)] = ids
+        if rc > 0:  # the stream may hold part of the job: wait() reports it (the layer is forgotten)
+            self.wait()
+        key = (li, ids.dtype, tuple(ids.shape))
+        v = self.step._views.get(key)
+        if v is None:
+            v = self.step._views[key] = slot_dev[:nk].view(ids.shape)
+        return v
+
+    def pending(self) -> int:
+        return int(self.lib.mo_async_pending(self.handle))
+
+    def wait(self) -> None:
+        """Block until every enqueued callback ran; fold the counters into the cache's metrics and
+        raise the first failure since the last wait (module docstring)."""
+        import time
+
+        t0 = time.perf_counter()
+        err = int(self.lib.mo_async_wait(self.handle, self._info.ctypes.data))
+        self.metrics["waits"] += 1
+        self.metrics["wait_s"] += time.perf_counter() - t0
+        self._fold()
+        if not err:
+            return
+        li, detail = int(self._info[0]), int(self._info[1])
+        if err == _ERR_FILL:
+            if detail:
+                raise self.step.engine._fault_error(detail, ())
+            raise MmapOffloadError("transfer cancelled: the engine was closed")
+        if err == _ERR_LAUNCH:
+            self._forget(li)
+            raise RuntimeError(f"launching the async step's copy kernel failed with CUDA error {detail}; "
+                               f"layer position {li}'s pool was emptied")
+        raise RuntimeError(f"the async step was handed a call it cannot serve (layer position {li}): a bug, "
+                           "please report it")
+
+    def _forget(self, li: int) -> None:
+        """Empty layer position ``li``'s pool (its slots' bytes are unknown)."""
+        ec = self.ec
+        pool = ec._pool_of[li]
+        for s in range(pool.size):
+            if pool.owner_li[s] >= 0:
+                ec._lut[pool.owner_li[s], pool.owner_e[s]] = -1
+            pool.owner_li[s] = pool.owner_e[s] = -1
+            pool.used[s] = pool.hinted[s] = False
+
+    def _fold(self) -> None:
+        self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
+        d = (self._stats - self._folded).astype(np.int64)
+        self._folded[:] = self._stats
+        m, nb = self.ec.metrics, self.ec.expert_nbytes
+        m["calls"] += int(d[_CALLS])
+        m["routed_bytes"] += int(d[_USED]) * nb
+        m["hits"] += int(d[_HITS])
+        m["misses"] += int(d[_MISSES])
+        m["miss_bytes"] += int(d[_MISSES]) * nb
+        m["bytes_moved"] += int(d[_MISS_BYTES])
+        m["ordered_fills"] += int(d[_FILLS])
+        m["evictions"] += int(d[_EVICTIONS])
+        m["hint_used"] += int(d[_HINT_USED])
+        m["hint_wasted"] += int(d[_HINT_WASTED])
+
+    def summary(self) -> dict[str, Any]:
+        self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
+        s = self._stats
+        out = dict(self.metrics)
+        out.update(calls=int(s[_CALLS]), enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
+                   callback_s=float(s[_CB_NS]) / 1e9, job_waits=int(s[_WAITS]), kernel=self.kernel_source,
+                   staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes)
+        return out
+
+    def close(self) -> None:
+        """Wait for the callbacks, then free the C side (the pinned memory goes with this object)."""
+        h, self.handle = getattr(self, "handle", None), None
+        if not h:
+            return
+        try:
+            self.lib.mo_async_wait(h, None)
+            if self.cuda:
+                torch.cuda.synchronize(self.step.device)  # the kernels read the jobs and staging
+            else:
+                self.step._drain_cpu_stream()
+        finally:
+            self.lib.mo_async_destroy(h)
+
+
+def _host_func() -> int:
+    from .transfer.native_pool import _cuda_runtime_api
+
+    api = _cuda_runtime_api()
+    if api is None or api[7] is None:
+        raise RuntimeError("cudaLaunchHostFunc was not found")
+    return api[7]
