@@ -432,7 +432,8 @@ def config_summary(child: dict, spec: dict) -> dict:
         vram_experts = info.get("mmap_device_bytes")
     else:
         vram_experts = info.get("expert_bytes_device")
-    pinned = int(last_mem.get("torch_pinned_peak", 0)) + int((summary or {}).get("engine_pinned_bytes", 0) or 0)
+    pinned = int(last_mem.get("torch_pinned_peak", 0)) + int((summary or {}).get("engine_pinned_bytes", 0) or 0) + \
+        int((summary or {}).get("residency_async_pinned_bytes", 0) or 0)  # the async step's staging and jobs
     out = {
         "label": child["label"], "config": cfg, "outcome": child["outcome"], "wall_s": child["wall_s"],
         "ready_s": ready.get("ready_s"), "process_ready_s": ready.get("t"),

@@ -36,6 +36,7 @@
 #define _GNU_SOURCE
 #include "route_step.h"
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -47,13 +48,18 @@ typedef int (*fn_cu_launch)(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
 
 /* copy_pool.c */
 typedef struct { uint64_t src, dst, n; } fill_piece;
-int mo_fill_wait(void *p, char *base, const fill_piece *in, size_t n, size_t chunk_bytes, uint64_t *fault);
+void *mo_fill_queue(void *p, char *base, const fill_piece *in, size_t n, uint64_t *flags);
+int mo_fill_finish(void *p, void *handle, uint64_t *fault);
 
 enum { AJ_JOBS = 32 };
-/* a job's descriptor words (pinned; the copy kernel reads them): */
-enum { D_NPIECES = 0, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_HEAD = 8 };
-/* then D_MAXPIECES triples (staging offset, device address, bytes), then D_NK slot ids (int64) */
-enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3 };
+/* a job's words (pinned; the copy kernel reads them, and writes D_KERR):
+ *   D_HEAD words: items, ids, id size, slot ids' device address, max items, cap, kernel error
+ *   3 * max items: (staging offset, device address, bytes) per item (a fill chunk)
+ *   cap: the slot ids (int64)
+ *   max items: a flag per item, stored by the fill threads once its bytes are in staging
+ *   then the routed ids (cap of them, 8 bytes each at most), copied there by the stream */
+enum { D_NPIECES = 0, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_CAP, D_KERR, D_HEAD = 8 };
+enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3, A_ERR_KERNEL = 4 };
 /* mo_async_stats words */
 enum { AS_CALLS, AS_HITS, AS_MISSES, AS_EVICTIONS, AS_HINT_USED, AS_HINT_WASTED, AS_MISS_BYTES, AS_FILL_NS,
        AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_LEN };
@@ -65,7 +71,10 @@ typedef struct {
     int64_t nk, id_size;
     uint64_t *desc; /* pinned */
     uint64_t desc_dev;
+    uint64_t *flags; /* pinned, in desc's area */
     void *ids;      /* pinned */
+    void *fill;     /* its fill in flight (mo_fill_queue), finished by the next callback or a wait */
+    int64_t nnew, *new_pairs; /* the (expert, slot) it made resident: forgotten if the fill fails */
 } mo_ajob;
 
 struct mo_async {
@@ -84,6 +93,7 @@ struct mo_async {
     pthread_cond_t cv;
     int64_t enq, done;
     int64_t err, err_li, fault; /* the first failure since the last mo_async_wait */
+    mo_ajob *inflight;      /* the last job whose fill was queued and not finished yet */
     uint64_t stats[AS_LEN];
     mo_ajob jobs[AJ_JOBS];
 };
@@ -94,8 +104,8 @@ static uint64_t ns_now(void) {
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
-int64_t mo_async_job_bytes(int64_t max_pieces, int64_t cap) { /* pinned bytes of one job: desc + ids */
-    return (int64_t)(8 * (D_HEAD + 3 * max_pieces + cap) + 8 * cap);
+int64_t mo_async_job_bytes(int64_t max_pieces, int64_t cap) { /* pinned bytes of one job */
+    return (int64_t)(8 * (D_HEAD + 3 * max_pieces + cap + max_pieces) + 8 * cap);
 }
 
 /* jobmem: pinned, AJ_JOBS * mo_async_job_bytes; jobmem_dev: its device address (UVA: the same) */
@@ -121,16 +131,24 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
     a->cap = cap;
     a->grid = (unsigned)(grid > 0 ? grid : 64);
     a->block = (unsigned)(block > 0 ? block : 512);
-    a->smem = (unsigned)(8 * (D_HEAD + 3 * max_pieces)); /* the kernel keeps the descriptors in shared memory */
+    a->smem = 0; /* the kernel reads its items from the job, one at a time */
     int64_t jb = mo_async_job_bytes(max_pieces, cap);
     for (int i = 0; i < AJ_JOBS; i++) {
         mo_ajob *j = &a->jobs[i];
         j->a = a;
         j->desc = (uint64_t *)(jobmem + (size_t)i * (size_t)jb);
         j->desc_dev = jobmem_dev + (uint64_t)i * (uint64_t)jb;
-        j->ids = (char *)j->desc + 8 * (D_HEAD + 3 * max_pieces + cap);
+        j->flags = j->desc + D_HEAD + 3 * max_pieces + cap;
+        j->ids = (char *)(j->flags + max_pieces);
         memset(j->desc, 0, (size_t)jb);
         j->desc[D_MAXPIECES] = (uint64_t)max_pieces;
+        j->desc[D_CAP] = (uint64_t)cap;
+        j->new_pairs = malloc((size_t)(2 * max_pieces) * sizeof(int64_t));
+        if (!j->new_pairs) {
+            for (int k = 0; k < i; k++) free(a->jobs[k].new_pairs);
+            free(a);
+            return NULL;
+        }
     }
     pthread_mutex_init(&a->mu, NULL);
     pthread_cond_init(&a->cv, NULL);
@@ -140,6 +158,7 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
 /* Only once every enqueued callback ran (mo_async_wait) and the stream is done with the jobs. */
 void mo_async_destroy(mo_async *a) {
     if (!a) return;
+    for (int i = 0; i < AJ_JOBS; i++) free(a->jobs[i].new_pairs);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cv);
     free(a);
@@ -152,12 +171,41 @@ static void fail(mo_async *a, int64_t err, int64_t li, uint64_t fault) { /* unde
     a->fault = (int64_t)fault;
 }
 
-/* The callback: mo_step_run's steps 2-4, 6-7 on the ids the stream copied, the misses filled here. */
+/* The end of job j's fill (CPU work only; its kernel, if it ran, has waited for every item). A
+ * failed read, or a kernel that gave up waiting, forgets the slots the job made resident (their
+ * bytes are not the experts') and records the error: the step must fail. No lock: only the stream's
+ * callbacks and mo_async_wait (once every callback ran) call it. */
+static void harvest(mo_async *a, mo_ajob *j) {
+    if (!j || !j->fill) return;
+    uint64_t fault = 0;
+    int rc = mo_fill_finish(a->pool, j->fill, &fault);
+    j->fill = NULL;
+    int64_t kerr = (int64_t)__atomic_load_n(&j->desc[D_KERR], __ATOMIC_ACQUIRE);
+    if (!rc && !kerr) return;
+    mo_step *st = j->st;
+    for (int64_t i = 0; i < j->nnew; i++) {
+        int64_t e = j->new_pairs[2 * i], s = j->new_pairs[2 * i + 1];
+        if (st->owner_li[s] == st->li && st->owner_e[s] == e) {
+            st->lut[e] = -1;
+            st->owner_li[s] = st->owner_e[s] = -1;
+            st->used[s] = st->hinted[s] = 0;
+        }
+    }
+    pthread_mutex_lock(&a->mu);
+    fail(a, rc ? A_ERR_FILL : A_ERR_KERNEL, st->li, rc ? fault : (uint64_t)kerr);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* The callback: mo_step_run's steps 2-4, 6-7 on the ids the stream copied; the misses' fill is
+ * queued, not waited for: the kernel copies each item once its flag says it is in staging. */
 static void async_cb(void *arg) {
     mo_ajob *j = (mo_ajob *)arg;
     mo_async *a = j->a;
     mo_step *st = j->st;
-    uint64_t t0 = ns_now(), fill_ns = 0, fault = 0;
+    uint64_t t0 = ns_now();
+    harvest(a, a->inflight); /* the previous job's kernel ran: its fill is over */
+    a->inflight = NULL;
+    uint64_t fill_ns = ns_now() - t0;
     int64_t E = st->E, S = st->S, T = st->T, nk = j->nk, isz = j->id_size;
     int64_t out[OUT_HEAD];
     memset(out, 0, sizeof(out));
@@ -165,8 +213,10 @@ static void async_cb(void *arg) {
     int64_t err = A_ERR_NONE;
     uint8_t mark[MAX_EXPERTS], prot[MAX_EXPERTS];
     int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], vic[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, np = 0;
+    uint64_t bytes = 0;
     memset(mark, 0, (size_t)E);
     memset(prot, 0, (size_t)S);
+    desc[D_KERR] = 0;
     for (int64_t i = 0; i < nk && !err; i++) {
         int64_t v = mo_step_read_id(j->ids, i, isz);
         if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
@@ -182,43 +232,43 @@ static void async_cb(void *arg) {
     }
     int64_t nowv = *st->now + 1;
     if (!err && nm && mo_step_victims(st, nowv, nm, prot, vic) < nm) err = A_ERR_PROMISE;
-    if (!err && nm * T > a->max_pieces) err = A_ERR_PROMISE;
-    if (!err && nm) { /* the misses: staging <- mapping (the fill threads), then kernel: slot <- staging */
-        uint64_t off = 0;
-        fill_piece *fp = (fill_piece *)st->pieces;
+    fill_piece *fp = (fill_piece *)st->pieces;
+    if (!err && nm) { /* the misses' items: fill chunks of staging, each copied to its slot by the kernel */
+        uint64_t off = 0, ch = a->chunk_bytes;
         for (int64_t i = 0; i < nm && !err; i++)
-            for (int64_t t = 0; t < T; t++) {
+            for (int64_t t = 0; t < T && !err; t++) {
                 uint64_t n = st->sizes[t];
                 off = (off + 255) & ~(uint64_t)255;
                 if (off + n > a->staging_bytes) { err = A_ERR_PROMISE; break; }
-                fp[np] = (fill_piece){st->src[miss[i]] + st->offs[t], off, n};
-                pc[3 * np] = off;
-                pc[3 * np + 1] = st->dst[vic[i] * T + t];
-                pc[3 * np + 2] = n;
-                np++;
+                for (uint64_t c = 0; c < n; c += ch) {
+                    uint64_t take = n - c < ch ? n - c : ch;
+                    if (np >= a->max_pieces || np >= st->pieces_cap / 3) { err = A_ERR_PROMISE; break; }
+                    fp[np] = (fill_piece){st->src[miss[i]] + st->offs[t] + c, off + c, take};
+                    pc[3 * np] = off + c;
+                    pc[3 * np + 1] = st->dst[vic[i] * T + t] + c;
+                    pc[3 * np + 2] = take;
+                    np++;
+                }
                 off += n;
+                bytes += n;
             }
-        if (!err) {
-            uint64_t f0 = ns_now();
-            int rc = mo_fill_wait(a->pool, a->staging, fp, (size_t)np, (size_t)a->chunk_bytes, &fault);
-            fill_ns = ns_now() - f0;
-            if (rc) err = A_ERR_FILL;
-        }
     }
     if (err == A_ERR_PROMISE) { /* nothing decided: the state is as before, the step fails */
-        desc[D_NPIECES] = 0;
+        np = 0;
         for (int64_t i = 0; i < nk; i++) slot_ids[i] = 0;
-    } else { /* commit (mo_step_run's step 6); a failed fill empties the victims' slots */
+    } else { /* commit (mo_step_run's step 6), before the fill: a failure forgets the new slots */
         *st->now = nowv;
         for (int64_t i = 0; i < nm; i++) mo_step_evict(st, vic[i], out);
-        if (!err)
-            for (int64_t i = 0; i < nm; i++) {
-                int64_t s = vic[i];
-                st->owner_li[s] = st->li;
-                st->owner_e[s] = miss[i];
-                st->lut[miss[i]] = s;
-                prot[s] = 1;
-            }
+        for (int64_t i = 0; i < nm; i++) {
+            int64_t s = vic[i];
+            st->owner_li[s] = st->li;
+            st->owner_e[s] = miss[i];
+            st->lut[miss[i]] = s;
+            prot[s] = 1;
+            j->new_pairs[2 * i] = miss[i];
+            j->new_pairs[2 * i + 1] = s;
+        }
+        j->nnew = nm;
         for (int64_t s = 0; s < S; s++) {
             st->pinned[s] = prot[s];
             if (!prot[s]) continue;
@@ -227,17 +277,28 @@ static void async_cb(void *arg) {
             st->use_call[s] = nowv;
         }
         mo_step_touch(st, used, nu, nowv);
-        for (int64_t i = 0; i < nk; i++) {
-            int64_t s = st->lut[mo_step_read_id(j->ids, i, isz)];
-            slot_ids[i] = (uint64_t)(s >= 0 ? s : 0); /* a failed fill's experts: any slot, the step fails */
-        }
-        desc[D_NPIECES] = err ? 0 : (uint64_t)np;
+        for (int64_t i = 0; i < nk; i++)
+            slot_ids[i] = (uint64_t)st->lut[mo_step_read_id(j->ids, i, isz)];
     }
+    desc[D_NPIECES] = (uint64_t)np;
     desc[D_NK] = (uint64_t)nk;
     desc[D_IDSIZE] = (uint64_t)isz;
     desc[D_SLOTDEV] = (uint64_t)(uintptr_t)st->slot_dev;
+    if (np) { /* flags before the queue: the threads store them as they finish */
+        for (int64_t i = 0; i < np; i++) j->flags[i] = 0;
+        j->fill = mo_fill_queue(a->pool, a->staging, fp, (size_t)np, j->flags);
+        if (j->fill) a->inflight = j;
+        else err = A_ERR_FILL; /* every flag is 2: the kernel copies nothing */
+    }
+    if (err == A_ERR_FILL) /* queue refused (the pool is closing): forget the new slots now */
+        for (int64_t i = 0; i < nm; i++) {
+            int64_t e = miss[i], s = vic[i];
+            st->lut[e] = -1;
+            st->owner_li[s] = st->owner_e[s] = -1;
+            st->used[s] = st->hinted[s] = 0;
+        }
     pthread_mutex_lock(&a->mu);
-    if (err) fail(a, err, st->li, fault);
+    if (err) fail(a, err, st->li, 0);
     if (err != A_ERR_PROMISE) {
         a->stats[AS_CALLS]++;
         a->stats[AS_HITS] += (uint64_t)nh;
@@ -247,7 +308,7 @@ static void async_cb(void *arg) {
         a->stats[AS_EVICTIONS] += (uint64_t)out[OUT_EVICTIONS];
         a->stats[AS_HINT_USED] += (uint64_t)out[OUT_HINT_USED];
         a->stats[AS_HINT_WASTED] += (uint64_t)out[OUT_HINT_WASTED];
-        for (int64_t i = 0; i < np && !err; i++) a->stats[AS_MISS_BYTES] += pc[3 * i + 2];
+        a->stats[AS_MISS_BYTES] += err ? 0 : bytes;
     }
     a->stats[AS_FILL_NS] += fill_ns;
     a->stats[AS_CB_NS] += ns_now() - t0;
@@ -260,8 +321,11 @@ static void async_cb(void *arg) {
 static void cpu_kernel(void *arg) {
     mo_ajob *j = (mo_ajob *)arg;
     const uint64_t *desc = j->desc, *pc = desc + D_HEAD, *ids = desc + D_HEAD + 3 * desc[D_MAXPIECES];
-    for (uint64_t i = 0; i < desc[D_NPIECES]; i++)
-        memcpy((void *)(uintptr_t)pc[3 * i + 1], j->a->staging + pc[3 * i], (size_t)pc[3 * i + 2]);
+    for (uint64_t i = 0; i < desc[D_NPIECES]; i++) {
+        uint64_t f;
+        while (!(f = __atomic_load_n(&j->flags[i], __ATOMIC_ACQUIRE))) sched_yield();
+        if (f == 1) memcpy((void *)(uintptr_t)pc[3 * i + 1], j->a->staging + pc[3 * i], (size_t)pc[3 * i + 2]);
+    }
     void *out = (void *)(uintptr_t)desc[D_SLOTDEV];
     for (uint64_t i = 0; i < desc[D_NK]; i++)
         if (desc[D_IDSIZE] == 4) ((int32_t *)out)[i] = (int32_t)ids[i]; else ((int64_t *)out)[i] = (int64_t)ids[i];
@@ -316,6 +380,13 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
 int64_t mo_async_wait(mo_async *a, int64_t *info) {
     pthread_mutex_lock(&a->mu);
     while (a->done < a->enq) pthread_cond_wait(&a->cv, &a->mu);
+    mo_ajob *last = a->inflight; /* no callback runs now: this thread would have to enqueue it */
+    a->inflight = NULL;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t t0 = ns_now();
+    harvest(a, last); /* its fill is CPU work: it ends without the device */
+    pthread_mutex_lock(&a->mu);
+    a->stats[AS_FILL_NS] += ns_now() - t0;
     int64_t err = a->err;
     if (info) { info[0] = a->err_li; info[1] = a->fault; }
     a->err = a->err_li = a->fault = 0;

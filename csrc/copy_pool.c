@@ -100,7 +100,10 @@ typedef struct gbatch {      /* one group */
     chunk *chunks;
     uint32_t npieces, nchunks, taken, done;
     int filled, refs;        /* refs (atomic): its fill + its gate (if launched) + the submitting call */
-    char *base;              /* where its offsets point: NULL, the arena; mo_fill_wait's caller's buffer */
+    char *base;              /* where its offsets point: NULL, the arena; mo_fill_queue's caller's buffer */
+    uint64_t *flags;         /* mo_fill_queue: per chunk, 1 (filled) or 2 (failed), stored once it is done */
+    int fill_err;            /* mo_fill_queue: the batch's first error, set when it is filled */
+    uint64_t fill_fault;
 } gbatch;
 
 enum { OWN_SLOTS = 2 }; /* POOL_HOT_SLOTS: the slots a worker released last, newest first */
@@ -705,6 +708,8 @@ static void gchunk_finished(mo_pool *p, gbatch *b, int err, uint64_t fault) {
     par->done++;
     if (++b->done < b->nchunks) return;
     b->filled = 1;
+    b->fill_err = par->err;
+    b->fill_fault = par->fault;
     if (--par->left == 0) {
         par->status[ST_DONE] = par->done;
         par->status[ST_ERROR] = par->err;
@@ -736,6 +741,7 @@ static void *gworker(void *arg) {
         uint64_t fault = 0;
         if (p->closing) {
             err = ERR_CANCELLED;
+            if (b->flags) __atomic_store_n(&b->flags[ci], 2, __ATOMIC_RELEASE);
         } else {
             pthread_mutex_unlock(&p->mu);
             uint64_t t0 = now_ns(), bytes = 0;
@@ -745,6 +751,8 @@ static void *gworker(void *arg) {
             err = guarded_copy(c, b->pieces, b->base ? b->base : p->g_base, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN,
                                &fault);
             uint64_t dt = now_ns() - t0;
+            if (b->flags) /* a consumer polls it (the async step's copy kernel): the bytes come first */
+                __atomic_store_n(&b->flags[ci], err ? 2 : 1, __ATOMIC_RELEASE);
             pthread_mutex_lock(&p->mu);
             p->st_g_fill_ns += dt;
             p->st_g_bytes += err ? 0 : bytes;
@@ -997,58 +1005,65 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
     return (int64_t)nc;
 }
 
-/* Fill pieces in[0, n) (src: an address in a mapping, dst: an offset in ``base``, n bytes) with the
- * stream-ordered batches' threads and return once every byte is there: 0, ERR_FAULT (*fault: the
- * address whose read raised SIGBUS) or ERR_CANCELLED (the pool is closing: nothing or part was
- * filled). No CUDA call and no wait for device work, so a stream callback may call it (the async
- * step's, csrc/route_step.c); ``base`` is the caller's own pinned buffer, not the arena, so no
- * gated batch's bytes are touched and no gate is waited for. Each piece is cut into fill chunks of
- * at most chunk_bytes. SUBMIT_INVALID: no ordered threads, or out of memory. */
-int mo_fill_wait(mo_pool *p, char *base, const mo_piece *in, size_t n, size_t chunk_bytes, uint64_t *fault) {
-    if (!p || !base || (n && !in) || !chunk_bytes || !p->g_nthreads) return SUBMIT_INVALID;
-    if (fault) *fault = 0;
-    size_t cap = 0;
-    for (size_t i = 0; i < n; i++) cap += in[i].n / chunk_bytes + 1;
-    if (!cap) return 0;
+/* Fill pieces in[0, n) (src: an address in a mapping, dst: an offset in ``base``, n bytes: one fill
+ * chunk each) with the stream-ordered batches' threads, from any thread, with no CUDA call and no
+ * wait for device work (the async step's stream callback calls it: csrc/async_step.c). ``base`` is
+ * the caller's own pinned buffer, not the arena, so no gated batch's bytes are touched and no gate
+ * is waited for. ``flags`` (may be NULL): flags[i] is stored (release) once piece i is there: 1,
+ * or 2 if its read failed or the pool closed. Returns a handle for mo_fill_finish, or NULL (no
+ * ordered threads, out of memory, or the pool is closing: then every flag is 2). */
+void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64_t *flags) {
+    if (!p || !base || !n || !in || !p->g_nthreads) goto refuse;
     gbatch *b = calloc(1, sizeof(*b));
-    gparent *par = calloc(1, sizeof(*par));
-    planned_piece *pieces = malloc(cap * sizeof(*pieces));
-    chunk *chunks = malloc(cap * sizeof(*chunks));
-    if (!b || !par || !pieces || !chunks) { free(b); free(par); free(pieces); free(chunks); return SUBMIT_INVALID; }
-    uint32_t nc = 0;
-    for (size_t i = 0; i < n; i++)
-        for (uint64_t s = 0; s < in[i].n; s += chunk_bytes) {
-            uint64_t take = in[i].n - s < chunk_bytes ? in[i].n - s : chunk_bytes;
-            pieces[nc] = (planned_piece){in[i].src + s, 0, take, in[i].dst + s};
-            chunks[nc] = (chunk){nc, 1};
-            nc++;
-        }
-    int64_t status[ST_GATED_LEN] = {0};
+    gparent *par = calloc(1, sizeof(*par) + ST_GATED_LEN * sizeof(int64_t));
+    planned_piece *pieces = malloc(n * sizeof(*pieces));
+    chunk *chunks = malloc(n * sizeof(*chunks));
+    if (!b || !par || !pieces || !chunks) { free(b); free(par); free(pieces); free(chunks); goto refuse; }
+    for (size_t i = 0; i < n; i++) {
+        pieces[i] = (planned_piece){in[i].src, 0, in[i].n, in[i].dst};
+        chunks[i] = (chunk){(uint32_t)i, 1};
+    }
     b->p = p;
     b->pieces = pieces;
     b->chunks = chunks;
-    b->npieces = b->nchunks = nc;
+    b->npieces = b->nchunks = (uint32_t)n;
     b->base = base;
+    b->flags = flags;
     b->parent = par;
-    b->refs = 2; /* its fill's end and this call */
-    par->status = status;
+    b->refs = 2; /* its fill's end and mo_fill_finish */
+    par->status = (int64_t *)(par + 1); /* freed with par, after the fill; finish reads b's copy */
     par->left = 1;
     pthread_mutex_lock(&p->mu);
     if (p->closing) {
         pthread_mutex_unlock(&p->mu);
         gbatch_free(b);
         free(par);
-        return ERR_CANCELLED;
+        goto refuse;
     }
     if (p->g_tail_q) p->g_tail_q->next = b; else p->g_head_q = b;
     p->g_tail_q = b;
     p->st_g_fill_waits++;
     pthread_cond_broadcast(&p->g_work_cv);
+    pthread_mutex_unlock(&p->mu);
+    return b;
+refuse:
+    for (size_t i = 0; flags && i < n; i++) __atomic_store_n(&flags[i], 2, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* Wait for a queued fill's end (CPU work only) and free it: 0, ERR_FAULT (*fault: the address whose
+ * read raised SIGBUS) or ERR_CANCELLED. */
+int mo_fill_finish(mo_pool *p, void *handle, uint64_t *fault) {
+    gbatch *b = (gbatch *)handle;
+    if (fault) *fault = 0;
+    if (!b) return ERR_CANCELLED;
+    pthread_mutex_lock(&p->mu);
     while (!b->filled) pthread_cond_wait(&p->done_cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
+    int err = b->fill_err;
+    if (fault) *fault = b->fill_fault;
     gbatch_unref(b);
-    if (fault) *fault = (uint64_t)status[ST_FAULT];
-    return (int)status[ST_ERROR];
+    return err;
 }
 
 /* under no lock: wait up to ``seconds`` for every launched gate to have run; 1 if they all did */

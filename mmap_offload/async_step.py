@@ -38,7 +38,7 @@ _vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 (_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
  _ENQ, _USED, _FILLS) = range(14)
 _N = 14  # csrc/async_step.c AS_LEN
-_ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH = 1, 2, 3
+_ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH, _ERR_KERNEL = 1, 2, 3, 4
 
 
 def _typed(lib) -> bool:
@@ -100,12 +100,18 @@ class AsyncStep:
         self.max_experts = max(1, int(max_experts))
         per = int(sum((int(n) + 255) // 256 * 256 for n in sizes))
         self.staging_bytes = per * self.max_experts
-        self.max_pieces = self.T * self.max_experts
+        # an item = one fill chunk, copied by the kernel once the fill threads flagged it
+        self.chunk_bytes = 256 << 10
+        self.max_pieces = self.max_experts * int(sum(-(-int(n) // self.chunk_bytes) for n in sizes))
         self.cap = step.cap
-        pin = self.cuda
+        from .pinned import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE, PinnedBuffer
+
         jb = int(self.lib.mo_async_job_bytes(self.max_pieces, self.cap))
-        self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._jobs = torch.zeros(jb * 32, dtype=torch.uint8, pin_memory=pin)
+        # exact-size pinned memory the device reads in place (mapped); pageable on the CPU
+        flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+        self._bufs = [PinnedBuffer(self.staging_bytes, pin=self.cuda, register_flags=flags),
+                      PinnedBuffer(jb * 32, pin=self.cuda, hugepage=False, register_flags=flags)]
+        self._staging, self._jobs = (b.tensor for b in self._bufs)
         if self.cuda:
             staging_dev, jobs_dev = _device_pointer(self._staging), _device_pointer(self._jobs)
             memcpy, host_func = step._api[0], _host_func()
@@ -123,11 +129,9 @@ class AsyncStep:
         self._pool = step.pool.handle
         if not self._pool:
             raise MmapOffloadError("transfer engine is closed")
-        eng = step.engine
-        chunk = max(int(eng.min_chunk_bytes), 256 << 10)
         self.handle = self.lib.mo_async_create(
             memcpy, host_func, launch, function, self._pool, self._staging.data_ptr(), staging_dev,
-            self.staging_bytes, chunk, self.max_pieces, self.cap, self._jobs.data_ptr(), jobs_dev, grid, block)
+            self.staging_bytes, self.chunk_bytes, self.max_pieces, self.cap, self._jobs.data_ptr(), jobs_dev, grid, block)
         if not self.handle:
             raise MemoryError("the async step could not be created")
         self._stats = np.zeros(_N, dtype=np.uint64)
@@ -139,7 +143,7 @@ class AsyncStep:
 
     @property
     def pinned_bytes(self) -> int:
-        return int(self._staging.numel() + self._jobs.numel()) if self.cuda else 0
+        return sum(b.pinned_bytes for b in self._bufs)
 
     def eligible(self, li: int, nk: int, dtype: torch.dtype) -> bool:
         """The promise of the module docstring, for a call of ``nk`` ids on layer position ``li``."""
@@ -163,6 +167,8 @@ class AsyncStep:
         ec = self.ec
         li = ec._li(layer)
         nk = ids.numel()
+        if not self.handle:
+            raise MmapOffloadError("the async step is closed")
         if not self.eligible(li, nk, ids.dtype):
             self.metrics["declined"] += 1
             return None
@@ -191,13 +197,15 @@ class AsyncStep:
         return v
 
     def pending(self) -> int:
-        return int(self.lib.mo_async_pending(self.handle))
+        return int(self.lib.mo_async_pending(self.handle)) if self.handle else 0
 
     def wait(self) -> None:
         """Block until every enqueued callback ran; fold the counters into the cache's metrics and
         raise the first failure since the last wait (module docstring)."""
         import time
 
+        if not self.handle:
+            return
         t0 = time.perf_counter()
         err = int(self.lib.mo_async_wait(self.handle, self._info.ctypes.data))
         self.metrics["waits"] += 1
@@ -210,6 +218,9 @@ class AsyncStep:
             if detail:
                 raise self.step.engine._fault_error(detail, ())
             raise MmapOffloadError("transfer cancelled: the engine was closed")
+        if err == _ERR_KERNEL:
+            raise RuntimeError(f"the async step's copy kernel gave up waiting 60 s for staged bytes (layer position "
+                               f"{li}): the copy pool's fill threads stalled; the experts it fetched were forgotten")
         if err == _ERR_LAUNCH:
             self._forget(li)
             raise RuntimeError(f"launching the async step's copy kernel failed with CUDA error {detail}; "
@@ -228,7 +239,8 @@ class AsyncStep:
             pool.used[s] = pool.hinted[s] = False
 
     def _fold(self) -> None:
-        self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
+        if self.handle:  # after close(): the last counters were folded there
+            self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
         d = (self._stats - self._folded).astype(np.int64)
         self._folded[:] = self._stats
         m, nb = self.ec.metrics, self.ec.expert_nbytes
@@ -244,7 +256,8 @@ class AsyncStep:
         m["hint_wasted"] += int(d[_HINT_WASTED])
 
     def summary(self) -> dict[str, Any]:
-        self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
+        if self.handle:  # after close(): its last counters
+            self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
         s = self._stats
         out = dict(self.metrics)
         out.update(calls=int(s[_CALLS]), enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
@@ -259,12 +272,15 @@ class AsyncStep:
             return
         try:
             self.lib.mo_async_wait(h, None)
+            self.lib.mo_async_stats(h, self._stats.ctypes.data)
             if self.cuda:
                 torch.cuda.synchronize(self.step.device)  # the kernels read the jobs and staging
             else:
                 self.step._drain_cpu_stream()
         finally:
             self.lib.mo_async_destroy(h)
+            for b in self._bufs:
+                b.close()
 
 
 def _host_func() -> int:

@@ -19,35 +19,66 @@ import torch
 
 __all__ = ["CopyKernel", "load", "SOURCE"]
 
-# desc words: csrc/async_step.c D_NPIECES, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES; pieces from D_HEAD
+# a job's words: csrc/async_step.c (D_NPIECES, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_CAP, D_KERR; items
+# from word 8, then the slot ids, then one flag per item). An item is one fill chunk: the kernel waits for
+# its flag (stored by the copy pool's fill threads once the bytes are in staging: 1 filled, 2 failed),
+# so the copy of an item overlaps the fill of the next ones. A flag not set within 60 s: D_KERR, skip.
 SOURCE = r"""
 typedef unsigned long long u64;
-extern "C" __global__ void mo_async_copy(const u64 *desc, const char *staging) {
-    extern __shared__ u64 sh[];
-    const u64 maxp = desc[4];
-    const u64 np = desc[0];
-    for (u64 i = threadIdx.x; i < 8 + 3 * np; i += blockDim.x) sh[i] = desc[i];
-    __syncthreads();
-    const u64 nk = sh[1], isz = sh[2];
+__device__ __forceinline__ u64 ld_acquire_sys(const u64 *p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
+    __shared__ u64 item[4];
+    const u64 np = desc[0], nk = desc[1], isz = desc[2], maxp = desc[4], cap = desc[5];
+    const u64 *items = desc + 8, *ids = desc + 8 + 3 * maxp, *flags = ids + cap;
     if (blockIdx.x == 0) {
-        const u64 *ids = desc + 8 + 3 * maxp;
+        void *out = (void *)desc[3];
         for (u64 i = threadIdx.x; i < nk; i += blockDim.x) {
-            if (isz == 4) ((int *)sh[3])[i] = (int)ids[i];
-            else ((long long *)sh[3])[i] = (long long)ids[i];
+            if (isz == 4) ((int *)out)[i] = (int)ids[i];
+            else ((long long *)out)[i] = (long long)ids[i];
         }
     }
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nth = (u64)gridDim.x * blockDim.x;
-    for (u64 p = 0; p < np; p++) {
-        const u64 off = sh[8 + 3 * p], dst = sh[8 + 3 * p + 1], n = sh[8 + 3 * p + 2];
-        const char *s = staging + off;
-        char *d = (char *)dst;
-        if ((((u64)s | dst | n) & 15) == 0) {
-            const uint4 *s4 = (const uint4 *)s;
-            uint4 *d4 = (uint4 *)d;
-            for (u64 i = tid; i < n / 16; i += nth) d4[i] = s4[i];
-        } else {
-            for (u64 i = tid; i < n; i += nth) d[i] = s[i];
+    for (u64 i = blockIdx.x; i < np; i += gridDim.x) {
+        if (threadIdx.x == 0) {
+            u64 f = ld_acquire_sys(flags + i);
+            if (!f) {
+                const u64 t0 = now_ns();
+                while (!(f = ld_acquire_sys(flags + i))) {
+                    if (now_ns() - t0 > 60000000000ull) { f = 3; desc[6] = i + 1; __threadfence_system(); break; }
+                    __nanosleep(200);
+                }
+            }
+            item[0] = f; item[1] = items[3 * i]; item[2] = items[3 * i + 1]; item[3] = items[3 * i + 2];
         }
+        __syncthreads();
+        const u64 f = item[0], off = item[1], dst = item[2], n = item[3];
+        if (f == 1) {
+            ld_acquire_sys(flags + i);  /* this thread's own acquire of the fill's bytes */
+            const char *s = staging + off;
+            char *d = (char *)dst;
+            if ((((u64)s | dst | n) & 15) == 0) {
+                const uint4 *s4 = (const uint4 *)s;
+                uint4 *d4 = (uint4 *)d;
+                const u64 nv = n / 16, bd = blockDim.x;
+                u64 k = threadIdx.x;
+                for (; k + 3 * bd < nv; k += 4 * bd) {
+                    uint4 a = s4[k], b = s4[k + bd], c = s4[k + 2 * bd], e = s4[k + 3 * bd];
+                    d4[k] = a; d4[k + bd] = b; d4[k + 2 * bd] = c; d4[k + 3 * bd] = e;
+                }
+                for (; k < nv; k += bd) d4[k] = s4[k];
+            } else {
+                for (u64 k = threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
+            }
+        }
+        __syncthreads();
     }
 }
 """

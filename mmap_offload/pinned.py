@@ -40,6 +40,7 @@ MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED, MADV_HUGEPAGE = 2, 3, 4, 14
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
 
 CUDA_HOST_REGISTER_PORTABLE = 0x1
+CUDA_HOST_REGISTER_MAPPED = 0x2  # a device address for the memory (cudaHostGetDevicePointer)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -173,7 +174,8 @@ class PinnedBuffer:
     every view becomes invalid after it.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool | None = None, hugepage: bool = True):
+    def __init__(self, nbytes: int, *, pin: bool | None = None, hugepage: bool = True,
+                 register_flags: int = CUDA_HOST_REGISTER_PORTABLE):
         if nbytes <= 0:
             raise ValueError(f"PinnedBuffer needs a positive size, got {nbytes}")
         self.nbytes = page_align_up(int(nbytes))
@@ -190,7 +192,7 @@ class PinnedBuffer:
         want = cuda_usable() if pin is None else pin
         if want:
             torch.cuda.init()
-            if not cuda_host_register(self.ptr, self.nbytes, CUDA_HOST_REGISTER_PORTABLE):
+            if not cuda_host_register(self.ptr, self.nbytes, register_flags):
                 os_munmap(self.ptr, self.nbytes)
                 raise MemoryError(f"cudaHostRegister of {self.nbytes} bytes failed "
                                   "(RLIMIT_MEMLOCK or host memory exhausted)")

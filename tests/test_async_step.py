@@ -205,3 +205,23 @@ def test_gpu_async_step_exact_under_a_busy_stream(tmp_path, dtype):
         a.close()
         eng.close()
         eng_s.close()
+
+
+def test_async_step_reports_after_close(cache):
+    """vLLM's offloader asks for a summary after closing: the last counters, no call into freed C."""
+    eng, eng_s, ec, _ = _pair(cache, "lfu")
+    a = AsyncStep.create(ExpertStep.create(ec), max_experts=4)
+    try:
+        a.run(LAYERS[0], torch.tensor([1, 2]))
+        a.close()
+        a._fold()
+        assert a.summary()["calls"] == 1 and a.pending() == 0
+        a.wait()  # nothing to wait for
+        from mmap_offload.errors import MmapOffloadError
+
+        with pytest.raises(MmapOffloadError):
+            a.run(LAYERS[0], torch.tensor([1, 2]))
+    finally:
+        a.close()
+        eng.close()
+        eng_s.close()
