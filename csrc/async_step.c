@@ -409,3 +409,14 @@ void mo_async_stats(mo_async *a, uint64_t *out) {
 
 int64_t mo_async_stats_len(void) { return AS_LEN; }
 int64_t mo_async_jobs(void) { return AJ_JOBS; }
+
+/* The (expert, slot) pairs the last enqueued job made resident, into out (2 per pair): their count.
+ * Only once that job's callback ran (the CPU stand-in: after draining its stream). */
+int64_t mo_async_last_pairs(mo_async *a, int64_t *out) {
+    pthread_mutex_lock(&a->mu);
+    mo_ajob *j = a->enq ? &a->jobs[(a->enq - 1) % AJ_JOBS] : NULL;
+    int64_t n = j && a->done >= a->enq ? j->nnew : 0;
+    if (n) memcpy(out, j->new_pairs, (size_t)(2 * n) * sizeof(int64_t));
+    pthread_mutex_unlock(&a->mu);
+    return n;
+}

@@ -20,7 +20,8 @@ pool is forgotten). The vLLM backend calls it before the step samples and before
 
 Requirements (``create`` returns None, or a reason): the synchronous ExpertStep, and on CUDA the
 copy kernel (NVRTC and the driver API). On the CPU the stream is the copy pool's stand-in and the
-kernel a host function, so tests run the whole path without a GPU."""
+kernel a host function, and ``run`` drains that stream before it returns (the CPU's MoE kernel reads
+the slots at once): the same decisions and bytes, no overlap, so tests and vLLM-CPU run the path."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def _typed(lib) -> bool:
     lib.mo_async_pending.argtypes = [_vp]
     lib.mo_async_stats.argtypes = [_vp, _vp]
     lib.mo_async_stats_len.restype = _i64
+    lib.mo_async_last_pairs.restype = _i64
+    lib.mo_async_last_pairs.argtypes = [_vp, _vp]
     return lib.mo_async_stats_len() == _N
 
 
@@ -76,7 +79,8 @@ class AsyncStep:
     the most experts one call may fetch (its pinned staging holds that many)."""
 
     @classmethod
-    def create(cls, step, max_experts: int = 16, grid: int = 0, block: int = 0) -> "AsyncStep | str":
+    def create(cls, step, max_experts: int = 16, grid: int = 0, block: int = 0,
+               cpu_drain: bool = True) -> "AsyncStep | str":
         """An AsyncStep over ``step`` (an ExpertStep), or one line saying why not."""
         if step is None:
             return "the native expert step is not available"
@@ -89,11 +93,12 @@ class AsyncStep:
             kernel = copy_kernel.load(step.device)
             if isinstance(kernel, str):
                 return kernel
-        return cls(step, kernel, int(max_experts), grid, block)
+        return cls(step, kernel, int(max_experts), grid, block, cpu_drain)
 
-    def __init__(self, step, kernel, max_experts: int, grid: int, block: int):
+    def __init__(self, step, kernel, max_experts: int, grid: int, block: int, cpu_drain: bool = True):
         self.step, self.ec, self.lib = step, step.ec, step.lib
         self.cuda = step.cuda
+        self.cpu_drain = cpu_drain  # CPU: run each job before run() returns (False: tests of the queue)
         ec = self.ec
         _, offs, sizes, _ = ec._raw_plan()
         self.T = int(len(sizes))
@@ -138,7 +143,9 @@ class AsyncStep:
         self._folded = np.zeros(_N, dtype=np.uint64)
         self._info = np.zeros(2, dtype=np.int64)
         self._all_clean: dict[int, bool] = {}
-        self._hold: list[torch.Tensor | None] = [None] * 64
+        self._pairs = np.zeros(2 * self.max_pieces, dtype=np.int64)
+        self._live: list[Any] = [None] * 64  # > the C side's 32 jobs
+        self.pairs: list[tuple[int, int]] = []  # CPU: (expert, slot) the last call made resident
         self.metrics = dict(runs=0, declined=0, waits=0, wait_s=0.0)
 
     @property
@@ -175,6 +182,9 @@ class AsyncStep:
         if not ids.is_contiguous():
             ids = ids.contiguous()
         st, slot_dev, ref = self.step._struct(li, ids.dtype)  # sources of every expert looked up once
+        # the callback reads the struct and the arrays it points to later: keep them alive past a
+        # remap (which makes the step build new ones) until the job's slot is reused
+        self._live[self.metrics["runs"] % len(self._live)] = (st, ref, self.step._keep.get((li, ids.dtype)))
         stream = self.step._stream() if self.cuda else self.step.pool._fake_stream
         if not self.step.pool._enter(closing_ok=False):
             raise MmapOffloadError("transfer engine is closed")
@@ -186,8 +196,11 @@ class AsyncStep:
             self.metrics["declined"] += 1
             return None
         self.metrics["runs"] += 1
-        if not self.cuda:  # the stand-in stream copies the ids later: keep them alive (32 jobs)
-            self._hold[self.metrics["runs"] % len(self._hold)] = ids
+        if not self.cuda and self.cpu_drain:  # the CPU's kernels read the slots at once: run the job now
+            self.step._drain_cpu_stream()
+            n = int(self.lib.mo_async_last_pairs(self.handle, self._pairs.ctypes.data))
+            flat = self._pairs[: 2 * n].tolist()
+            self.pairs = list(zip(flat[0::2], flat[1::2]))
         if rc > 0:  # the stream may hold part of the job: wait() reports it (the layer is forgotten)
             self.wait()
         key = (li, ids.dtype, tuple(ids.shape))

@@ -206,10 +206,13 @@ def test_expert_cache_routes_through_the_pool_with_the_same_tokens(runs):
     assert s["residency_pool_misses"] > 0 and s["residency_pool_evictions"] > 0 and s["residency_pool_hits"] > 0
     assert ex["loader_expert_bytes"] == 0 and ex["warmup_bytes"] == 0
     # the misses took the stream-ordered path (on CPU waited for at once: the same bytes)
-    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"] > 0
-    # most decode calls were served whole by the native step (expert_step.py), the first fetch of
-    # each expert by the Python path
-    assert s["residency_native_calls"] > s["residency_expert_calls"] // 2, s
+    assert s["residency_pool_ordered_fills"] > 0 and s["engine_ordered_gates"] >= s["engine_ordered_batches"]
+    # most decode calls were served whole natively: decided in a stream callback once every expert
+    # of the layer is checked (async_step.py; on CPU each job runs before route() returns, and
+    # vLLM-CPU's kernel-layout twins of its new slots are made after it), else by the native step
+    # (expert_step.py), the first fetch of each expert by the Python path
+    assert s["residency_async_calls"] > 0 and s["residency_async_kernel"] == "cpu stand-in", s
+    assert s["residency_async_calls"] + s["residency_native_calls"] > s["residency_expert_calls"] // 2, s
     # vLLM's own host time between the MoE layers' route() calls and around them is timed too
     assert s["residency_between_s"] > 0 and s["residency_outside_s"] > 0
 

@@ -65,8 +65,10 @@ class Residency:
         self.step = ExpertStep.create(self.ec) if opts.native_step else None
         # CUDA: decode layers whose ids fit the pool are decided on the stream (async_step.py)
         self.async_step = None
+        # (on the CPU it runs each job before returning: the same decisions, no overlap; vLLM-CPU's tests
+        # run the path that way)
         self.async_off = "option async_step is off" if not opts.async_step else (
-            "not on CUDA" if self.device.type != "cuda" else "no native step" if self.step is None else "")
+            "no native step" if self.step is None else "")
         if not self.async_off:
             nb = max(1, self.ec.expert_nbytes)
             got = AsyncStep.create(self.step, max_experts=max(1, min(self.ec.slots_per_pool, 16, (96 << 20) // nb)))
@@ -75,6 +77,9 @@ class Residency:
                 log.warning("mmap-offload: %s; decode layers wait for their routed ids instead", got)
             else:
                 self.async_step = got
+        # ids per call the async step can take (at most one miss per id: the pool and its staging)
+        self.async_fits = min(self.ec.slots_per_pool, self.async_step.max_experts) if self.async_step is not None else 0
+        self._async_dirty = False  # a call was enqueued since the last wait
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
         self.threshold = max(1, int(opts.layer_stream_fraction * self.num_experts))
@@ -229,8 +234,11 @@ class Residency:
                 t1 = time.perf_counter()
                 hybrid = self.host is not None and x is not None and n <= self.host.MAX_TOKENS
                 out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
-                if self.async_step is not None and not hybrid:
+                if self.async_step is not None and not hybrid and n * k <= self.async_fits:
                     out = self._async_mode(t, topk_ids)
+                elif self._async_dirty:  # the other paths read and write what its callbacks mutate
+                    self._async_dirty = False
+                    self.async_step.wait()
                 if out is None and self.step is not None and not hybrid:
                     out, used = self._native_mode(t, topk_ids)
                 if out is None:
@@ -249,7 +257,7 @@ class Residency:
                         out = self._layer_mode(t, topk_ids, ahead=False)
         if t.index == len(self.off.targets) - 1:
             self._step += 1
-            if self.ordered or self.async_step is not None:  # the step's reads, before anything samples from it
+            if self.ordered or self._async_dirty:  # the step's reads, before anything samples from it
                 self._check_step()
         self._route_end = time.perf_counter()
         self.metrics["route_s"] += self._route_end - t0
@@ -262,13 +270,17 @@ class Residency:
         t0 = time.perf_counter()
         out = self.async_step.run(t.layer, ids)
         if out is None:
-            if self.async_step.pending():
+            if self._async_dirty:
+                self._async_dirty = False
                 self.async_step.wait()
             self.metrics["native_s"] += time.perf_counter() - t0
             return None
+        self._async_dirty = True
         self.metrics["native_s"] += time.perf_counter() - t0
         self.metrics["expert_calls"] += 1
         self.metrics["async_calls"] += 1
+        if not self.async_step.cuda:  # the job ran already: its slots' kernel-layout twins (vLLM-CPU)
+            self._transform_slots(t, [s for _, s in self.async_step.pairs])
         self._bind_pool(t)
         return out
 
@@ -301,7 +313,8 @@ class Residency:
         of the failed batch, which the pool has forgotten (the next step fetches them again)."""
         t0 = time.perf_counter()
         try:
-            if self.async_step is not None:  # every callback of the step ran, its reads succeeded
+            if self._async_dirty:  # every callback of the step ran, its reads succeeded
+                self._async_dirty = False
                 self.async_step.wait()
             self.ec.check_ordered()
         finally:
