@@ -269,14 +269,7 @@ static void async_cb(void *arg) {
             j->new_pairs[2 * i + 1] = s;
         }
         j->nnew = nm;
-        for (int64_t s = 0; s < S; s++) {
-            st->pinned[s] = prot[s];
-            if (!prot[s]) continue;
-            if (st->hinted[s]) { out[OUT_HINT_USED]++; st->hinted[s] = 0; }
-            st->used[s] = 1;
-            st->use_call[s] = nowv;
-        }
-        mo_step_touch(st, used, nu, nowv);
+        mo_step_mark_used(st, prot, used, nu, nowv, out);
         for (int64_t i = 0; i < nk; i++)
             slot_ids[i] = (uint64_t)st->lut[mo_step_read_id(j->ids, i, isz)];
     }

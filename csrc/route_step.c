@@ -54,6 +54,21 @@ void mo_step_touch(mo_step *st, const int64_t *used, int64_t nu, int64_t nowv) {
     }
 }
 
+/* The end of ExpertCache.ensure's commit: the slots in prot[] (hit or just filled) are the call's
+ * (pinned, used, their use call; a hint they held counts as used), and the routed experts' scores
+ * are touched. */
+void mo_step_mark_used(mo_step *st, const uint8_t *prot, const int64_t *used, int64_t nu, int64_t nowv,
+                       int64_t *out) {
+    for (int64_t s = 0; s < st->S; s++) {
+        st->pinned[s] = prot[s];
+        if (!prot[s]) continue;
+        if (st->hinted[s]) { out[OUT_HINT_USED]++; st->hinted[s] = 0; }
+        st->used[s] = 1;
+        st->use_call[s] = nowv;
+    }
+    mo_step_touch(st, used, nu, nowv);
+}
+
 /* ExpertCache._evict without a copy in flight (the callers check that there is none): empty slot s */
 void mo_step_evict(mo_step *st, int64_t s, int64_t *out) {
     if (st->owner_li[s] >= 0) {
@@ -213,14 +228,7 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
         pairs[2 * i + 1] = s;
         prot[s] = 1;
     }
-    for (int64_t s = 0; s < S; s++) {
-        st->pinned[s] = prot[s];
-        if (!prot[s]) continue;
-        if (st->hinted[s]) { out[OUT_HINT_USED]++; st->hinted[s] = 0; }
-        st->used[s] = 1;
-        st->use_call[s] = nowv;
-    }
-    mo_step_touch(st, used, nu, nowv);
+    mo_step_mark_used(st, prot, used, nu, nowv, out);
     /* 7. slot ids, in the ids' dtype */
     void *sl = st->slot_host;
     for (int64_t i = 0; i < nk; i++) {

@@ -68,6 +68,8 @@ typedef struct {
 double mo_step_decayed(const mo_step *st, int64_t e, int64_t nowv);
 void mo_step_touch(mo_step *st, const int64_t *used, int64_t nu, int64_t nowv);
 void mo_step_evict(mo_step *st, int64_t s, int64_t *out);
+void mo_step_mark_used(mo_step *st, const uint8_t *prot, const int64_t *used, int64_t nu, int64_t nowv,
+                       int64_t *out);
 int64_t mo_step_read_id(const void *ids, int64_t i, int64_t size);
 int64_t mo_step_victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out);
 #endif

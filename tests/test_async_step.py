@@ -10,22 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from fakes import expert_matches, make_cache, real_engines
+from fakes import expert_matches, make_cache
 from mmap_offload.async_step import AsyncStep
 from mmap_offload.expert_cache import POLICIES, ExpertCache
 from mmap_offload.expert_step import ExpertStep
 from mmap_offload.traces import skewed_trace
-from test_expert_step import LAYERS, E, _same, _state
+from test_expert_step import LAYERS, E, _ordered_engine, _same, _state
 
 # slots per layer (capacity_experts / layers) and the ids per call: every call fits the pool
 SLOTS, TOP_K = 3, 2
-
-
-def _ordered_engine():
-    reals = [f for f in real_engines() if getattr(f, "name", "") == "real-mmap-ordered"]
-    if not reals:
-        pytest.skip("the native pool is unavailable")
-    return reals[0]()
 
 
 @pytest.fixture(scope="module")
