@@ -13,23 +13,28 @@
  *
  * and goes on launching. When the stream reaches the callback, the ids are in host memory; the
  * callback makes mo_step_run's decisions on them (distinct experts, hits, misses, the misses' slots
- * by the pool's policy, bit for bit: the same helpers), reads the misses from the cache's mapping
- * into a pinned staging buffer of its own with the copy pool's fill threads (mo_fill_wait: no CUDA
- * call, no wait for device work), and writes the copy kernel's descriptors: (staging offset, slot
- * address, bytes) per piece and the kernel's slot ids. The kernel then copies the staging bytes
- * into the slots (the device reads pinned memory in place, as UVA does) and writes the slot ids
+ * by the pool's policy, bit for bit: the same helpers) and commits them, writes the kernel's items
+ * (staging offset, slot address, bytes per 256 KiB piece) and slot ids, and queues the misses' reads
+ * into a pinned staging buffer of its own with the copy pool's fill threads (mo_fill_queue: no CUDA
+ * call, no wait). It returns at once. The threads flag each piece when its bytes are in staging;
+ * the kernel copies each flagged piece into its slot (the device reads pinned memory in place, as
+ * UVA does), so the copy of one piece overlaps the reading of the next, and writes the slot ids
  * where the MoE kernel reads them.
  *
  * Why the staging buffer and the job areas may be reused without tracking: everything runs on one
- * stream, so a callback starts only after the previous job's kernel finished reading them.
- * Host-side job fields are reused once their callback ran (mo_async_run waits for that; 32 jobs
- * are 4 steps of an 8-layer model, and every step ends with a sync of its own).
+ * stream, so a callback starts only after the previous job's kernel finished, and that kernel
+ * waited for every piece of its fill. Host-side job fields are reused once their callback ran
+ * (mo_async_run waits for that; 32 jobs are 4 steps of an 8-layer model, and every step ends with a
+ * wait of its own). Nothing on the device waits for device work, nothing on a CPU thread waits for
+ * the device: no cycle can form.
  *
- * Errors never serve wrong bytes silently: a fill that fails (SIGBUS reading the mapping, the pool
- * closing) empties the victims' slots (their old experts are gone, the new ones not there), copies
- * nothing and records the error; the step must fail before sampling (mo_async_wait returns it).
- * A call that breaks the launch-time promise (more distinct experts than slots, an expert not
- * checked or without a source) does the same: the caller keeps the promise, this only refuses.
+ * Errors never serve wrong bytes silently: a piece whose read fails (SIGBUS reading the mapping, the
+ * pool closing) is flagged failed and not copied; the next callback, or mo_async_wait for the last
+ * job, finishes the fill (harvest), forgets the slots that job made resident and records the error:
+ * the step must fail before sampling (mo_async_wait returns it). A kernel that waits 60 s for a
+ * flag gives up the same way. A call that breaks the launch-time promise (more distinct experts
+ * than slots, an expert not checked or without a source) changes nothing and fails the step: the
+ * caller keeps the promise, this only refuses.
  *
  * On the CPU the stream is the copy pool's stand-in (mo_fake_*) and the "kernel" a host function
  * doing the same copies, so the decisions and bytes are tested without a GPU. */

@@ -156,7 +156,7 @@ struct mo_pool {
     pthread_t *g_threads;
     /* stats (under mu): batches, bytes, fill ns, gates run, gates that waited, ns they waited */
     uint64_t st_g_batches, st_g_bytes, st_g_fill_ns, st_g_gates, st_g_gates_waited, st_g_gate_wait_ns;
-    uint64_t st_g_fill_waits; /* mo_fill_wait calls */
+    uint64_t st_g_fill_waits; /* fills queued by mo_fill_queue */
     uint64_t st_g_ungated; /* batches whose gate could not be launched (the submit waited) */
     uint64_t st_g_submit_ns; /* time inside mo_gate_submit (the caller's thread) */
 };

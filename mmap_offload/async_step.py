@@ -5,20 +5,22 @@
 thread then stops at every MoE layer until the device has caught up, so eager vLLM's own host work
 (~1.5 ms per layer on the H200's host) and the device's work add up instead of overlapping.
 ``AsyncStep.run(layer, ids)`` enqueues the ids' copy to pinned memory, a stream callback that makes
-the same decisions (the same C helpers, bit for bit) and fills the misses into a pinned staging
-buffer, and a copy kernel (copy_kernel.py) that moves them into the pool's slots and writes the
-slot ids. It returns the slot ids' device buffer at once; nothing on vLLM's thread waits.
+the same decisions (the same C helpers, bit for bit) and queues the misses' reads into a pinned
+staging buffer, and a copy kernel (copy_kernel.py) that moves each 256 KiB piece into its pool slot
+as soon as the copy threads flag it read, and writes the slot ids. It returns the slot ids' device
+buffer at once; nothing on vLLM's thread waits.
 
 The caller keeps the promise the callback cannot check in time (``eligible``): at most as many ids
 as the pool has slots (so every routed expert fits), every expert of the layer checked
 (``Cache.clean_mask``) and with its source address, no hint in flight, and no other path touching the
 cache's arrays until ``wait()``: the callback mutates them from CUDA's callback thread. ``wait()``
 blocks until every enqueued callback ran (the device must reach them) and raises the first failure:
-a read of the cache that failed (the victims' slots were emptied, the step's kernels read stale
-bytes: the step must fail, as with stream-ordered batches), a failed kernel launch (the layer's
-pool is forgotten). The vLLM backend calls it before the step samples and before any other path.
+a read of the cache that failed (its pieces were not copied and the slots that call filled are
+forgotten; the step's kernels read stale bytes: the step must fail, as with stream-ordered batches),
+a kernel that gave up waiting for a piece (the same), a failed kernel launch (the layer's pool is
+forgotten). The vLLM backend calls it before the step samples and before any other path.
 
-Requirements (``create`` returns None, or a reason): the synchronous ExpertStep, and on CUDA the
+Requirements (``create`` returns a one-line reason otherwise): the synchronous ExpertStep, and on CUDA the
 copy kernel (NVRTC and the driver API). On the CPU the stream is the copy pool's stand-in and the
 kernel a host function, and ``run`` drains that stream before it returns (the CPU's MoE kernel reads
 the slots at once): the same decisions and bytes, no overlap, so tests and vLLM-CPU run the path."""
@@ -26,6 +28,7 @@ the slots at once): the same decisions and bytes, no overlap, so tests and vLLM-
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any
 
 import numpy as np
@@ -215,8 +218,6 @@ class AsyncStep:
     def wait(self) -> None:
         """Block until every enqueued callback ran; fold the counters into the cache's metrics and
         raise the first failure since the last wait (module docstring)."""
-        import time
-
         if not self.handle:
             return
         t0 = time.perf_counter()

@@ -22,7 +22,9 @@ distinct routed experts:
               buffers (the next layer is started ahead), ids pass unchanged.
 
 The host learns the routed experts with one small device->host copy per layer (the ids
-themselves, into pinned staging), the price of fetching only what is routed. Per call nothing
+themselves, into pinned staging), the price of fetching only what is routed. On CUDA a decode layer
+whose ids fit its pool does not even wait for that copy: the decision runs in a stream callback and
+the misses are copied by a kernel (``async_step.py``); ``route()`` returns the slot ids at once. Per call nothing
 else is allocated but the slot ids from vLLM's caching allocator: the pools, maps and pinned
 staging are made once; a layer's map is copied to the device only when its pool changed.
 
@@ -236,9 +238,8 @@ class Residency:
                 out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
                 if self.async_step is not None and not hybrid and n * k <= self.async_fits:
                     out = self._async_mode(t, topk_ids)
-                elif self._async_dirty:  # the other paths read and write what its callbacks mutate
-                    self._async_dirty = False
-                    self.async_step.wait()
+                else:
+                    self._async_settle()
                 if out is None and self.step is not None and not hybrid:
                     out, used = self._native_mode(t, topk_ids)
                 if out is None:
@@ -270,9 +271,7 @@ class Residency:
         t0 = time.perf_counter()
         out = self.async_step.run(t.layer, ids)
         if out is None:
-            if self._async_dirty:
-                self._async_dirty = False
-                self.async_step.wait()
+            self._async_settle()
             self.metrics["native_s"] += time.perf_counter() - t0
             return None
         self._async_dirty = True
@@ -283,6 +282,14 @@ class Residency:
             self._transform_slots(t, [s for _, s in self.async_step.pairs])
         self._bind_pool(t)
         return out
+
+    def _async_settle(self) -> None:
+        """Wait for the async step's callbacks in flight, if it enqueued any since the last wait
+        (they mutate the cache's arrays from CUDA's thread; the other paths read and write them),
+        and raise a read they found failed."""
+        if self._async_dirty:
+            self._async_dirty = False
+            self.async_step.wait()
 
     def _native_mode(self, t, ids: torch.Tensor):
         """Expert mode in one native call (expert_step.py): (slot ids, distinct experts), or (None,
@@ -313,9 +320,7 @@ class Residency:
         of the failed batch, which the pool has forgotten (the next step fetches them again)."""
         t0 = time.perf_counter()
         try:
-            if self._async_dirty:  # every callback of the step ran, its reads succeeded
-                self._async_dirty = False
-                self.async_step.wait()
+            self._async_settle()  # every callback of the step ran, its reads succeeded
             self.ec.check_ordered()
         finally:
             self.metrics["check_s"] += time.perf_counter() - t0
