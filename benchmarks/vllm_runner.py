@@ -68,13 +68,10 @@ CHILD_ENV = {
 
 
 
-def device_timeline(fn, steps: int) -> dict:
-    """The device's side of ``steps`` decode steps (``MMO_PROFILE_DECODE=1``): ``fn()`` runs under
-    torch.profiler with CUDA activities (CUPTI timestamps, not Python sampling), and the result is
-    summarised per step: the wall time, the time the GPU ran anything (the union of kernels, copies and
-    memsets), the idle rest, the kernels by name and the host's blocking CUDA calls. Tracing adds a few
-    microseconds per launch, so the wall time is longer than the unprofiled step; the device
-    durations are the device's own."""
+def _profiled(fn) -> dict:
+    """``fn()`` under torch.profiler with CUDA activities: its wall time (s), the time the device ran
+    anything (the union of kernels, copies and memsets, us), the span from its first to its last
+    device op (us), device ops and the host's blocking CUDA calls by name: {name: [count, us]}."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,16 +108,28 @@ def device_timeline(fn, steps: int) -> dict:
             cur_e = max(cur_e, e)
     if cur_e is not None:
         busy += cur_e - cur_s
-    span = (dev[-1][1] - dev[0][0]) if dev else 0.0
+    return {"wall": wall, "busy": busy, "span": (dev[-1][1] - dev[0][0]) if dev else 0.0, "ops": kern, "host": host}
+
+
+def device_timeline(fn_one, fn_many, steps: int) -> dict:
+    """The device's side of ``steps`` decode steps (``MMO_PROFILE_DECODE=1``): ``fn_many`` generates
+    ``steps`` tokens more than ``fn_one`` from the same prompts, both profiled (``_profiled``), and
+    the difference is summarised per step (so the prefill both share drops out): the wall time, the
+    time the GPU ran anything, the idle rest of the span, device ops by name and the host's blocking
+    CUDA calls. Tracing adds a few microseconds per launch, so the wall time is longer than the
+    unprofiled step; the device durations are the device's own."""
+    a, b = _profiled(fn_one), _profiled(fn_many)
     per = max(steps, 1) * 1000.0  # us -> ms per step
 
-    def top(d, n):
+    def diff(key, n):
+        d = {k: [c - a[key].get(k, [0, 0.0])[0], t - a[key].get(k, [0, 0.0])[1]] for k, (c, t) in b[key].items()}
         return [[k, c, round(t / per, 4)] for k, (c, t) in sorted(d.items(), key=lambda kv: -kv[1][1])[:n]]
 
-    return {"steps": steps, "wall_ms_per_step": round(1000 * wall / max(steps, 1), 3),
+    busy, span = b["busy"] - a["busy"], b["span"] - a["span"]
+    return {"steps": steps, "wall_ms_per_step": round(1000 * (b["wall"] - a["wall"]) / max(steps, 1), 3),
             "device_busy_ms_per_step": round(busy / per, 3), "device_span_ms_per_step": round(span / per, 3),
             "device_idle_ms_per_step": round((span - busy) / per, 3),
-            "device_ops": top(kern, 14), "host_cuda_calls": top(host, 8)}
+            "device_ops": diff("ops", 14), "host_cuda_calls": diff("host", 8)}
 
 
 class HostSampler:
@@ -775,8 +784,9 @@ class _Child:
             res["host_profile"] = sampler.stop()
         if os.environ.get("MMO_PROFILE_DECODE") and self.torch is not None and self.torch.cuda.is_available():
             n = int(os.environ.get("MMO_PROFILE_STEPS", "8"))
-            try:  # n + 1 tokens minus the 1-token run's share is close enough for a per-step view
-                res["device_profile"] = device_timeline(lambda: self._gen(prompts, n + 1), n + 1)
+            try:  # n + 1 tokens minus 1 token: n decode steps, the prefill taken out
+                res["device_profile"] = device_timeline(lambda: self._gen(prompts, 1),
+                                                        lambda: self._gen(prompts, n + 1), n)
             except Exception as e:  # a profiler failure costs the view, not the row
                 res["device_profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         return res
