@@ -534,8 +534,8 @@ def markdown(res: dict) -> str:
                      f"{' (C %.2f)' % r['native_submit_ms'] if r.get('native_submit_ms') is not None else ''}, "
                      f"map {r.get('map_ms', 0):.2f}"
                      f"{', native step %.2f' % r['native_ms'] if r.get('native_ms') else ''}]")
-        if r.get("async_cb_ms"):  # the async step's stream callbacks (CUDA's thread): all, of it the fills
-            host += f" <callbacks {r['async_cb_ms']:.2f}, fills {r.get('async_fill_ms', 0):.2f}>"
+        if r.get("async_cb_ms"):  # the async step's stream callbacks (CUDA's thread), and its waits for fills
+            host += f" <callbacks {r['async_cb_ms']:.2f}, fill waits {r.get('async_fill_ms', 0):.2f}>"
         if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
             host += f" {{between layers {r['between_ms']:.2f}, outside {r.get('outside_ms', 0):.2f}}}"
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "

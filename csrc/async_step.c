@@ -93,7 +93,7 @@ struct mo_async {
     uint64_t staging_bytes;
     uint64_t chunk_bytes;
     int64_t max_pieces, cap;
-    unsigned grid, block, smem;
+    unsigned grid, block;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t enq, done;
@@ -136,7 +136,6 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
     a->cap = cap;
     a->grid = (unsigned)(grid > 0 ? grid : 64);
     a->block = (unsigned)(block > 0 ? block : 512);
-    a->smem = 0; /* the kernel reads its items from the job, one at a time */
     int64_t jb = mo_async_job_bytes(max_pieces, cap);
     for (int i = 0; i < AJ_JOBS; i++) {
         mo_ajob *j = &a->jobs[i];
@@ -176,6 +175,19 @@ static void fail(mo_async *a, int64_t err, int64_t li, uint64_t fault) { /* unde
     a->fault = (int64_t)fault;
 }
 
+/* Forget the (expert, slot) pairs job j made resident where the slot still holds them: their bytes
+ * never arrived (a failed or refused fill, a kernel that gave up). */
+static void forget_new(mo_step *st, const mo_ajob *j) {
+    for (int64_t i = 0; i < j->nnew; i++) {
+        int64_t e = j->new_pairs[2 * i], s = j->new_pairs[2 * i + 1];
+        if (st->owner_li[s] == st->li && st->owner_e[s] == e) {
+            st->lut[e] = -1;
+            st->owner_li[s] = st->owner_e[s] = -1;
+            st->used[s] = st->hinted[s] = 0;
+        }
+    }
+}
+
 /* The end of job j's fill (CPU work only; its kernel, if it ran, has waited for every item). A
  * failed read, or a kernel that gave up waiting, forgets the slots the job made resident (their
  * bytes are not the experts') and records the error: the step must fail. No lock: only the stream's
@@ -187,17 +199,9 @@ static void harvest(mo_async *a, mo_ajob *j) {
     j->fill = NULL;
     int64_t kerr = (int64_t)__atomic_load_n(&j->desc[D_KERR], __ATOMIC_ACQUIRE);
     if (!rc && !kerr) return;
-    mo_step *st = j->st;
-    for (int64_t i = 0; i < j->nnew; i++) {
-        int64_t e = j->new_pairs[2 * i], s = j->new_pairs[2 * i + 1];
-        if (st->owner_li[s] == st->li && st->owner_e[s] == e) {
-            st->lut[e] = -1;
-            st->owner_li[s] = st->owner_e[s] = -1;
-            st->used[s] = st->hinted[s] = 0;
-        }
-    }
+    forget_new(j->st, j);
     pthread_mutex_lock(&a->mu);
-    fail(a, rc ? A_ERR_FILL : A_ERR_KERNEL, st->li, rc ? fault : (uint64_t)kerr);
+    fail(a, rc ? A_ERR_FILL : A_ERR_KERNEL, j->st->li, rc ? fault : (uint64_t)kerr);
     pthread_mutex_unlock(&a->mu);
 }
 
@@ -222,6 +226,7 @@ static void async_cb(void *arg) {
     memset(mark, 0, (size_t)E);
     memset(prot, 0, (size_t)S);
     desc[D_KERR] = 0;
+    j->nnew = 0;
     for (int64_t i = 0; i < nk && !err; i++) {
         int64_t v = mo_step_read_id(j->ids, i, isz);
         if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
@@ -288,13 +293,7 @@ static void async_cb(void *arg) {
         if (j->fill) a->inflight = j;
         else err = A_ERR_FILL; /* every flag is 2: the kernel copies nothing */
     }
-    if (err == A_ERR_FILL) /* queue refused (the pool is closing): forget the new slots now */
-        for (int64_t i = 0; i < nm; i++) {
-            int64_t e = miss[i], s = vic[i];
-            st->lut[e] = -1;
-            st->owner_li[s] = st->owner_e[s] = -1;
-            st->used[s] = st->hinted[s] = 0;
-        }
+    if (err == A_ERR_FILL) forget_new(st, j); /* queue refused (the pool is closing) */
     pthread_mutex_lock(&a->mu);
     if (err) fail(a, err, st->li, 0);
     if (err != A_ERR_PROMISE) {
@@ -360,7 +359,7 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
     if (a->cu_launch) {
         uint64_t desc_dev = j->desc_dev, staging_dev = a->staging_dev;
         void *params[] = {&desc_dev, &staging_dev};
-        err = a->cu_launch(a->kernel, a->grid, 1, 1, a->block, 1, 1, a->smem, stream, params, NULL);
+        err = a->cu_launch(a->kernel, a->grid, 1, 1, a->block, 1, 1, 0, stream, params, NULL);
     } else {
         err = a->launch_host_func(stream, cpu_kernel, j);
     }

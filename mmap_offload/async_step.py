@@ -103,7 +103,7 @@ class AsyncStep:
         self.cuda = step.cuda
         self.cpu_drain = cpu_drain  # CPU: run each job before run() returns (False: tests of the queue)
         ec = self.ec
-        _, offs, sizes, _ = ec._raw_plan()
+        sizes = ec._raw_plan()[2]
         self.T = int(len(sizes))
         self.max_experts = max(1, int(max_experts))
         per = int(sum((int(n) + 255) // 256 * 256 for n in sizes))
@@ -274,6 +274,7 @@ class AsyncStep:
             self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
         s = self._stats
         out = dict(self.metrics)
+        # fill_s: time the step waited for its fills (in the callback, or at the next one / a wait)
         out.update(calls=int(s[_CALLS]), enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
                    callback_s=float(s[_CB_NS]) / 1e9, job_waits=int(s[_WAITS]), kernel=self.kernel_source,
                    staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes)
