@@ -36,6 +36,17 @@
  * than slots, an expert not checked or without a source) changes nothing and fails the step: the
  * caller keeps the promise, this only refuses.
  *
+ * Sparse calls (mo_async_run_sparse: more routed ids than the pool has slots, decode at batch 8):
+ * the layer's buffer gets exactly the routed experts, as route_step.c's mo_step_sparse does, and ids
+ * pass unchanged. How many misses there will be is known only in the callback, and the staging
+ * holds P experts, so the call is enqueued as K = ceil(ids / P) parts, each a callback and a kernel.
+ * Part 0's callback decides everything (hits, misses, the admissions into the pool: mo_step_sparse's
+ * rule, bit for bit) and writes every part's items; its kernel copies the hits from their slots
+ * (device to device, items flagged at once) and the first P misses from staging into their rows
+ * (and into their pool slot when admitted). Part k's callback runs after part k-1's kernel, so the
+ * staging is free again: it queues the next P misses' reads. A part with nothing to do costs a
+ * callback and an empty kernel.
+ *
  * On the CPU the stream is the copy pool's stand-in (mo_fake_*) and the "kernel" a host function
  * doing the same copies, so the decisions and bytes are tested without a GPU. */
 #define _GNU_SOURCE
@@ -56,10 +67,13 @@ typedef struct { uint64_t src, dst, n; } fill_piece;
 void *mo_fill_queue(void *p, char *base, const fill_piece *in, size_t n, uint64_t *flags);
 int mo_fill_finish(void *p, void *handle, uint64_t *fault);
 
-enum { AJ_JOBS = 32 };
+enum { AJ_JOBS = 128, AJ_MAX_T = 16 };
+enum { HIT_CHUNK = 1 << 20 }; /* a sparse call's hit copies (device to device), per item */
+#define ITEM_DEVICE (1ull << 63) /* item word 0: a device address to copy from, not a staging offset */
 /* a job's words (pinned; the copy kernel reads them, and writes D_KERR):
- *   D_HEAD words: items, ids, id size, slot ids' device address, max items, cap, kernel error
- *   3 * max items: (staging offset, device address, bytes) per item (a fill chunk)
+ *   D_HEAD words: items, ids, id size, slot ids' device address (0: none), max items, cap, kernel error
+ *   4 * max items: (staging offset | ITEM_DEVICE + address, device address, bytes, a second device
+ *                  address or 0) per item (a fill chunk, or a piece of a hit's slot)
  *   cap: the slot ids (int64)
  *   max items: a flag per item, stored by the fill threads once its bytes are in staging
  *   then the routed ids (cap of them, 8 bytes each at most), copied there by the stream */
@@ -67,7 +81,8 @@ enum { D_NPIECES = 0, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_CAP, D_KERR, D_H
 enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3, A_ERR_KERNEL = 4 };
 /* mo_async_stats words */
 enum { AS_CALLS, AS_HITS, AS_MISSES, AS_EVICTIONS, AS_HINT_USED, AS_HINT_WASTED, AS_MISS_BYTES, AS_FILL_NS,
-       AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_LEN };
+       AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_SPARSE, AS_SPARSE_HITS, AS_SPARSE_MISSES,
+       AS_ADMITTED, AS_PARTS, AS_LEN };
 
 typedef struct mo_async mo_async;
 typedef struct {
@@ -79,7 +94,12 @@ typedef struct {
     uint64_t *flags; /* pinned, in desc's area */
     void *ids;      /* pinned */
     void *fill;     /* its fill in flight (mo_fill_queue), finished by the next callback or a wait */
+    fill_piece *fp; /* its fill's pieces (staging offsets), queued by its callback */
+    int64_t nfp, first_fill; /* how many; the item of the first one */
     int64_t nnew, *new_pairs; /* the (expert, slot) it made resident: forgotten if the fill fails */
+    /* sparse calls: this job's part of its call, the layer buffer's tensors, the admission cap */
+    int64_t part, parts, max_admit;
+    uint64_t rows[AJ_MAX_T], stride[AJ_MAX_T];
 } mo_ajob;
 
 struct mo_async {
@@ -99,6 +119,7 @@ struct mo_async {
     int64_t enq, done;
     int64_t err, err_li, fault; /* the first failure since the last mo_async_wait */
     mo_ajob *inflight;      /* the last job whose fill was queued and not finished yet */
+    int64_t last_first, last_parts; /* the last call's first job (enq count) and its jobs */
     uint64_t stats[AS_LEN];
     mo_ajob jobs[AJ_JOBS];
 };
@@ -110,7 +131,7 @@ static uint64_t ns_now(void) {
 }
 
 int64_t mo_async_job_bytes(int64_t max_pieces, int64_t cap) { /* pinned bytes of one job */
-    return (int64_t)(8 * (D_HEAD + 3 * max_pieces + cap + max_pieces) + 8 * cap);
+    return (int64_t)(8 * (D_HEAD + 4 * max_pieces + cap + max_pieces) + 8 * cap);
 }
 
 /* jobmem: pinned, AJ_JOBS * mo_async_job_bytes; jobmem_dev: its device address (UVA: the same) */
@@ -142,14 +163,15 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
         j->a = a;
         j->desc = (uint64_t *)(jobmem + (size_t)i * (size_t)jb);
         j->desc_dev = jobmem_dev + (uint64_t)i * (uint64_t)jb;
-        j->flags = j->desc + D_HEAD + 3 * max_pieces + cap;
+        j->flags = j->desc + D_HEAD + 4 * max_pieces + cap;
         j->ids = (char *)(j->flags + max_pieces);
         memset(j->desc, 0, (size_t)jb);
         j->desc[D_MAXPIECES] = (uint64_t)max_pieces;
         j->desc[D_CAP] = (uint64_t)cap;
         j->new_pairs = malloc((size_t)(2 * max_pieces) * sizeof(int64_t));
-        if (!j->new_pairs) {
-            for (int k = 0; k < i; k++) free(a->jobs[k].new_pairs);
+        j->fp = malloc((size_t)max_pieces * sizeof(fill_piece));
+        if (!j->new_pairs || !j->fp) {
+            for (int k = 0; k <= i; k++) { free(a->jobs[k].new_pairs); free(a->jobs[k].fp); }
             free(a);
             return NULL;
         }
@@ -162,7 +184,7 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
 /* Only once every enqueued callback ran (mo_async_wait) and the stream is done with the jobs. */
 void mo_async_destroy(mo_async *a) {
     if (!a) return;
-    for (int i = 0; i < AJ_JOBS; i++) free(a->jobs[i].new_pairs);
+    for (int i = 0; i < AJ_JOBS; i++) { free(a->jobs[i].new_pairs); free(a->jobs[i].fp); }
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cv);
     free(a);
@@ -205,6 +227,78 @@ static void harvest(mo_async *a, mo_ajob *j) {
     pthread_mutex_unlock(&a->mu);
 }
 
+/* Queue job j's fill (its pieces were written by a callback): the threads flag its items from
+ * j->first_fill on. 0, or A_ERR_FILL where the pool refused it (closing: every flag is 2, the kernel
+ * copies nothing; the slots the job made resident are forgotten). */
+static int64_t queue_fill(mo_async *a, mo_ajob *j) {
+    if (!j->nfp) return A_ERR_NONE;
+    for (int64_t i = 0; i < j->nfp; i++) j->flags[j->first_fill + i] = 0; /* before the queue */
+    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill);
+    if (j->fill) {
+        a->inflight = j;
+        return A_ERR_NONE;
+    }
+    forget_new(j->st, j);
+    return A_ERR_FILL;
+}
+
+/* Every callback's end: its error, its timings, one more callback done. */
+static void cb_end(mo_async *a, const mo_step *st, int64_t err, uint64_t t0, uint64_t fill_ns, int fills) {
+    pthread_mutex_lock(&a->mu);
+    if (err) fail(a, err, st->li, 0);
+    a->stats[AS_FILLS] += (uint64_t)(fills && !err);
+    a->stats[AS_FILL_NS] += fill_ns;
+    a->stats[AS_CB_NS] += ns_now() - t0;
+    a->done++;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* Misses' items from staging offset 0: each tensor of expert miss[i] cut into chunk_bytes pieces,
+ * into rows (expert-indexed: row[t] + e * stride[t]; NULL: into slot slot_of[i]'s tensors), and into
+ * pool slot also[i]'s tensors too where also is given and also[i] >= 0. Items go from item ``at``
+ * on, pieces into j->fp. Returns the items written, or -1 where the job or the staging is too
+ * small (nothing is queued then). */
+static int64_t miss_items(mo_async *a, mo_ajob *j, const mo_step *st, const int64_t *miss, int64_t nm,
+                          const int64_t *slot_of, const int64_t *also, int64_t at) {
+    uint64_t *pc = j->desc + D_HEAD, off = 0, ch = a->chunk_bytes;
+    int64_t T = st->T, np = 0;
+    for (int64_t i = 0; i < nm; i++)
+        for (int64_t t = 0; t < T; t++) {
+            uint64_t n = st->sizes[t];
+            off = (off + 255) & ~(uint64_t)255;
+            if (off + n > a->staging_bytes) return -1;
+            uint64_t dst = j->rows[0] && !slot_of ? j->rows[t] + (uint64_t)miss[i] * j->stride[t]
+                                                  : st->dst[slot_of[i] * T + t];
+            uint64_t dst2 = also && also[i] >= 0 ? st->dst[also[i] * T + t] : 0;
+            for (uint64_t c = 0; c < n; c += ch) {
+                uint64_t take = n - c < ch ? n - c : ch;
+                if (at + np >= a->max_pieces) return -1;
+                j->fp[np] = (fill_piece){st->src[miss[i]] + st->offs[t] + c, off + c, take};
+                uint64_t *it = pc + 4 * (at + np);
+                it[0] = off + c;
+                it[1] = dst + c;
+                it[2] = take;
+                it[3] = dst2 ? dst2 + c : 0;
+                np++;
+            }
+            off += n;
+        }
+    j->nfp = np;
+    j->first_fill = at;
+    return np;
+}
+
+static void job_head(mo_async *a, mo_ajob *j, int64_t items, int64_t nk, const mo_step *st) {
+    uint64_t *desc = j->desc;
+    (void)a;
+    desc[D_NPIECES] = (uint64_t)items;
+    desc[D_NK] = (uint64_t)nk;
+    desc[D_IDSIZE] = (uint64_t)j->id_size;
+    desc[D_SLOTDEV] = nk ? (uint64_t)(uintptr_t)st->slot_dev : 0;
+    desc[D_KERR] = 0;
+}
+
 /* The callback: mo_step_run's steps 2-4, 6-7 on the ids the stream copied; the misses' fill is
  * queued, not waited for: the kernel copies each item once its flag says it is in staging. */
 static void async_cb(void *arg) {
@@ -215,18 +309,17 @@ static void async_cb(void *arg) {
     harvest(a, a->inflight); /* the previous job's kernel ran: its fill is over */
     a->inflight = NULL;
     uint64_t fill_ns = ns_now() - t0;
-    int64_t E = st->E, S = st->S, T = st->T, nk = j->nk, isz = j->id_size;
+    int64_t E = st->E, S = st->S, nk = j->nk, isz = j->id_size;
     int64_t out[OUT_HEAD];
     memset(out, 0, sizeof(out));
-    uint64_t *desc = j->desc, *pc = desc + D_HEAD, *slot_ids = desc + D_HEAD + 3 * a->max_pieces;
+    uint64_t *slot_ids = j->desc + D_HEAD + 4 * a->max_pieces;
     int64_t err = A_ERR_NONE;
     uint8_t mark[MAX_EXPERTS], prot[MAX_EXPERTS];
     int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], vic[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, np = 0;
     uint64_t bytes = 0;
     memset(mark, 0, (size_t)E);
     memset(prot, 0, (size_t)S);
-    desc[D_KERR] = 0;
-    j->nnew = 0;
+    j->nnew = j->nfp = 0;
     for (int64_t i = 0; i < nk && !err; i++) {
         int64_t v = mo_step_read_id(j->ids, i, isz);
         if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
@@ -242,29 +335,13 @@ static void async_cb(void *arg) {
     }
     int64_t nowv = *st->now + 1;
     if (!err && nm && mo_step_victims(st, nowv, nm, prot, vic) < nm) err = A_ERR_PROMISE;
-    fill_piece *fp = (fill_piece *)st->pieces;
     if (!err && nm) { /* the misses' items: fill chunks of staging, each copied to its slot by the kernel */
-        uint64_t off = 0, ch = a->chunk_bytes;
-        for (int64_t i = 0; i < nm && !err; i++)
-            for (int64_t t = 0; t < T && !err; t++) {
-                uint64_t n = st->sizes[t];
-                off = (off + 255) & ~(uint64_t)255;
-                if (off + n > a->staging_bytes) { err = A_ERR_PROMISE; break; }
-                for (uint64_t c = 0; c < n; c += ch) {
-                    uint64_t take = n - c < ch ? n - c : ch;
-                    if (np >= a->max_pieces || np >= st->pieces_cap / 3) { err = A_ERR_PROMISE; break; }
-                    fp[np] = (fill_piece){st->src[miss[i]] + st->offs[t] + c, off + c, take};
-                    pc[3 * np] = off + c;
-                    pc[3 * np + 1] = st->dst[vic[i] * T + t] + c;
-                    pc[3 * np + 2] = take;
-                    np++;
-                }
-                off += n;
-                bytes += n;
-            }
+        np = miss_items(a, j, st, miss, nm, vic, NULL, 0);
+        if (np < 0) err = A_ERR_PROMISE;
+        for (int64_t t = 0; t < st->T; t++) bytes += st->sizes[t] * (uint64_t)nm;
     }
     if (err == A_ERR_PROMISE) { /* nothing decided: the state is as before, the step fails */
-        np = 0;
+        np = j->nfp = 0;
         for (int64_t i = 0; i < nk; i++) slot_ids[i] = 0;
     } else { /* commit (mo_step_run's step 6), before the fill: a failure forgets the new slots */
         *st->now = nowv;
@@ -283,75 +360,212 @@ static void async_cb(void *arg) {
         for (int64_t i = 0; i < nk; i++)
             slot_ids[i] = (uint64_t)st->lut[mo_step_read_id(j->ids, i, isz)];
     }
-    desc[D_NPIECES] = (uint64_t)np;
-    desc[D_NK] = (uint64_t)nk;
-    desc[D_IDSIZE] = (uint64_t)isz;
-    desc[D_SLOTDEV] = (uint64_t)(uintptr_t)st->slot_dev;
-    if (np) { /* flags before the queue: the threads store them as they finish */
-        for (int64_t i = 0; i < np; i++) j->flags[i] = 0;
-        j->fill = mo_fill_queue(a->pool, a->staging, fp, (size_t)np, j->flags);
-        if (j->fill) a->inflight = j;
-        else err = A_ERR_FILL; /* every flag is 2: the kernel copies nothing */
-    }
-    if (err == A_ERR_FILL) forget_new(st, j); /* queue refused (the pool is closing) */
+    job_head(a, j, np, nk, st);
+    if (!err) err = queue_fill(a, j);
     pthread_mutex_lock(&a->mu);
-    if (err) fail(a, err, st->li, 0);
     if (err != A_ERR_PROMISE) {
         a->stats[AS_CALLS]++;
         a->stats[AS_HITS] += (uint64_t)nh;
         a->stats[AS_USED] += (uint64_t)nu;
-        a->stats[AS_FILLS] += (uint64_t)(nm && !err);
         a->stats[AS_MISSES] += (uint64_t)(err ? 0 : nm);
         a->stats[AS_EVICTIONS] += (uint64_t)out[OUT_EVICTIONS];
         a->stats[AS_HINT_USED] += (uint64_t)out[OUT_HINT_USED];
         a->stats[AS_HINT_WASTED] += (uint64_t)out[OUT_HINT_WASTED];
         a->stats[AS_MISS_BYTES] += err ? 0 : bytes;
     }
-    a->stats[AS_FILL_NS] += fill_ns;
-    a->stats[AS_CB_NS] += ns_now() - t0;
-    a->done++;
-    pthread_cond_broadcast(&a->cv);
     pthread_mutex_unlock(&a->mu);
+    cb_end(a, st, err, t0, fill_ns, nm > 0);
+}
+
+/* Staging bytes of one expert (each tensor 256-aligned, as miss_items lays them out). */
+static uint64_t staged_expert_bytes(const mo_step *st) {
+    uint64_t b = 0;
+    for (int64_t t = 0; t < st->T; t++) b = ((b + 255) & ~(uint64_t)255) + st->sizes[t];
+    return (b + 255) & ~(uint64_t)255;
+}
+
+/* A sparse call's part 0 (file comment): mo_step_sparse's decisions on the ids the stream copied,
+ * every part's items, part 0's fill queued. */
+static void sparse_cb(void *arg) {
+    mo_ajob *j = (mo_ajob *)arg;
+    mo_async *a = j->a;
+    mo_step *st = j->st;
+    uint64_t t0 = ns_now();
+    harvest(a, a->inflight);
+    a->inflight = NULL;
+    uint64_t fill_ns = ns_now() - t0;
+    int64_t E = st->E, S = st->S, T = st->T, nk = j->nk, isz = j->id_size, K = j->parts;
+    int64_t per = (int64_t)(a->staging_bytes / staged_expert_bytes(st)), ppe = 0; /* misses per part, items per miss */
+    for (int64_t t = 0; t < T; t++) ppe += (int64_t)((st->sizes[t] + a->chunk_bytes - 1) / a->chunk_bytes);
+    mo_ajob *part[AJ_JOBS];
+    for (int64_t k = 0; k < K; k++) {
+        part[k] = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
+        part[k]->nnew = part[k]->nfp = 0;
+        job_head(a, part[k], 0, 0, st);
+    }
+    int64_t out[OUT_HEAD];
+    memset(out, 0, sizeof(out));
+    int64_t err = A_ERR_NONE;
+    uint8_t mark[MAX_EXPERTS], prot[MAX_EXPERTS];
+    int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], hit[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, na = 0;
+    memset(mark, 0, (size_t)E);
+    for (int64_t i = 0; i < nk && !err; i++) {
+        int64_t v = mo_step_read_id(j->ids, i, isz);
+        if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
+    }
+    for (int64_t e = 0; e < E && !err; e++)
+        if (mark[e]) used[nu++] = e;
+    for (int64_t i = 0; i < nu && !err; i++) {
+        int64_t e = used[i];
+        if (st->lut[e] >= 0) { hit[nh++] = e; continue; }
+        if ((st->verified && !st->verified[e]) || !st->src[e]) err = A_ERR_PROMISE;
+        miss[nm++] = e;
+    }
+    if (!err && (per < 1 || nm > per * K)) err = A_ERR_PROMISE;
+    /* the hits' items (device to device from their slots), in part 0, before its misses */
+    uint64_t *pc = j->desc + D_HEAD;
+    int64_t nhit = 0;
+    for (int64_t i = 0; i < nh && !err; i++) {
+        int64_t e = hit[i], s = st->lut[e];
+        for (int64_t t = 0; t < T && !err; t++) {
+            uint64_t n = st->sizes[t], src = st->dst[s * T + t], dst = j->rows[t] + (uint64_t)e * j->stride[t];
+            for (uint64_t c = 0; c < n && !err; c += HIT_CHUNK) {
+                if (nhit >= a->max_pieces) { err = A_ERR_PROMISE; break; }
+                uint64_t *it = pc + 4 * nhit;
+                it[0] = ITEM_DEVICE | (src + c);
+                it[1] = dst + c;
+                it[2] = n - c < HIT_CHUNK ? n - c : HIT_CHUNK;
+                it[3] = 0;
+                j->flags[nhit] = 1;
+                nhit++;
+            }
+        }
+    }
+    /* ExpertCache.admit's decisions (mo_step_sparse's, which commits them before its copies) */
+    if (!err && nm) {
+        int64_t nowv = *st->now + 1;
+        /* the items first (nothing committed yet: a refusal changes nothing); then the admissions'
+         * second destinations are patched in */
+        for (int64_t k = 0; k < K && !err; k++) {
+            int64_t lo = k * per, hi = lo + per < nm ? lo + per : nm;
+            if (lo >= hi) break;
+            if (miss_items(a, part[k], st, miss + lo, hi - lo, NULL, NULL, k ? 0 : nhit) < 0) err = A_ERR_PROMISE;
+        }
+        if (!err) {
+            *st->now = nowv;
+            mo_step_touch(st, used, nu, nowv);
+            memset(prot, 0, (size_t)S);
+            for (int64_t i = 0; i < nh; i++) {
+                int64_t s = st->lut[hit[i]];
+                prot[s] = 1;
+                st->used[s] = 1;
+                st->use_call[s] = nowv;
+            }
+            int64_t want = nm < j->max_admit ? nm : (j->max_admit > 0 ? j->max_admit : 0);
+            int64_t vic[MAX_EXPERTS], nv = want ? mo_step_victims(st, nowv, want, prot, vic) : 0;
+            int64_t order[MAX_EXPERTS];
+            double dw[MAX_EXPERTS];
+            for (int64_t i = 0; i < nm; i++) { order[i] = i; dw[i] = mo_step_decayed(st, miss[i], nowv); }
+            for (int64_t i = 1; i < nm; i++) {
+                int64_t v = order[i], q = i - 1;
+                while (q >= 0 && -dw[order[q]] > -dw[v]) { order[q + 1] = order[q]; q--; }
+                order[q + 1] = v;
+            }
+            for (int64_t i = 0; i < nv; i++) {
+                int64_t m = order[i], e = miss[m], s = vic[i];
+                if (st->owner_li[s] >= 0 && !(dw[m] > mo_step_decayed(st, st->owner_e[s], nowv))) continue;
+                mo_step_evict(st, s, out);
+                st->owner_li[s] = st->li;
+                st->owner_e[s] = e;
+                st->lut[e] = s;
+                st->hinted[s] = 0;
+                st->used[s] = 1;
+                st->use_call[s] = nowv;
+                mo_ajob *pj = part[m / per];
+                pj->new_pairs[2 * pj->nnew] = e;
+                pj->new_pairs[2 * pj->nnew + 1] = s;
+                pj->nnew++;
+                na++;
+                /* miss m's items (ppe of them, in its part) also go into slot s */
+                uint64_t *ip = pj->desc + D_HEAD + 4 * (pj->first_fill + (m % per) * ppe);
+                for (int64_t t = 0, q = 0; t < T; t++)
+                    for (uint64_t c = 0; c < st->sizes[t]; c += a->chunk_bytes, q++)
+                        ip[4 * q + 3] = st->dst[s * T + t] + c;
+            }
+        }
+    }
+    if (err) { /* nothing decided (the checks precede every commit): no part copies anything */
+        for (int64_t k = 0; k < K; k++) { part[k]->nfp = 0; job_head(a, part[k], 0, 0, st); }
+    } else {
+        job_head(a, j, nhit + j->nfp, 0, st);
+        for (int64_t k = 1; k < K; k++) job_head(a, part[k], part[k]->nfp, 0, st);
+        err = queue_fill(a, j);
+    }
+    pthread_mutex_lock(&a->mu);
+    if (err != A_ERR_PROMISE) {
+        a->stats[AS_SPARSE]++;
+        a->stats[AS_PARTS] += (uint64_t)K;
+        a->stats[AS_SPARSE_HITS] += (uint64_t)nh;
+        a->stats[AS_SPARSE_MISSES] += (uint64_t)nm;
+        a->stats[AS_ADMITTED] += (uint64_t)na;
+        a->stats[AS_EVICTIONS] += (uint64_t)out[OUT_EVICTIONS];
+        a->stats[AS_HINT_WASTED] += (uint64_t)out[OUT_HINT_WASTED];
+    }
+    pthread_mutex_unlock(&a->mu);
+    cb_end(a, st, err, t0, fill_ns, 0); /* the layer buffer's, not the pool's fills */
+}
+
+/* A sparse call's part k >= 1: part k-1's kernel ran (the staging is free): queue this part's reads. */
+static void part_cb(void *arg) {
+    mo_ajob *j = (mo_ajob *)arg;
+    mo_async *a = j->a;
+    uint64_t t0 = ns_now();
+    harvest(a, a->inflight);
+    a->inflight = NULL;
+    uint64_t fill_ns = ns_now() - t0;
+    int64_t err = queue_fill(a, j);
+    cb_end(a, j->st, err, t0, fill_ns, 0);
 }
 
 /* The CPU stand-in of the copy kernel (a host function on the CPU stream, after the callback). */
 static void cpu_kernel(void *arg) {
     mo_ajob *j = (mo_ajob *)arg;
-    const uint64_t *desc = j->desc, *pc = desc + D_HEAD, *ids = desc + D_HEAD + 3 * desc[D_MAXPIECES];
+    const uint64_t *desc = j->desc, *pc = desc + D_HEAD, *ids = desc + D_HEAD + 4 * desc[D_MAXPIECES];
     for (uint64_t i = 0; i < desc[D_NPIECES]; i++) {
         uint64_t f;
         while (!(f = __atomic_load_n(&j->flags[i], __ATOMIC_ACQUIRE))) sched_yield();
-        if (f == 1) memcpy((void *)(uintptr_t)pc[3 * i + 1], j->a->staging + pc[3 * i], (size_t)pc[3 * i + 2]);
+        if (f != 1) continue;
+        const uint64_t *it = pc + 4 * i;
+        const char *src = it[0] & ITEM_DEVICE ? (const char *)(uintptr_t)(it[0] & ~ITEM_DEVICE) : j->a->staging + it[0];
+        memcpy((void *)(uintptr_t)it[1], src, (size_t)it[2]);
+        if (it[3]) memcpy((void *)(uintptr_t)it[3], src, (size_t)it[2]);
     }
     void *out = (void *)(uintptr_t)desc[D_SLOTDEV];
-    for (uint64_t i = 0; i < desc[D_NK]; i++)
+    for (uint64_t i = 0; out && i < desc[D_NK]; i++)
         if (desc[D_IDSIZE] == 4) ((int32_t *)out)[i] = (int32_t)ids[i]; else ((int64_t *)out)[i] = (int64_t)ids[i];
 }
 
-/* Enqueue layer ``st``'s step for the ``nk`` routed ids at ``ids`` (device, int32/int64) on
- * ``stream``. Returns 0, or a CUDA error code (> 0: then the stream may hold part of the job;
- * the step must fail, see mo_async_wait), or -1 for bad arguments (nothing enqueued). The caller
- * promises: nk <= the pool's slots and <= cap, every expert checked and with a source address,
- * no other step on this layer's arrays until mo_async_wait. */
-int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int64_t id_size, void *stream) {
-    if (!a || !st || nk < 0 || nk > a->cap || nk > st->S || (id_size != 4 && id_size != 8) || st->E > MAX_EXPERTS)
-        return -1;
+/* Reserve n consecutive jobs (waiting while their host fields are still earlier callbacks'): the first. */
+static mo_ajob *reserve(mo_async *a, int64_t n) {
     pthread_mutex_lock(&a->mu);
-    if (a->enq - a->done >= AJ_JOBS) { /* the job's host fields are still the callback's */
+    if (a->enq - a->done + n > AJ_JOBS) {
         uint64_t t0 = ns_now();
-        while (a->enq - a->done >= AJ_JOBS) pthread_cond_wait(&a->cv, &a->mu);
+        while (a->enq - a->done + n > AJ_JOBS) pthread_cond_wait(&a->cv, &a->mu);
         a->stats[AS_WAIT_NS] += ns_now() - t0;
         a->stats[AS_WAITS]++;
     }
     mo_ajob *j = &a->jobs[a->enq % AJ_JOBS];
+    a->last_first = a->enq;
+    a->last_parts = n;
     pthread_mutex_unlock(&a->mu);
-    j->st = st;
-    j->nk = nk;
-    j->id_size = id_size;
-    int err = nk ? a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream) : 0;
-    if (err) return err; /* nothing of this job is on the stream yet */
-    err = a->launch_host_func(stream, async_cb, j);
-    if (err) return err; /* the ids copy alone: harmless */
+    return j;
+}
+
+/* Enqueue job j's callback and kernel: 0 or a CUDA error (a failed kernel launch is recorded: the
+ * callback decides and commits, but nothing copies: the step must fail). */
+static int enqueue(mo_async *a, mo_ajob *j, fn_host cb, void *stream) {
+    int err = a->launch_host_func(stream, cb, j);
+    if (err) return err;
     pthread_mutex_lock(&a->mu);
     a->enq++;
     a->stats[AS_ENQ]++;
@@ -363,12 +577,78 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
     } else {
         err = a->launch_host_func(stream, cpu_kernel, j);
     }
-    if (err) { /* the callback will decide and commit, but no kernel copies: the step must fail */
+    if (err) {
         pthread_mutex_lock(&a->mu);
-        fail(a, A_ERR_LAUNCH, st->li, (uint64_t)err);
+        fail(a, A_ERR_LAUNCH, j->st->li, (uint64_t)err);
         pthread_mutex_unlock(&a->mu);
     }
     return err;
+}
+
+/* Enqueue layer ``st``'s step for the ``nk`` routed ids at ``ids`` (device, int32/int64) on
+ * ``stream``. Returns 0, or a CUDA error code (> 0: then the stream may hold part of the job;
+ * the step must fail, see mo_async_wait), or -1 for bad arguments (nothing enqueued). The caller
+ * promises: nk <= the pool's slots and <= cap, every expert checked and with a source address,
+ * no other step on this layer's arrays until mo_async_wait. */
+int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int64_t id_size, void *stream) {
+    if (!a || !st || nk < 0 || nk > a->cap || nk > st->S || (id_size != 4 && id_size != 8) || st->E > MAX_EXPERTS)
+        return -1;
+    mo_ajob *j = reserve(a, 1);
+    j->st = st;
+    j->nk = nk;
+    j->id_size = id_size;
+    j->rows[0] = 0;
+    j->part = 0;
+    j->parts = 1;
+    int err = nk ? a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream) : 0;
+    if (err) return err; /* nothing of this job is on the stream yet */
+    return enqueue(a, j, async_cb, stream);
+}
+
+/* The parts a sparse call of nk ids on layer ``st`` is enqueued as (file comment); 0: none fit. */
+int64_t mo_async_sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
+    uint64_t eb = staged_expert_bytes(st);
+    int64_t per = eb ? (int64_t)(a->staging_bytes / eb) : 0;
+    if (per < 1 || nk < 1) return 0;
+    int64_t k = (nk + per - 1) / per;
+    return k <= AJ_JOBS / 4 ? k : 0;
+}
+
+/* Enqueue a sparse call (file comment) of layer ``st``: the layer buffer's tensor t of expert e at
+ * rows[t] + e * stride[t], at most ``max_admit`` misses admitted into the pool. Returns as
+ * mo_async_run; the same promise, except that nk may exceed the pool's slots (<= cap). */
+int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
+                            const void *ids, int64_t nk, int64_t id_size, void *stream) {
+    if (!a || !st || !rows || !stride || nk < 1 || nk > a->cap || (id_size != 4 && id_size != 8) ||
+        st->E > MAX_EXPERTS || st->T > AJ_MAX_T || !rows[0])
+        return -1;
+    int64_t K = mo_async_sparse_parts(a, st, nk);
+    if (!K) return -1;
+    mo_ajob *j = reserve(a, K);
+    for (int64_t k = 0; k < K; k++) { /* host fields only: the stream has run every earlier user's callback */
+        mo_ajob *p = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
+        p->st = st;
+        p->nk = nk;
+        p->id_size = id_size;
+        p->part = k;
+        p->parts = K;
+        p->max_admit = max_admit;
+        p->nfp = p->nnew = 0;
+        for (int64_t t = 0; t < st->T; t++) { p->rows[t] = rows[t]; p->stride[t] = stride[t]; }
+    }
+    int err = a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream);
+    if (err) return err;
+    for (int64_t k = 0; k < K; k++) {
+        mo_ajob *p = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
+        err = enqueue(a, p, k ? part_cb : sparse_cb, stream);
+        if (err) { /* parts decided and never run: their admitted slots must go (wait() empties the pool) */
+            pthread_mutex_lock(&a->mu);
+            fail(a, A_ERR_LAUNCH, st->li, (uint64_t)err);
+            pthread_mutex_unlock(&a->mu);
+            return err;
+        }
+    }
+    return 0;
 }
 
 /* Wait until every enqueued callback ran (no CUDA call: the device must reach them). Returns the
@@ -407,13 +687,17 @@ void mo_async_stats(mo_async *a, uint64_t *out) {
 int64_t mo_async_stats_len(void) { return AS_LEN; }
 int64_t mo_async_jobs(void) { return AJ_JOBS; }
 
-/* The (expert, slot) pairs the last enqueued job made resident, into out (2 per pair): their count.
+/* The (expert, slot) pairs the last enqueued call (all its parts) made resident, into out (2 per pair): their count.
  * Only once that job's callback ran (the CPU stand-in: after draining its stream). */
 int64_t mo_async_last_pairs(mo_async *a, int64_t *out) {
     pthread_mutex_lock(&a->mu);
-    mo_ajob *j = a->enq ? &a->jobs[(a->enq - 1) % AJ_JOBS] : NULL;
-    int64_t n = j && a->done >= a->enq ? j->nnew : 0;
-    if (n) memcpy(out, j->new_pairs, (size_t)(2 * n) * sizeof(int64_t));
+    int64_t n = 0;
+    if (a->enq && a->done >= a->enq && a->last_first + a->last_parts <= a->enq)
+        for (int64_t k = 0; k < a->last_parts; k++) {
+            const mo_ajob *j = &a->jobs[(a->last_first + k) % AJ_JOBS];
+            memcpy(out + 2 * n, j->new_pairs, (size_t)(2 * j->nnew) * sizeof(int64_t));
+            n += j->nnew;
+        }
     pthread_mutex_unlock(&a->mu);
     return n;
 }

@@ -40,8 +40,10 @@ __all__ = ["AsyncStep"]
 
 _vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 (_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
- _ENQ, _USED, _FILLS) = range(14)
-_N = 14  # csrc/async_step.c AS_LEN
+ _ENQ, _USED, _FILLS, _SPARSE, _SPARSE_HITS, _SPARSE_MISSES, _ADMITTED, _PARTS) = range(19)
+_N = 19  # csrc/async_step.c AS_LEN
+_JOBS = 128  # csrc/async_step.c AJ_JOBS
+_HIT_CHUNK = 1 << 20  # csrc/async_step.c HIT_CHUNK
 _ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH, _ERR_KERNEL = 1, 2, 3, 4
 
 
@@ -63,7 +65,11 @@ def _typed(lib) -> bool:
     lib.mo_async_stats_len.restype = _i64
     lib.mo_async_last_pairs.restype = _i64
     lib.mo_async_last_pairs.argtypes = [_vp, _vp]
-    return lib.mo_async_stats_len() == _N
+    lib.mo_async_run_sparse.restype = _i64
+    lib.mo_async_run_sparse.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp]
+    lib.mo_async_sparse_parts.restype = _i64
+    lib.mo_async_sparse_parts.argtypes = [_vp, _vp, _i64]
+    return lib.mo_async_stats_len() == _N and lib.mo_async_jobs() == _JOBS
 
 
 def _device_pointer(t: torch.Tensor) -> int:
@@ -83,7 +89,7 @@ class AsyncStep:
 
     @classmethod
     def create(cls, step, max_experts: int = 16, grid: int = 0, block: int = 0,
-               cpu_drain: bool = True) -> "AsyncStep | str":
+               cpu_drain: bool = True, max_ids: int = 256) -> "AsyncStep | str":
         """An AsyncStep over ``step`` (an ExpertStep), or one line saying why not."""
         if step is None:
             return "the native expert step is not available"
@@ -96,9 +102,10 @@ class AsyncStep:
             kernel = copy_kernel.load(step.device)
             if isinstance(kernel, str):
                 return kernel
-        return cls(step, kernel, int(max_experts), grid, block, cpu_drain)
+        return cls(step, kernel, int(max_experts), grid, block, cpu_drain, max_ids)
 
-    def __init__(self, step, kernel, max_experts: int, grid: int, block: int, cpu_drain: bool = True):
+    def __init__(self, step, kernel, max_experts: int, grid: int, block: int, cpu_drain: bool = True,
+                 max_ids: int = 256):
         self.step, self.ec, self.lib = step, step.ec, step.lib
         self.cuda = step.cuda
         self.cpu_drain = cpu_drain  # CPU: run each job before run() returns (False: tests of the queue)
@@ -110,15 +117,18 @@ class AsyncStep:
         self.staging_bytes = per * self.max_experts
         # an item = one fill chunk, copied by the kernel once the fill threads flagged it
         self.chunk_bytes = 256 << 10
-        self.max_pieces = self.max_experts * int(sum(-(-int(n) // self.chunk_bytes) for n in sizes))
-        self.cap = step.cap
+        # a job's items: its misses' fill chunks, and in a sparse call's first part the hits' pieces
+        # (at most a pool's slots of them)
+        self.max_pieces = self.max_experts * int(sum(-(-int(n) // self.chunk_bytes) for n in sizes)) + \
+            ec.slots_per_pool * int(sum(-(-int(n) // _HIT_CHUNK) for n in sizes))
+        self.cap = min(step.cap, max(1, int(max_ids)))  # ids per call (a sparse call's too)
         from .pinned import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE, PinnedBuffer
 
         jb = int(self.lib.mo_async_job_bytes(self.max_pieces, self.cap))
         # exact-size pinned memory the device reads in place (mapped); pageable on the CPU
         flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
         self._bufs = [PinnedBuffer(self.staging_bytes, pin=self.cuda, register_flags=flags),
-                      PinnedBuffer(jb * 32, pin=self.cuda, hugepage=False, register_flags=flags)]
+                      PinnedBuffer(jb * _JOBS, pin=self.cuda, hugepage=False, register_flags=flags)]
         self._staging, self._jobs = (b.tensor for b in self._bufs)
         if self.cuda:
             staging_dev, jobs_dev = _device_pointer(self._staging), _device_pointer(self._jobs)
@@ -147,20 +157,23 @@ class AsyncStep:
         self._info = np.zeros(2, dtype=np.int64)
         self._all_clean: dict[int, bool] = {}
         self._pairs = np.zeros(2 * self.max_pieces, dtype=np.int64)
-        self._live: list[Any] = [None] * 64  # > the C side's 32 jobs
+        self._live: list[Any] = [None] * (_JOBS + 32)  # > the C side's jobs (a call takes one at least)
         self.pairs: list[tuple[int, int]] = []  # CPU: (expert, slot) the last call made resident
-        self.metrics = dict(runs=0, declined=0, waits=0, wait_s=0.0)
+        self.metrics = dict(runs=0, sparse_runs=0, declined=0, waits=0, wait_s=0.0)
+        self.sparse_miss_bytes = 0  # read from the cache by sparse calls (folded in _fold)
 
     @property
     def pinned_bytes(self) -> int:
         return sum(b.pinned_bytes for b in self._bufs)
 
-    def eligible(self, li: int, nk: int, dtype: torch.dtype) -> bool:
-        """The promise of the module docstring, for a call of ``nk`` ids on layer position ``li``."""
+    def eligible(self, li: int, nk: int, dtype: torch.dtype, sparse: bool = False) -> bool:
+        """The promise of the module docstring, for a call of ``nk`` ids on layer position ``li``
+        (``sparse``: into the layer buffer, any number of ids up to ``cap``)."""
         ec = self.ec
         pool = ec._pool_of[li]
-        if nk > pool.size or nk > self.max_experts or nk > self.cap or pool.pending or \
-                dtype not in (torch.int32, torch.int64):
+        if not sparse and (nk > pool.size or nk > self.max_experts):
+            return False
+        if nk > self.cap or pool.pending or dtype not in (torch.int32, torch.int64):
             return False
         if not self._all_clean.get(li):
             if ec.verify_first_use:
@@ -185,14 +198,59 @@ class AsyncStep:
         if not ids.is_contiguous():
             ids = ids.contiguous()
         st, slot_dev, ref = self.step._struct(li, ids.dtype)  # sources of every expert looked up once
+        rc = self._enqueue(li, ids, (st, ref), lambda stream: self.lib.mo_async_run(
+            self.handle, ref, ids.data_ptr(), nk, ids.element_size(), stream))
+        if rc is None:
+            return None
+        key = (li, ids.dtype, tuple(ids.shape))
+        v = self.step._views.get(key)
+        if v is None:
+            v = self.step._views[key] = slot_dev[:nk].view(ids.shape)
+        return v
+
+    def run_sparse(self, layer: int, ids: torch.Tensor, rows: dict[str, torch.Tensor], max_admit: int = 4) -> bool:
+        """Enqueue layer ``layer``'s sparse call (csrc/async_step.c): ``rows``, the layer buffer
+        (``{name: [E, ...]}``), gets exactly the routed experts (hits from their pool slots on the
+        device, misses from the cache through staging) and up to ``max_admit`` misses are admitted
+        into the pool by ``ExpertCache.admit``'s rule, as ``ExpertStep.run_sparse`` does; the kernel
+        then reads the buffer with the ids unchanged. Any number of ids up to ``cap``; the call is
+        cut into parts of ``max_experts`` misses (one staging load each). False where the call is
+        not eligible (nothing enqueued: the caller takes another path, after ``wait``)."""
+        ec = self.ec
+        li = ec._li(layer)
+        nk = ids.numel()
+        if not self.handle:
+            raise MmapOffloadError("the async step is closed")
+        if not self.eligible(li, nk, ids.dtype, sparse=True):
+            self.metrics["declined"] += 1
+            return False
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        st, _, ref = self.step._struct(li, ids.dtype)
+        bases, strides = self.step.row_arrays(rows)
+        if int(self.lib.mo_async_sparse_parts(self.handle, ref, nk)) < 1:
+            self.metrics["declined"] += 1
+            return False
+        rc = self._enqueue(li, ids, (st, ref, bases, strides), lambda stream: self.lib.mo_async_run_sparse(
+            self.handle, ref, bases.ctypes.data, strides.ctypes.data, int(max_admit), ids.data_ptr(), nk,
+            ids.element_size(), stream))
+        if rc is None:
+            return False
+        self.metrics["sparse_runs"] += 1
+        return True
+
+    def _enqueue(self, li: int, ids: torch.Tensor, keep: tuple, call) -> int | None:
+        """Run ``call(stream)`` (an enqueue of the C side) for layer position ``li``: None where it
+        declined (nothing enqueued), else its result (0, or a CUDA error already recorded: then
+        ``wait()`` raises here). On the CPU the job runs before this returns (``pairs``)."""
         # the callback reads the struct and the arrays it points to later: keep them alive past a
         # remap (which makes the step build new ones) until the job's slot is reused
-        self._live[self.metrics["runs"] % len(self._live)] = (st, ref, self.step._keep.get((li, ids.dtype)))
+        self._live[self.metrics["runs"] % len(self._live)] = keep + (self.step._keep.get((li, ids.dtype)), ids)
         stream = self.step._stream() if self.cuda else self.step.pool._fake_stream
         if not self.step.pool._enter(closing_ok=False):
             raise MmapOffloadError("transfer engine is closed")
         try:
-            rc = self.lib.mo_async_run(self.handle, ref, ids.data_ptr(), nk, ids.element_size(), stream)
+            rc = int(call(stream))
         finally:
             self.step.pool._leave()
         if rc < 0:
@@ -206,11 +264,7 @@ class AsyncStep:
             self.pairs = list(zip(flat[0::2], flat[1::2]))
         if rc > 0:  # the stream may hold part of the job: wait() reports it (the layer is forgotten)
             self.wait()
-        key = (li, ids.dtype, tuple(ids.shape))
-        v = self.step._views.get(key)
-        if v is None:
-            v = self.step._views[key] = slot_dev[:nk].view(ids.shape)
-        return v
+        return rc
 
     def pending(self) -> int:
         return int(self.lib.mo_async_pending(self.handle)) if self.handle else 0
@@ -268,6 +322,8 @@ class AsyncStep:
         m["evictions"] += int(d[_EVICTIONS])
         m["hint_used"] += int(d[_HINT_USED])
         m["hint_wasted"] += int(d[_HINT_WASTED])
+        m["admitted"] += int(d[_ADMITTED])
+        self.sparse_miss_bytes += int(d[_SPARSE_MISSES]) * nb
 
     def summary(self) -> dict[str, Any]:
         if self.handle:  # after close(): its last counters
@@ -275,7 +331,9 @@ class AsyncStep:
         s = self._stats
         out = dict(self.metrics)
         # fill_s: time the step waited for its fills (in the callback, or at the next one / a wait)
-        out.update(calls=int(s[_CALLS]), enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
+        out.update(calls=int(s[_CALLS]), sparse_calls=int(s[_SPARSE]), sparse_hits=int(s[_SPARSE_HITS]),
+                   sparse_misses=int(s[_SPARSE_MISSES]), admitted=int(s[_ADMITTED]), sparse_parts=int(s[_PARTS]),
+                   enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
                    callback_s=float(s[_CB_NS]) / 1e9, job_waits=int(s[_WAITS]), kernel=self.kernel_source,
                    staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes)
         return out

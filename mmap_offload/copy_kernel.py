@@ -6,7 +6,8 @@ and the backend keeps the synchronous native step.
 One launch per MoE layer: the kernel reads the descriptors the stream callback wrote into pinned
 memory (staging offset, slot address, bytes per piece; then the slot ids), copies each piece from
 the pinned staging buffer into its pool slot (16-byte loads of host memory over PCIe, as UVA reads
-weights) and writes the kernel's slot ids."""
+weights) and writes the kernel's slot ids. A sparse call's kernels copy into the layer buffer's rows
+instead, hits from their pool slots too (device to device), and write no slot ids."""
 
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ import torch
 
 __all__ = ["CopyKernel", "load", "SOURCE"]
 
-# a job's words: csrc/async_step.c (D_NPIECES, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_CAP, D_KERR; items
-# from word 8, then the slot ids, then one flag per item). An item is one fill chunk: the kernel waits for
-# its flag (stored by the copy pool's fill threads once the bytes are in staging: 1 filled, 2 failed),
-# so the copy of an item overlaps the fill of the next ones. A flag not set within 60 s: D_KERR, skip.
+# a job's words: csrc/async_step.c (D_NPIECES, D_NK, D_IDSIZE, D_SLOTDEV (0: no slot ids), D_MAXPIECES, D_CAP,
+# D_KERR; items of 4 words from word 8, then the slot ids, then one flag per item). An item is one fill chunk
+# (source: a staging offset) or a piece of a hit's slot (source: a device address, top bit set; flagged at
+# once), copied to its destination and, where the second one is not 0, there too (a sparse call's miss
+# admitted into the pool). The kernel waits for each item's flag (stored by the copy pool's fill threads once
+# the bytes are in staging: 1 filled, 2 failed), so the copy of an item overlaps the fill of the next ones.
+# A flag not set within 60 s: D_KERR, skip.
 SOURCE = r"""
 typedef unsigned long long u64;
 __device__ __forceinline__ u64 ld_acquire_sys(const u64 *p) {
@@ -36,10 +40,10 @@ __device__ __forceinline__ u64 now_ns() {
     return t;
 }
 extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
-    __shared__ u64 item[4];
+    __shared__ u64 item[5];
     const u64 np = desc[0], nk = desc[1], isz = desc[2], maxp = desc[4], cap = desc[5];
-    const u64 *items = desc + 8, *ids = desc + 8 + 3 * maxp, *flags = ids + cap;
-    if (blockIdx.x == 0) {
+    const u64 *items = desc + 8, *ids = desc + 8 + 4 * maxp, *flags = ids + cap;
+    if (blockIdx.x == 0 && desc[3]) {
         void *out = (void *)desc[3];
         for (u64 i = threadIdx.x; i < nk; i += blockDim.x) {
             if (isz == 4) ((int *)out)[i] = (int)ids[i];
@@ -56,26 +60,36 @@ extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
                     __nanosleep(200);
                 }
             }
-            item[0] = f; item[1] = items[3 * i]; item[2] = items[3 * i + 1]; item[3] = items[3 * i + 2];
+            item[0] = f; item[1] = items[4 * i]; item[2] = items[4 * i + 1]; item[3] = items[4 * i + 2];
+            item[4] = items[4 * i + 3];
         }
         __syncthreads();
-        const u64 f = item[0], off = item[1], dst = item[2], n = item[3];
+        const u64 f = item[0], off = item[1], dst = item[2], n = item[3], dst2 = item[4];
         if (f == 1) {
             ld_acquire_sys(flags + i);  /* this thread's own acquire of the fill's bytes */
-            const char *s = staging + off;
-            char *d = (char *)dst;
-            if ((((u64)s | dst | n) & 15) == 0) {
+            const char *s = (off >> 63) ? (const char *)(off & ~(1ull << 63)) : staging + off;
+            char *d = (char *)dst, *d2 = (char *)dst2;
+            if ((((u64)s | dst | dst2 | n) & 15) == 0) {
                 const uint4 *s4 = (const uint4 *)s;
-                uint4 *d4 = (uint4 *)d;
+                uint4 *d4 = (uint4 *)d, *e4 = (uint4 *)d2;
                 const u64 nv = n / 16, bd = blockDim.x;
                 u64 k = threadIdx.x;
                 for (; k + 3 * bd < nv; k += 4 * bd) {
                     uint4 a = s4[k], b = s4[k + bd], c = s4[k + 2 * bd], e = s4[k + 3 * bd];
                     d4[k] = a; d4[k + bd] = b; d4[k + 2 * bd] = c; d4[k + 3 * bd] = e;
+                    if (e4) { e4[k] = a; e4[k + bd] = b; e4[k + 2 * bd] = c; e4[k + 3 * bd] = e; }
                 }
-                for (; k < nv; k += bd) d4[k] = s4[k];
+                for (; k < nv; k += bd) {
+                    const uint4 a = s4[k];
+                    d4[k] = a;
+                    if (e4) e4[k] = a;
+                }
             } else {
-                for (u64 k = threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
+                for (u64 k = threadIdx.x; k < n; k += blockDim.x) {
+                    const char c = s[k];
+                    d[k] = c;
+                    if (d2) d2[k] = c;
+                }
             }
         }
         __syncthreads();

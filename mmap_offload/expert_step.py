@@ -250,6 +250,15 @@ class ExpertStep:
             raise RuntimeError("transfer engine is closed")
         raise MemoryError(f"the native expert step refused a call of {nk} ids (rc {rc})")  # _INVALID
 
+    def row_arrays(self, rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """(bases, strides) of a layer buffer's tensors (``ExpertCache._row_addresses``), made once
+        per buffer dict and kept (the C calls read them by address)."""
+        got = self._rows.get(id(rows))
+        if got is None or got[0] is not rows:
+            bases, strides = self.ec._row_addresses(rows)
+            got = self._rows[id(rows)] = (rows, bases, strides)
+        return got[1], got[2]
+
     def run_sparse(self, layer: int, rows: dict[str, torch.Tensor], max_admit: int = 4) -> bool:
         """Right after ``run(layer, ...)`` handed back more distinct experts than the pool holds:
         fill ``rows`` (the layer's buffer, ``{name: [E, ...]}``) with exactly those experts (misses
@@ -264,11 +273,7 @@ class ExpertStep:
             return False
         t0 = time.perf_counter()
         ref = pending[1]
-        got = self._rows.get(id(rows))
-        if got is None or got[0] is not rows:
-            bases, strides = self.ec._row_addresses(rows)
-            got = self._rows[id(rows)] = (rows, bases, strides)
-        _, bases, strides = got
+        bases, strides = self.row_arrays(rows)
         rc, ticket, status, ev = self._call(self.lib.mo_step_sparse, ref, bases.ctypes.data, strides.ctypes.data,
                                             int(max_admit))
         out = self._out

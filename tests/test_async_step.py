@@ -138,6 +138,155 @@ a.close(); eng.close()
     assert after == "RESIDENT []"  # both victims emptied, neither new expert committed
 
 
+def _sparse_trace(steps: int, layers: int, n_ids: int, min_distinct: int, seed: int) -> np.ndarray:
+    """[steps, layers, n_ids] skewed ids with at least ``min_distinct`` distinct experts per call
+    (more than the pool's slots: the synchronous step's sparse mode takes every call)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, E + 1) ** 1.2
+    p = p[rng.permutation(E)] / p.sum()
+    out = np.empty((steps, layers, n_ids), dtype=np.int64)
+    for t in range(steps):
+        for li in range(layers):
+            while True:
+                ids = rng.choice(E, size=n_ids, p=p)
+                if len(np.unique(ids)) >= min_distinct:
+                    break
+            out[t, li] = ids
+    return out
+
+
+def _buffers(cache, n: int) -> list[dict[str, torch.Tensor]]:
+    return [{s.name: torch.zeros((E, *s.shape), dtype=s.torch_dtype) for s in cache.expert_specs} for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("max_experts", [1, 2, 8])
+def test_async_sparse_call_makes_the_synchronous_sparse_steps_decisions(cache, policy, max_experts):
+    """Sparse calls (more ids and distinct experts than the pool's slots), a whole step enqueued
+    before any wait, cut into parts of ``max_experts`` misses (one staging load each): after wait()
+    each layer's buffer holds exactly the routed experts' bytes, the pool admitted the same experts
+    into the same slots, and the cache's state and counters equal those of ExpertStep.run_sparse
+    (mo_step_sparse) on a twin cache; every resident slot holds its expert's bytes."""
+    eng_a, eng_s, ac, sc = _pair(cache, policy)
+    a = AsyncStep.create(ExpertStep.create(ac), max_experts=max_experts, cpu_drain=False)
+    assert isinstance(a, AsyncStep), a
+    sync = ExpertStep.create(sc)
+    bufs_a, bufs_s = _buffers(cache, len(LAYERS)), _buffers(cache, 1)
+    try:
+        tr = _sparse_trace(25, len(LAYERS), 6, SLOTS + 1, seed=7)
+        for t in range(tr.shape[0]):
+            for li, layer in enumerate(LAYERS):
+                for b in bufs_a[li].values():
+                    b.zero_()
+                assert a.run_sparse(layer, torch.from_numpy(tr[t, li]), bufs_a[li])
+            a.wait()
+            a.step._drain_cpu_stream()
+            for li, layer in enumerate(LAYERS):
+                ids = torch.from_numpy(tr[t, li])
+                out, used = sync.run(layer, ids)
+                assert out is None and np.array_equal(used, np.unique(tr[t, li]))
+                assert sync.run_sparse(layer, bufs_s[0])
+                for e in range(E):  # the routed rows hold their experts, the others were not written
+                    if e in used:
+                        assert expert_matches(cache, layer, e, bufs_a[li], e)
+                    else:
+                        assert all(int(v[e].count_nonzero()) == 0 for v in bufs_a[li].values())
+            _same(_state(ac), _state(sc))
+            for li, layer in enumerate(LAYERS):
+                for e, s in ac.resident(layer).items():
+                    assert expert_matches(cache, layer, e, ac.slots(layer), s)
+        summ = a.summary()
+        assert summ["sparse_calls"] == tr.shape[0] * len(LAYERS) and summ["calls"] == 0
+        assert summ["admitted"] == ac.metrics["admitted"] > 0 and summ["sparse_hits"] > 0
+        if max_experts < 6:
+            assert summ["sparse_parts"] > summ["sparse_calls"]  # calls were cut into parts
+        assert a.sparse_miss_bytes == summ["sparse_misses"] * ac.expert_nbytes > 0
+    finally:
+        a.close()
+        eng_a.close()
+        eng_s.close()
+
+
+def test_async_expert_and_sparse_calls_interleave(cache):
+    """Expert-mode and sparse calls of the same layers queued back to back (decode at batch 1 and 8
+    in one stream): every slot id points at its expert, every buffer row holds its expert, the pool
+    stays consistent."""
+    eng, eng_s, ec, _ = _pair(cache, "lfu-decay")
+    a = AsyncStep.create(ExpertStep.create(ec), max_experts=2, cpu_drain=False)
+    bufs = _buffers(cache, len(LAYERS))
+    try:
+        small = skewed_trace(20, len(LAYERS), E, top_k=TOP_K, batch=1, seed=2)
+        big = _sparse_trace(20, len(LAYERS), 7, 1, seed=9)  # some calls fit the pool, some do not
+        for t in range(20):
+            outs = []
+            for li, layer in enumerate(LAYERS):
+                if (t + li) % 2:
+                    ids = torch.from_numpy(small[t, li])
+                    outs.append((layer, ids, a.run(layer, ids)))
+                else:
+                    assert a.run_sparse(layer, torch.from_numpy(big[t, li]), bufs[li])
+                    outs.append((layer, big[t, li], None))
+            a.wait()
+            a.step._drain_cpu_stream()
+            for li, (layer, ids, out) in enumerate(outs):
+                if out is None:
+                    for e in np.unique(ids).tolist():
+                        assert expert_matches(cache, layer, e, bufs[li], e)
+                else:
+                    for e, s in zip(ids.reshape(-1).tolist(), out.reshape(-1).tolist()):
+                        assert expert_matches(cache, layer, e, ec.slots(layer), s)
+            for layer in LAYERS:
+                for e, s in ec.resident(layer).items():
+                    assert expert_matches(cache, layer, e, ec.slots(layer), s)
+        assert a.summary()["sparse_calls"] == 30 and a.summary()["calls"] == 30
+    finally:
+        a.close()
+        eng.close()
+        eng_s.close()
+
+
+def test_async_sparse_failed_read_forgets_its_admissions_and_fails_the_step(tmp_path):
+    """A sparse call whose misses' reads raise SIGBUS: wait() raises the read error, the slots it
+    admitted those experts into are forgotten, the hits' slots stay."""
+    from fakes import run_child
+
+    code = r"""
+import os, sys, numpy as np, torch
+sys.path.insert(0, "tests")
+from fakes import make_cache, real_engines
+from pathlib import Path
+from mmap_offload.expert_cache import ExpertCache
+from mmap_offload.expert_step import ExpertStep
+from mmap_offload.async_step import AsyncStep
+d = Path(sys.argv[1])
+cache = make_cache(d, layers=(0,), num_experts=6)
+cache.check_experts_once(0, list(range(6)))
+eng = [f for f in real_engines() if getattr(f, "name", "") == "real-mmap-ordered"][0]()
+ec = ExpertCache(cache, eng, "cpu", capacity_experts=3, stream_ordered=True)
+a = AsyncStep.create(ExpertStep.create(ec), max_experts=1)  # a sparse call of 5 ids: 5 parts
+a.run(0, torch.tensor([0])); a.run(0, torch.tensor([1])); a.wait()
+print("RESIDENT", sorted(ec.resident(0).items()))
+rows = {s.name: torch.zeros((6, *s.shape), dtype=s.torch_dtype) for s in cache.expert_specs}
+f = [p for p in d.rglob("*") if p.is_file() and p.stat().st_size > 1 << 12][0]
+os.truncate(f, 0)
+print("ENQ", a.run_sparse(0, torch.tensor([0, 1, 2, 3, 2]), rows))
+try:
+    a.wait()
+    print("NO ERROR")
+except Exception as e:
+    print("ERR", type(e).__name__, str(e)[:200])
+print("RESIDENT", sorted(ec.resident(0).items()))
+print("ADMITTED", a.summary()["admitted"])
+a.close(); eng.close()
+"""
+    lines, err = run_child(code, str(tmp_path / "c"))
+    assert err.startswith("ERR"), lines
+    res = [l for l in lines if l.startswith("RESIDENT")]
+    assert res[0] == "RESIDENT [(0, 0), (1, 1)]", lines
+    assert "ENQ True" in lines and "ADMITTED 1" in lines, lines  # a free slot: one miss admitted
+    assert res[1] == "RESIDENT [(0, 0), (1, 1)]", lines  # ... and forgotten: its bytes never came
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -214,6 +363,77 @@ def test_async_step_reports_after_close(cache):
 
         with pytest.raises(MmapOffloadError):
             a.run(LAYERS[0], torch.tensor([1, 2]))
+    finally:
+        a.close()
+        eng.close()
+        eng_s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_async_sparse_calls_exact_under_a_busy_stream(tmp_path):
+    """CUDA: sparse calls (8 ids, at least 5 distinct experts, 4 slots per layer) of 4 layers
+    enqueued behind device work with no host wait, cut into parts of 2 misses: the kernels copy the
+    hits from their slots (device to device) and the misses from staging into the layer buffers'
+    rows, admitted ones into their slots too. Read in stream order right after each call, every
+    routed row holds its expert's bytes; after the step's wait the decisions equal the synchronous
+    sparse step's on a twin cache and every resident slot holds its expert."""
+    from fakes import cuda_engine
+
+    specs = [("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 136))]
+    n_exp = 16
+    c = make_cache(tmp_path, layers=(0, 1, 2, 3), num_experts=n_exp, specs=specs)
+    assert c.check_in_background(nice=0).wait(60)
+    dev = torch.device("cuda")
+    want = {(l, e): {s.name: c.tensor(l, e, s.name).contiguous().view(-1).view(torch.uint8).sum().item()
+                     for s in c.expert_specs} for l in c.layers for e in range(n_exp)}
+    rng = np.random.default_rng(4)
+    p = 1.0 / np.arange(1, n_exp + 1) ** 1.1
+    p /= p.sum()
+    tr = np.empty((20, 4, 8), dtype=np.int64)
+    for t in range(20):
+        for li in range(4):
+            while True:
+                tr[t, li] = rng.choice(n_exp, size=8, p=p)
+                if len(np.unique(tr[t, li])) >= 5:
+                    break
+    eng, eng_s = cuda_engine("ordered"), cuda_engine("ordered")
+    stream = torch.cuda.Stream(dev)
+    got = []
+    try:
+        with torch.cuda.stream(stream):
+            ec = ExpertCache(c, eng, dev, capacity_experts=4 * 4, stream_ordered=True)
+            sc = ExpertCache(c, eng_s, dev, capacity_experts=4 * 4, stream_ordered=True)
+            a = AsyncStep.create(ExpertStep.create(ec), max_experts=2)
+            assert isinstance(a, AsyncStep), a
+            sync = ExpertStep.create(sc)
+            bufs = [{s.name: torch.zeros((n_exp, *s.shape), dtype=s.torch_dtype, device=dev) for s in c.expert_specs}
+                    for _ in range(2)]
+            ref_rows = {s.name: torch.zeros((n_exp, *s.shape), dtype=s.torch_dtype, device=dev) for s in c.expert_specs}
+            for t in range(tr.shape[0]):
+                for li, layer in enumerate(c.layers):
+                    ids = torch.from_numpy(tr[t, li]).to(dev)
+                    x = torch.randn(1024, 1024, device=dev)
+                    x = x @ x  # the ids come after work the step must not wait for
+                    rows = bufs[li % 2]  # two buffers in turn, as the prefetcher's
+                    assert a.run_sparse(layer, ids, rows)
+                    for e in np.unique(tr[t, li]).tolist():
+                        got.append(((layer, e), {n: v[e].view(-1).view(torch.uint8).sum() for n, v in rows.items()}))
+                    out, used = sync.run(layer, ids)
+                    assert out is None
+                    assert sync.run_sparse(layer, ref_rows)
+                a.wait()
+                sc.check_ordered()
+            assert a.summary()["sparse_parts"] > a.summary()["sparse_calls"] == tr.size // 8
+        torch.cuda.synchronize()
+        for key, sm in got:
+            assert {n: v.item() for n, v in sm.items()} == want[key], key
+        _same(_state(ec), _state(sc))
+        assert ec.metrics["admitted"] > 0
+        for layer in c.layers:
+            slots = ec.slots(layer)
+            for e, s in ec.resident(layer).items():
+                assert {n: v[s].view(-1).view(torch.uint8).sum().item() for n, v in slots.items()} == want[(layer, e)]
     finally:
         a.close()
         eng.close()

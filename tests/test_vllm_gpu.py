@@ -109,8 +109,20 @@ def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):
     assert s["residency_async_calls"] + s["residency_native_calls"] >= s["residency_expert_calls"] // 2, s
 
 
+def test_sparse_calls_on_the_stream_give_the_same_tokens(run):
+    """2 slots per layer, 4 routed ids per decode call: each call is a sparse one decided on the
+    stream (AsyncStep.run_sparse: hits copied from the pool on the device, misses from the cache
+    into the layer buffer's rows, hot misses admitted into the pool); the tokens equal no offload."""
+    sp = run["cases"]["mmap_sparse"]
+    assert sp["tokens"] == run["cases"]["ref"]["tokens"]
+    s = sp["summary"]
+    assert s["residency_pool_slots_per_layer"] == 2, s
+    assert s["residency_sparse_async_calls"] > 0 and s["residency_sparse_miss_bytes"] > 0, s
+    assert s["residency_async_admitted"] > 0 and s["residency_async_sparse_hits"] > 0, s
+
+
 def test_pinned_host_memory_is_small(run):
-    for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto"):
+    for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto", "mmap_sparse"):
         s = run["cases"][case]["summary"]  # the ring, and the async step's staging and job areas
         assert s["engine_pinned_bytes"] + s.get("residency_async_pinned_bytes", 0) <= 0.5 * 2**30, case
 

@@ -11,6 +11,8 @@ QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy
                  experts only; prefill: whole layers)
     mmap_hybrid  the same, decode misses split between host compute and copies
     mmap_auto    warm cache, the default expert cache size (from what vLLM leaves free)
+    mmap_sparse  warm cache, 2 slots per layer: every call routes more ids than slots (sparse
+                 calls decided on the stream, async_step.py)
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready.
 """
@@ -155,7 +157,9 @@ def main() -> int:
         results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
     print("mmap_experts", json.dumps(results["cases"].get("mmap_experts"))[:800], flush=True)
     for case, extra in (("mmap_hybrid", {"expert_cache_gib": gib, "hybrid": True}),  # misses on the host too
-                        ("mmap_auto", {"expert_cache_gib": None})):  # the default pool size
+                        ("mmap_auto", {"expert_cache_gib": None}),  # the default pool size
+                        # 2 slots per layer, 4 ids per decode call: sparse calls, decided on the stream
+                        ("mmap_sparse", {"expert_cache_gib": gib / 3, "layer_stream_fraction": 1.0})):
         if only and case not in only:
             continue
         try:

@@ -119,7 +119,7 @@ class Residency:
         # the layers before the first MoE layer)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
-                                            native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0,
+                                            native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
                                             between_s=0.0, outside_s=0.0,
                                             sparse_miss_bytes=0, trace=bool(self.trace is not None))
 
@@ -238,6 +238,8 @@ class Residency:
                 out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
                 if self.async_step is not None and not hybrid and n * k <= self.async_fits:
                     out = self._async_mode(t, topk_ids)
+                elif self.async_step is not None and not hybrid and n * k <= self.async_step.cap:
+                    out = self._async_sparse_mode(t, topk_ids)
                 else:
                     self._async_settle()
                 if out is None and self.step is not None and not hybrid:
@@ -282,6 +284,29 @@ class Residency:
             self._transform_slots(t, [s for _, s in self.async_step.pairs])
         self._bind_pool(t)
         return out
+
+    def _async_sparse_mode(self, t, ids: torch.Tensor) -> torch.Tensor | None:
+        """Sparse mode decided on the stream (``AsyncStep.run_sparse``): a call of more ids than the
+        pool's slots, whose count of distinct experts is not known yet. The layer buffer gets
+        exactly the routed experts (even where they would all have fit the pool: that is known
+        only on the stream) and the ids pass unchanged; None where the call is not eligible."""
+        t0 = time.perf_counter()
+        li = self.ec._li(t.layer)
+        if not self.async_step.eligible(li, ids.numel(), ids.dtype, sparse=True):
+            self._async_settle()
+            self.metrics["native_s"] += time.perf_counter() - t0
+            return None
+        tensors, _ = self.off.prefetcher.claim(t.layer)  # copies on this stream: ordered anyway
+        if not self.async_step.run_sparse(t.layer, ids, tensors):
+            self._async_settle()
+            self.metrics["native_s"] += time.perf_counter() - t0
+            return None
+        self._async_dirty = True
+        self.metrics["native_s"] += time.perf_counter() - t0
+        self.metrics["sparse_calls"] += 1
+        self.metrics["sparse_async_calls"] += 1
+        self._bind_sparse(t, tensors, self.async_step.pairs if not self.async_step.cuda else [])
+        return ids
 
     def _async_settle(self) -> None:
         """Wait for the async step's callbacks in flight, if it enqueued any since the last wait
@@ -340,6 +365,13 @@ class Residency:
         admitted = self._native_sparse(t, tensors) if self.step is not None else None
         if admitted is None:
             admitted = self._python_sparse(t, used, tensors, after)
+        self._bind_sparse(t, tensors, admitted)
+        return ids
+
+    def _bind_sparse(self, t, tensors, admitted) -> None:
+        """Bind layer ``t`` to the buffer a sparse call filled (vLLM-CPU's prepacked kernels: the
+        kernel-layout twins of the admitted slots and of the buffer first)."""
+        off = self.off
         layer_tensors = tensors
         if off._transforms:  # CPU prepacked kernels: the admitted slots' twins, the buffer's twin, whole
             self._transform_slots(t, [s for _, s in admitted])
@@ -350,7 +382,6 @@ class Residency:
             off._kernel_layer[b] = None  # holds some experts of a layer, not a whole one
             layer_tensors = {**tensors, **twin}
         self._bind_layer(t, layer_tensors)
-        return ids
 
     def _native_sparse(self, t, tensors) -> list[tuple[int, int]] | None:
         """The sparse call in one native call (``ExpertStep.run_sparse``): the pool's admitted
@@ -447,6 +478,8 @@ class Residency:
         if self.async_step is not None:  # the callbacks' counters into the cache's (no wait)
             self.async_step._fold()
         out = dict(self.metrics)
+        if self.async_step is not None:
+            out["sparse_miss_bytes"] += self.async_step.sparse_miss_bytes
         out.update({f"pool_{k}": v for k, v in self.ec.summary().items()})
         if self.step is not None:
             out.update({f"step_{k}": v for k, v in self.step.summary().items()})
