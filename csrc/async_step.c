@@ -64,7 +64,7 @@ typedef int (*fn_cu_launch)(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
 
 /* copy_pool.c */
 typedef struct { uint64_t src, dst, n; } fill_piece;
-void *mo_fill_queue(void *p, char *base, const fill_piece *in, size_t n, uint64_t *flags);
+void *mo_fill_queue(void *p, char *base, const fill_piece *in, size_t n, uint64_t *flags, int movsb);
 int mo_fill_finish(void *p, void *handle, uint64_t *fault);
 
 enum { AJ_JOBS = 128, AJ_MAX_T = 16 };
@@ -114,6 +114,7 @@ struct mo_async {
     uint64_t chunk_bytes;
     int64_t max_pieces, cap;
     unsigned grid, block;
+    int fill_movsb;         /* mo_fill_queue's movsb: 1 cached stores (the default), 0 streaming */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t enq, done;
@@ -138,7 +139,7 @@ int64_t mo_async_job_bytes(int64_t max_pieces, int64_t cap) { /* pinned bytes of
 mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_launch, void *kernel, void *pool,
                           char *staging, uint64_t staging_dev, uint64_t staging_bytes, uint64_t chunk_bytes,
                           int64_t max_pieces, int64_t cap, char *jobmem, uint64_t jobmem_dev, int64_t grid,
-                          int64_t block) {
+                          int64_t block, int64_t fill_movsb) {
     if (!memcpy_async || !launch_host_func || !pool || !staging || !jobmem || max_pieces < 1 || cap < 1 ||
         !chunk_bytes || (cu_launch && !kernel))
         return NULL;
@@ -157,6 +158,7 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
     a->cap = cap;
     a->grid = (unsigned)(grid > 0 ? grid : 64);
     a->block = (unsigned)(block > 0 ? block : 512);
+    a->fill_movsb = fill_movsb ? 1 : 0;
     int64_t jb = mo_async_job_bytes(max_pieces, cap);
     for (int i = 0; i < AJ_JOBS; i++) {
         mo_ajob *j = &a->jobs[i];
@@ -233,7 +235,7 @@ static void harvest(mo_async *a, mo_ajob *j) {
 static int64_t queue_fill(mo_async *a, mo_ajob *j) {
     if (!j->nfp) return A_ERR_NONE;
     for (int64_t i = 0; i < j->nfp; i++) j->flags[j->first_fill + i] = 0; /* before the queue */
-    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill);
+    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill, a->fill_movsb);
     if (j->fill) {
         a->inflight = j;
         return A_ERR_NONE;

@@ -103,6 +103,7 @@ typedef struct gbatch {      /* one group */
     char *base;              /* where its offsets point: NULL, the arena; mo_fill_queue's caller's buffer */
     uint64_t *flags;         /* mo_fill_queue: per chunk, 1 (filled) or 2 (failed), stored once it is done */
     int fill_err;            /* mo_fill_queue: the batch's first error, set when it is filled */
+    int movsb;               /* mo_fill_queue: 1 cached stores (rep movsb), 0 streaming (nt4), -1 the pool's rule */
     uint64_t fill_fault;
 } gbatch;
 
@@ -748,8 +749,8 @@ static void *gworker(void *arg) {
             const chunk *c = &b->chunks[ci];
             for (uint32_t i = 0; i < c->count; i++) bytes += b->pieces[c->first + i].n;
             /* planned offsets are arena offsets: the "slot" is the arena's start */
-            err = guarded_copy(c, b->pieces, b->base ? b->base : p->g_base, p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN,
-                               &fault);
+            int movsb = b->movsb >= 0 ? b->movsb : (p->copy_kind == COPY_MIXED && bytes >= MIXED_MOVSB_MIN);
+            err = guarded_copy(c, b->pieces, b->base ? b->base : p->g_base, movsb, &fault);
             uint64_t dt = now_ns() - t0;
             if (b->flags) /* a consumer polls it (the async step's copy kernel): the bytes come first */
                 __atomic_store_n(&b->flags[ci], err ? 2 : 1, __ATOMIC_RELEASE);
@@ -818,6 +819,7 @@ static gbatch *gplan(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_byte
     planned_piece *pieces = malloc((cap ? cap : 1) * sizeof(*pieces));
     chunk *chunks = malloc((cap ? cap : 1) * sizeof(*chunks));
     if (!b || !pieces || !chunks) { free(b); free(pieces); free(chunks); return NULL; }
+    b->movsb = -1; /* the pool's rule */
     uint32_t np = 0, nc = 0;
     uint64_t pos = 0, chunk_end = 0;
     for (size_t i = 0; i < n; i++) {
@@ -1010,9 +1012,11 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
  * wait for device work (the async step's stream callback calls it: csrc/async_step.c). ``base`` is
  * the caller's own pinned buffer, not the arena, so no gated batch's bytes are touched and no gate
  * is waited for. ``flags`` (may be NULL): flags[i] is stored (release) once piece i is there: 1,
- * or 2 if its read failed or the pool closed. Returns a handle for mo_fill_finish, or NULL (no
- * ordered threads, out of memory, or the pool is closing: then every flag is 2). */
-void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64_t *flags) {
+ * or 2 if its read failed or the pool closed. ``movsb``: 1 cached stores (the device reads the
+ * bytes right after: they may still be in the last-level cache), 0 streaming stores, -1 the pool's
+ * rule. Returns a handle for mo_fill_finish, or NULL (no ordered threads, out of memory, or the
+ * pool is closing: then every flag is 2). */
+void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64_t *flags, int movsb) {
     if (!p || !base || !n || !in || !p->g_nthreads) goto refuse;
     gbatch *b = calloc(1, sizeof(*b));
     gparent *par = calloc(1, sizeof(*par) + ST_GATED_LEN * sizeof(int64_t));
@@ -1029,6 +1033,7 @@ void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64
     b->npieces = b->nchunks = (uint32_t)n;
     b->base = base;
     b->flags = flags;
+    b->movsb = movsb;
     b->parent = par;
     b->refs = 2; /* its fill's end and mo_fill_finish */
     par->status = (int64_t *)(par + 1); /* freed with par, after the fill; finish reads b's copy */

@@ -28,6 +28,7 @@ the slots at once): the same decisions and bytes, no overlap, so tests and vLLM-
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from typing import Any
 
@@ -53,7 +54,7 @@ def _typed(lib) -> bool:
     lib.mo_async_job_bytes.restype = _i64
     lib.mo_async_job_bytes.argtypes = [_i64, _i64]
     lib.mo_async_create.restype = _vp
-    lib.mo_async_create.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp, _u64, _u64, _u64, _i64, _i64, _vp, _u64, _i64, _i64]
+    lib.mo_async_create.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp, _u64, _u64, _u64, _i64, _i64, _vp, _u64, _i64, _i64, _i64]
     lib.mo_async_destroy.argtypes = [_vp]
     lib.mo_async_run.restype = _i64
     lib.mo_async_run.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp]
@@ -122,6 +123,12 @@ class AsyncStep:
         self.max_pieces = self.max_experts * int(sum(-(-int(n) // self.chunk_bytes) for n in sizes)) + \
             ec.slots_per_pool * int(sum(-(-int(n) // _HIT_CHUNK) for n in sizes))
         self.cap = min(step.cap, max(1, int(max_ids)))  # ids per call (a sparse call's too)
+        # the fill's stores into staging: "cached" (rep movsb: the kernel reads each piece right
+        # after, from the last-level cache where it still is) or "streaming" (non-temporal, the
+        # copy pool's rule for small chunks); MMO_ASYNC_FILL_STORES picks one (benchmarks)
+        self.fill_stores = os.environ.get("MMO_ASYNC_FILL_STORES", "cached")
+        if self.fill_stores not in ("cached", "streaming"):
+            raise ValueError(f"MMO_ASYNC_FILL_STORES={self.fill_stores!r}: use cached or streaming")
         from .pinned import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE, PinnedBuffer
 
         jb = int(self.lib.mo_async_job_bytes(self.max_pieces, self.cap))
@@ -149,7 +156,8 @@ class AsyncStep:
             raise MmapOffloadError("transfer engine is closed")
         self.handle = self.lib.mo_async_create(
             memcpy, host_func, launch, function, self._pool, self._staging.data_ptr(), staging_dev,
-            self.staging_bytes, self.chunk_bytes, self.max_pieces, self.cap, self._jobs.data_ptr(), jobs_dev, grid, block)
+            self.staging_bytes, self.chunk_bytes, self.max_pieces, self.cap, self._jobs.data_ptr(), jobs_dev, grid, block,
+            int(self.fill_stores == "cached"))
         if not self.handle:
             raise MemoryError("the async step could not be created")
         self._stats = np.zeros(_N, dtype=np.uint64)
@@ -335,7 +343,7 @@ class AsyncStep:
                    sparse_misses=int(s[_SPARSE_MISSES]), admitted=int(s[_ADMITTED]), sparse_parts=int(s[_PARTS]),
                    enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
                    callback_s=float(s[_CB_NS]) / 1e9, job_waits=int(s[_WAITS]), kernel=self.kernel_source,
-                   staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes)
+                   staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes, fill_stores=self.fill_stores)
         return out
 
     def close(self) -> None:

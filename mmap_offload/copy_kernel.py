@@ -53,11 +53,14 @@ extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
     for (u64 i = blockIdx.x; i < np; i += gridDim.x) {
         if (threadIdx.x == 0) {
             u64 f = ld_acquire_sys(flags + i);
-            if (!f) {
+            if (!f) {  /* poll with backoff, 0.25 to 4 us: each poll is a read over PCIe, sharing the
+                          link and the host's memory with the pieces themselves (a piece takes tens of us) */
                 const u64 t0 = now_ns();
+                unsigned ns = 256;
                 while (!(f = ld_acquire_sys(flags + i))) {
                     if (now_ns() - t0 > 60000000000ull) { f = 3; desc[6] = i + 1; __threadfence_system(); break; }
-                    __nanosleep(200);
+                    __nanosleep(ns);
+                    if (ns < 4096) ns *= 2;
                 }
             }
             item[0] = f; item[1] = items[4 * i]; item[2] = items[4 * i + 1]; item[3] = items[4 * i + 2];
