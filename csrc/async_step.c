@@ -114,7 +114,7 @@ struct mo_async {
     uint64_t chunk_bytes;
     int64_t max_pieces, cap;
     unsigned grid, block;
-    int fill_movsb;         /* mo_fill_queue's movsb: 1 cached stores (the default), 0 streaming */
+    int fill_movsb;         /* the fills' stores: 1 cached, 0 streaming, -1 by call (async_step.py) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t enq, done;
@@ -158,7 +158,7 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
     a->cap = cap;
     a->grid = (unsigned)(grid > 0 ? grid : 64);
     a->block = (unsigned)(block > 0 ? block : 512);
-    a->fill_movsb = fill_movsb ? 1 : 0;
+    a->fill_movsb = fill_movsb < 0 ? -1 : fill_movsb ? 1 : 0;
     int64_t jb = mo_async_job_bytes(max_pieces, cap);
     for (int i = 0; i < AJ_JOBS; i++) {
         mo_ajob *j = &a->jobs[i];
@@ -235,7 +235,8 @@ static void harvest(mo_async *a, mo_ajob *j) {
 static int64_t queue_fill(mo_async *a, mo_ajob *j) {
     if (!j->nfp) return A_ERR_NONE;
     for (int64_t i = 0; i < j->nfp; i++) j->flags[j->first_fill + i] = 0; /* before the queue */
-    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill, a->fill_movsb);
+    int movsb = a->fill_movsb >= 0 ? a->fill_movsb : j->parts > 1 || j->rows[0] != 0; /* auto: sparse calls cached */
+    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill, movsb);
     if (j->fill) {
         a->inflight = j;
         return A_ERR_NONE;

@@ -123,12 +123,15 @@ class AsyncStep:
         self.max_pieces = self.max_experts * int(sum(-(-int(n) // self.chunk_bytes) for n in sizes)) + \
             ec.slots_per_pool * int(sum(-(-int(n) // _HIT_CHUNK) for n in sizes))
         self.cap = min(step.cap, max(1, int(max_ids)))  # ids per call (a sparse call's too)
-        # the fill's stores into staging: "cached" (rep movsb: the kernel reads each piece right
-        # after, from the last-level cache where it still is) or "streaming" (non-temporal, the
-        # copy pool's rule for small chunks); MMO_ASYNC_FILL_STORES picks one (benchmarks)
-        self.fill_stores = os.environ.get("MMO_ASYNC_FILL_STORES", "cached")
-        if self.fill_stores not in ("cached", "streaming"):
-            raise ValueError(f"MMO_ASYNC_FILL_STORES={self.fill_stores!r}: use cached or streaming")
+        # the fill's stores into staging (BENCHMARKS.md, session 10): "auto" streams (non-temporal,
+        # the copy pool's rule for small chunks) the few misses of expert-mode calls, whose host time
+        # is the step's (cached stores evict vLLM's own working set from the last-level cache), and
+        # caches (rep movsb) a sparse call's many, which the kernel then reads from that cache: the
+        # device's chain is the step's there. "cached" / "streaming": one rule for both (benchmarks,
+        # MMO_ASYNC_FILL_STORES).
+        self.fill_stores = os.environ.get("MMO_ASYNC_FILL_STORES", "auto")
+        if self.fill_stores not in ("auto", "cached", "streaming"):
+            raise ValueError(f"MMO_ASYNC_FILL_STORES={self.fill_stores!r}: use auto, cached or streaming")
         from .pinned import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE, PinnedBuffer
 
         jb = int(self.lib.mo_async_job_bytes(self.max_pieces, self.cap))
@@ -157,7 +160,7 @@ class AsyncStep:
         self.handle = self.lib.mo_async_create(
             memcpy, host_func, launch, function, self._pool, self._staging.data_ptr(), staging_dev,
             self.staging_bytes, self.chunk_bytes, self.max_pieces, self.cap, self._jobs.data_ptr(), jobs_dev, grid, block,
-            int(self.fill_stores == "cached"))
+            {"auto": -1, "cached": 1, "streaming": 0}[self.fill_stores])
         if not self.handle:
             raise MemoryError("the async step could not be created")
         self._stats = np.zeros(_N, dtype=np.uint64)

@@ -74,6 +74,17 @@ def test_async_step_makes_the_synchronous_steps_decisions(cache, policy, dtype):
         eng_s.close()
 
 
+def test_async_step_refuses_an_unknown_fill_store_rule(cache, monkeypatch):
+    monkeypatch.setenv("MMO_ASYNC_FILL_STORES", "fast")
+    eng, eng_s, ec, _ = _pair(cache, "lfu-decay")
+    try:
+        with pytest.raises(ValueError, match="MMO_ASYNC_FILL_STORES='fast': use auto, cached or streaming"):
+            AsyncStep.create(ExpertStep.create(ec))
+    finally:
+        eng.close()
+        eng_s.close()
+
+
 def test_async_step_declines_what_it_cannot_promise(cache, tmp_path):
     """More ids than the pool's slots, unchecked experts, hints in flight: run() enqueues nothing and
     returns None (the caller takes the synchronous path)."""
@@ -207,10 +218,12 @@ def test_async_sparse_call_makes_the_synchronous_sparse_steps_decisions(cache, p
         eng_s.close()
 
 
-def test_async_expert_and_sparse_calls_interleave(cache):
+@pytest.mark.parametrize("stores", ["auto", "cached", "streaming"])
+def test_async_expert_and_sparse_calls_interleave(cache, stores, monkeypatch):
     """Expert-mode and sparse calls of the same layers queued back to back (decode at batch 1 and 8
-    in one stream): every slot id points at its expert, every buffer row holds its expert, the pool
-    stays consistent."""
+    in one stream), with each rule for the fills' stores: every slot id points at its expert, every
+    buffer row holds its expert, the pool stays consistent."""
+    monkeypatch.setenv("MMO_ASYNC_FILL_STORES", stores)
     eng, eng_s, ec, _ = _pair(cache, "lfu-decay")
     a = AsyncStep.create(ExpertStep.create(ec), max_experts=2, cpu_drain=False)
     bufs = _buffers(cache, len(LAYERS))
@@ -239,6 +252,7 @@ def test_async_expert_and_sparse_calls_interleave(cache):
                 for e, s in ec.resident(layer).items():
                     assert expert_matches(cache, layer, e, ec.slots(layer), s)
         assert a.summary()["sparse_calls"] == 30 and a.summary()["calls"] == 30
+        assert a.summary()["fill_stores"] == stores
     finally:
         a.close()
         eng.close()
