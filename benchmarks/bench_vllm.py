@@ -697,7 +697,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"some of {','.join(CONFIGS)}")
     p.add_argument("--routings", default="uniform,skewed")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
-    p.add_argument("--decode-tokens", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--decode-tokens", type=int, default=96,
+                   help="timed decode steps per batch size (32 until session 10: ~0.6 s at batch 1, where one "
+                        "host hiccup moved a ratio by percents)")
     p.add_argument("--decode-warmup-tokens", type=int, default=32,
                    help="untimed decode steps first, per batch size: the pool fills and each expert's "
                         "first-use check is paid before timing (sessions 4-5 used 4, so their decode rows "

@@ -397,7 +397,7 @@ static void sparse_cb(void *arg) {
     harvest(a, a->inflight);
     a->inflight = NULL;
     uint64_t fill_ns = ns_now() - t0;
-    int64_t E = st->E, S = st->S, T = st->T, nk = j->nk, isz = j->id_size, K = j->parts;
+    int64_t E = st->E, T = st->T, nk = j->nk, isz = j->id_size, K = j->parts;
     int64_t per = (int64_t)(a->staging_bytes / staged_expert_bytes(st)), ppe = 0; /* misses per part, items per miss */
     for (int64_t t = 0; t < T; t++) ppe += (int64_t)((st->sizes[t] + a->chunk_bytes - 1) / a->chunk_bytes);
     mo_ajob *part[AJ_JOBS];
@@ -409,7 +409,7 @@ static void sparse_cb(void *arg) {
     int64_t out[OUT_HEAD];
     memset(out, 0, sizeof(out));
     int64_t err = A_ERR_NONE;
-    uint8_t mark[MAX_EXPERTS], prot[MAX_EXPERTS];
+    uint8_t mark[MAX_EXPERTS];
     int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], hit[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, na = 0;
     memset(mark, 0, (size_t)E);
     for (int64_t i = 0; i < nk && !err; i++) {
@@ -444,9 +444,8 @@ static void sparse_cb(void *arg) {
             }
         }
     }
-    /* ExpertCache.admit's decisions (mo_step_sparse's, which commits them before its copies) */
+    /* ExpertCache.admit's decisions (mo_step_admit, as mo_step_sparse takes them) */
     if (!err && nm) {
-        int64_t nowv = *st->now + 1;
         /* the items first (nothing committed yet: a refusal changes nothing); then the admissions'
          * second destinations are patched in */
         for (int64_t k = 0; k < K && !err; k++) {
@@ -455,40 +454,14 @@ static void sparse_cb(void *arg) {
             if (miss_items(a, part[k], st, miss + lo, hi - lo, NULL, NULL, k ? 0 : nhit) < 0) err = A_ERR_PROMISE;
         }
         if (!err) {
-            *st->now = nowv;
-            mo_step_touch(st, used, nu, nowv);
-            memset(prot, 0, (size_t)S);
-            for (int64_t i = 0; i < nh; i++) {
-                int64_t s = st->lut[hit[i]];
-                prot[s] = 1;
-                st->used[s] = 1;
-                st->use_call[s] = nowv;
-            }
-            int64_t want = nm < j->max_admit ? nm : (j->max_admit > 0 ? j->max_admit : 0);
-            int64_t vic[MAX_EXPERTS], nv = want ? mo_step_victims(st, nowv, want, prot, vic) : 0;
-            int64_t order[MAX_EXPERTS];
-            double dw[MAX_EXPERTS];
-            for (int64_t i = 0; i < nm; i++) { order[i] = i; dw[i] = mo_step_decayed(st, miss[i], nowv); }
-            for (int64_t i = 1; i < nm; i++) {
-                int64_t v = order[i], q = i - 1;
-                while (q >= 0 && -dw[order[q]] > -dw[v]) { order[q + 1] = order[q]; q--; }
-                order[q + 1] = v;
-            }
-            for (int64_t i = 0; i < nv; i++) {
-                int64_t m = order[i], e = miss[m], s = vic[i];
-                if (st->owner_li[s] >= 0 && !(dw[m] > mo_step_decayed(st, st->owner_e[s], nowv))) continue;
-                mo_step_evict(st, s, out);
-                st->owner_li[s] = st->li;
-                st->owner_e[s] = e;
-                st->lut[e] = s;
-                st->hinted[s] = 0;
-                st->used[s] = 1;
-                st->use_call[s] = nowv;
+            int64_t adm[MAX_EXPERTS], seq[MAX_EXPERTS];
+            na = mo_step_admit(st, used, nu, hit, nh, miss, nm, j->max_admit, adm, seq, out);
+            for (int64_t i = 0; i < na; i++) {
+                int64_t m = seq[i], s = adm[m];
                 mo_ajob *pj = part[m / per];
-                pj->new_pairs[2 * pj->nnew] = e;
+                pj->new_pairs[2 * pj->nnew] = miss[m];
                 pj->new_pairs[2 * pj->nnew + 1] = s;
                 pj->nnew++;
-                na++;
                 /* miss m's items (ppe of them, in its part) also go into slot s */
                 uint64_t *ip = pj->desc + D_HEAD + 4 * (pj->first_fill + (m % per) * ppe);
                 for (int64_t t = 0, q = 0; t < T; t++)

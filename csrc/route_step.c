@@ -296,8 +296,47 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
         }
     }
     if (!nm) return 0; /* nothing fetched: the Python path calls no admit either */
-    /* ExpertCache.admit */
-    int64_t nowv = *st->now + 1;
+    /* ExpertCache.admit, committed first; then each admitted slot's copy from its row */
+    int64_t adm[MAX_EXPERTS], seq[MAX_EXPERTS], na = 0;
+    int64_t n_adm = mo_step_admit(st, used, nu, hit, nh, miss, nm, max_admit, adm, seq, out);
+    for (int64_t i = 0; i < n_adm; i++) {
+        int64_t s = adm[seq[i]], e = miss[seq[i]];
+        for (int64_t t = 0; t < T; t++) {
+            int err = st->memcpy_async((void *)(uintptr_t)st->dst[s * T + t],
+                                       (const void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),
+                                       (size_t)st->sizes[t], D2D, stream);
+            if (err) { /* this slot's bytes are unknown, the later ones never came: they stay empty */
+                for (int64_t k = i; k < n_adm; k++) {
+                    int64_t q = seq[k];
+                    st->lut[miss[q]] = -1;
+                    st->owner_li[adm[q]] = st->owner_e[adm[q]] = -1;
+                    st->used[adm[q]] = 0;
+                }
+                out[OUT_DETAIL] = err;
+                out[OUT_ADMITTED] = na;
+                return MO_STEP_CUDA;
+            }
+        }
+        pairs[2 * na] = e;
+        pairs[2 * na + 1] = s;
+        na++;
+    }
+    out[OUT_ADMITTED] = na;
+    return nm;
+}
+
+/* ExpertCache.admit for a sparse call whose misses are being fetched (mo_step_sparse's and the
+ * async sparse step's decisions), committed: the clock advances, the routed experts' scores are
+ * touched, the hits' slots marked used; then up to ``max_admit`` misses, the hottest first
+ * (np.argsort(-decayed, kind="stable")), each take a victim (free slots first, hits spared) whose
+ * holder's decayed use is lower (``_displaces``). adm[i]: the slot miss i now owns, or -1; seq: the
+ * admitted misses' indices in admission order; the victims' old experts are evicted (out: evictions,
+ * wasted hints). Returns how many were admitted. The caller copies their bytes. */
+int64_t mo_step_admit(mo_step *st, const int64_t *used, int64_t nu, const int64_t *hit, int64_t nh,
+                      const int64_t *miss, int64_t nm, int64_t max_admit, int64_t *adm, int64_t *seq,
+                      int64_t *out) {
+    int64_t S = st->S, nowv = *st->now + 1;
+    for (int64_t i = 0; i < nm; i++) adm[i] = -1;
     *st->now = nowv;
     mo_step_touch(st, used, nu, nowv);
     uint8_t prot[MAX_EXPERTS];
@@ -309,11 +348,10 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
         st->use_call[s] = nowv;
     }
     int64_t want = nm < max_admit ? nm : (max_admit > 0 ? max_admit : 0);
-    if (!want) return nm;
+    if (!want) return 0;
     int64_t vic[MAX_EXPERTS];
     int64_t nv = mo_step_victims(st, nowv, want, prot, vic);
-    if (!nv) return nm;
-    /* the hottest misses first (np.argsort(-decayed, kind="stable")), as many as victims */
+    if (!nv) return 0;
     int64_t order[MAX_EXPERTS];
     double dw[MAX_EXPERTS];
     for (int64_t i = 0; i < nm; i++) { order[i] = i; dw[i] = mo_step_decayed(st, miss[i], nowv); }
@@ -324,30 +362,17 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
     }
     int64_t na = 0;
     for (int64_t i = 0; i < nv; i++) {
-        int64_t e = miss[order[i]], s = vic[i];
-        /* _displaces: a free slot, or a holder whose decayed use is lower */
-        if (st->owner_li[s] >= 0 && !(dw[order[i]] > mo_step_decayed(st, st->owner_e[s], nowv))) continue;
+        int64_t m = order[i], e = miss[m], s = vic[i];
+        if (st->owner_li[s] >= 0 && !(dw[m] > mo_step_decayed(st, st->owner_e[s], nowv))) continue;
         mo_step_evict(st, s, out);
-        for (int64_t t = 0; t < T; t++) {
-            int err = st->memcpy_async((void *)(uintptr_t)st->dst[s * T + t],
-                                       (const void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),
-                                       (size_t)st->sizes[t], D2D, stream);
-            if (err) { /* the slot's bytes are unknown now: it stays empty */
-                out[OUT_DETAIL] = err;
-                out[OUT_ADMITTED] = na;
-                return MO_STEP_CUDA;
-            }
-        }
         st->owner_li[s] = st->li;
         st->owner_e[s] = e;
         st->lut[e] = s;
         st->hinted[s] = 0;
         st->used[s] = 1;
         st->use_call[s] = nowv;
-        pairs[2 * na] = e;
-        pairs[2 * na + 1] = s;
-        na++;
+        adm[m] = s;
+        seq[na++] = m;
     }
-    out[OUT_ADMITTED] = na;
-    return nm;
+    return na;
 }

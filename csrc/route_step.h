@@ -72,4 +72,7 @@ void mo_step_mark_used(mo_step *st, const uint8_t *prot, const int64_t *used, in
                        int64_t *out);
 int64_t mo_step_read_id(const void *ids, int64_t i, int64_t size);
 int64_t mo_step_victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out);
+int64_t mo_step_admit(mo_step *st, const int64_t *used, int64_t nu, const int64_t *hit, int64_t nh,
+                      const int64_t *miss, int64_t nm, int64_t max_admit, int64_t *adm, int64_t *seq,
+                      int64_t *out);
 #endif

@@ -124,10 +124,10 @@ class AsyncStep:
             ec.slots_per_pool * int(sum(-(-int(n) // _HIT_CHUNK) for n in sizes))
         self.cap = min(step.cap, max(1, int(max_ids)))  # ids per call (a sparse call's too)
         # the fill's stores into staging (BENCHMARKS.md, session 10): "auto" streams (non-temporal,
-        # the copy pool's rule for small chunks) the few misses of expert-mode calls, whose host time
-        # is the step's (cached stores evict vLLM's own working set from the last-level cache), and
-        # caches (rep movsb) a sparse call's many, which the kernel then reads from that cache: the
-        # device's chain is the step's there. "cached" / "streaming": one rule for both (benchmarks,
+        # the copy pool's rule for small chunks, as in session 9) the few misses of expert-mode calls,
+        # whose step is the launching thread's (cached stores would evict its working set from the
+        # last-level cache), and caches (rep movsb) a sparse call's many, which the kernel then reads
+        # from that cache: the device's chain is the step's there. "cached" / "streaming": one rule for both (benchmarks,
         # MMO_ASYNC_FILL_STORES).
         self.fill_stores = os.environ.get("MMO_ASYNC_FILL_STORES", "auto")
         if self.fill_stores not in ("auto", "cached", "streaming"):

@@ -259,6 +259,42 @@ def test_async_expert_and_sparse_calls_interleave(cache, stores, monkeypatch):
         eng_s.close()
 
 
+def test_async_sparse_call_declines_past_its_cap_and_fails_whole_on_a_failed_launch(cache):
+    """More ids than the step's cap: nothing enqueued. A part whose callback cannot be launched
+    (the fake stream fails the 3rd launch: part 1's callback): run_sparse raises at once, naming the
+    CUDA error; the layer's pool is emptied (part 0's callback committed admissions for parts that
+    will never copy), nothing else changes, and the next calls are served exactly."""
+    eng, eng_s, ec, _ = _pair(cache, "lfu-decay")
+    a = AsyncStep.create(ExpertStep.create(ec), max_experts=1, max_ids=6)
+    bufs = _buffers(cache, 1)
+    try:
+        assert a.run_sparse(LAYERS[0], torch.arange(7) % E, bufs[0]) is False  # 7 ids > cap 6
+        assert a.pending() == 0 and a.metrics["declined"] == 1
+        for layer in LAYERS:  # every pool holds something
+            assert a.run_sparse(layer, torch.tensor([0, 1, 2, 3, 4, 5]), bufs[0])
+        a.wait()
+        assert all(ec.resident(layer) for layer in LAYERS)
+        before = {layer: dict(ec.resident(layer)) for layer in LAYERS[1:]}
+        a.step.lib.mo_fake_stream_fail(a.step.pool._fake_stream, 2, 3, 700)
+        with pytest.raises(RuntimeError, match="CUDA error 700; layer position 0's pool was emptied"):
+            a.run_sparse(LAYERS[0], torch.tensor([1, 4, 5, 6, 7, 1]), bufs[0])
+        assert ec.resident(LAYERS[0]) == {}
+        assert {layer: dict(ec.resident(layer)) for layer in LAYERS[1:]} == before
+        for b in bufs[0].values():
+            b.zero_()
+        ids = torch.tensor([6, 7, 1, 4, 6, 2])
+        assert a.run_sparse(LAYERS[0], ids, bufs[0])
+        a.wait()
+        for e in np.unique(ids.numpy()).tolist():
+            assert expert_matches(cache, LAYERS[0], e, bufs[0], e)
+        for e, s in ec.resident(LAYERS[0]).items():
+            assert expert_matches(cache, LAYERS[0], e, ec.slots(LAYERS[0]), s)
+    finally:
+        a.close()
+        eng.close()
+        eng_s.close()
+
+
 def test_async_sparse_failed_read_forgets_its_admissions_and_fails_the_step(tmp_path):
     """A sparse call whose misses' reads raise SIGBUS: wait() raises the read error, the slots it
     admitted those experts into are forgotten, the hits' slots stay."""
