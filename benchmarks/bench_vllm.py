@@ -392,7 +392,9 @@ def rows_from_child(child: dict) -> list[dict]:
         if child.get("has_summary"):
             moved = sum(d(k) for k in MOVED_KEYS)
             row["mmap_mib_per_step"] = round(moved / steps / MIB, 1)
-            hits, misses = d("residency_pool_hits"), d("residency_pool_misses")
+            # routed experts found resident, over expert-mode and sparse calls alike
+            hits = d("residency_pool_hits") + d("residency_sparse_hits")
+            misses = d("residency_pool_misses") + d("residency_sparse_misses")
             if hits + misses > 0:
                 row["pool_hit_rate"] = round(hits / (hits + misses), 3)
             # the residency's per-layer decisions (expert / sparse / layer / ...), whatever modes it has

@@ -135,6 +135,7 @@ class ExpertStep:
         # id(rows) -> (rows, bases, strides): a layer buffer's dict (the prefetcher's, one per buffer)
         self._rows: dict[int, tuple[Any, np.ndarray, np.ndarray]] = {}
         self.last_misses = 0  # experts the last call served read from the cache
+        self.last_hits = 0  # ... and found in the pool (run_sparse)
         # runs: calls of run(); served: those it served whole; python / sparse: handed back
         # sparse_served: run_sparse calls it served whole
         self.metrics = dict(runs=0, served=0, python=0, sparse=0, sparse_served=0, seconds=0.0)
@@ -286,7 +287,7 @@ class ExpertStep:
         if rc in (_PYTHON, _INVALID, _CLOSED):
             return False
         self.metrics["sparse_served"] += 1
-        self.last_misses = nm
+        self.last_misses, self.last_hits = nm, int(out[_OUT_HITS])
         na = int(out[_OUT_ADMITTED])
         base = _OUT_HEAD + ec.num_experts
         flat = out[base : base + 2 * na].tolist()

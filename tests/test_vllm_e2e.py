@@ -223,6 +223,8 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
     s = sp["summary"]
     assert s["residency_pool_slots_per_layer"] == 2 and s["residency_layer_calls"] == 0
     assert s["residency_sparse_calls"] > 0 and s["residency_sparse_miss_bytes"] > 0
+    # the routed experts of sparse calls found in the pool or not, whichever path served them
+    assert s["residency_sparse_hits"] > 0 and s["residency_sparse_misses"] > 0, s
     # the pool learns from sparse steps (ExpertCache.admit: hot misses copied in from the rows),
     # and the tokens above say the slots it filled that way hold the right bytes
     assert s["residency_pool_admitted"] > 0, s

@@ -121,7 +121,8 @@ class Residency:
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
                                             between_s=0.0, outside_s=0.0,
-                                            sparse_miss_bytes=0, trace=bool(self.trace is not None))
+                                            sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
+                                            trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
     def _bind_pool(self, t) -> None:
@@ -393,6 +394,8 @@ class Residency:
             return None
         self.metrics["native_sparse_calls"] += 1
         self.metrics["sparse_miss_bytes"] += self.step.last_misses * self.ec.expert_nbytes
+        self.metrics["sparse_hits"] += self.step.last_hits
+        self.metrics["sparse_misses"] += self.step.last_misses
         return self.step.pairs
 
     def _python_sparse(self, t, used: np.ndarray, tensors, after) -> list[tuple[int, int]]:
@@ -415,6 +418,8 @@ class Residency:
                           for e in misses]
                 ticket = off.engine.submit(copies, after=after)
             self.metrics["sparse_miss_bytes"] += len(misses) * ec.expert_nbytes
+        self.metrics["sparse_hits"] += len(hits)
+        self.metrics["sparse_misses"] += len(misses)
         if len(hits):  # the pool's copies of them are complete (ensure waited for them)
             n = len(hits)
             ih = self._idx_host
@@ -478,8 +483,11 @@ class Residency:
         if self.async_step is not None:  # the callbacks' counters into the cache's (no wait)
             self.async_step._fold()
         out = dict(self.metrics)
-        if self.async_step is not None:
+        if self.async_step is not None:  # its sparse calls' counters (folded just above)
             out["sparse_miss_bytes"] += self.async_step.sparse_miss_bytes
+            sm = self.async_step.summary()
+            out["sparse_hits"] += sm["sparse_hits"]
+            out["sparse_misses"] += sm["sparse_misses"]
         out.update({f"pool_{k}": v for k, v in self.ec.summary().items()})
         if self.step is not None:
             out.update({f"step_{k}": v for k, v in self.step.summary().items()})
