@@ -302,15 +302,15 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                 pool["native_step"] = False
             if cfg == "mmap-cache-sync":  # the same pool; the native step waits for each layer's ids
                 pool["async_step"] = False
-            env = {"mmap-cache-nt": {"MMO_ASYNC_FILL_STORES": "streaming"},
-                   "mmap-cache-movsb": {"MMO_ASYNC_FILL_STORES": "cached"}}.get(cfg, {})
+            cfg_env = {**base["env"], **{"mmap-cache-nt": {"MMO_ASYNC_FILL_STORES": "streaming"},
+                                         "mmap-cache-movsb": {"MMO_ASYNC_FILL_STORES": "cached"}}.get(cfg, {})}
             if skewed:  # the trace goes through the backend's own option: one engine per routing
-                specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True, "env": env,
+                specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True, "env": cfg_env,
                               "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
                               "llm": {**common, "offload_backend": "mmap",
                                       "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
             if "uniform" in routings:
-                specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "env": env,
+                specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "env": cfg_env,
                               "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
                               "llm": {**common, "offload_backend": "mmap",
                                       "additional_config": {"mmap_offload": pool}}})

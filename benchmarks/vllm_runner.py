@@ -390,7 +390,7 @@ def run_child(spec: dict, *, workdir: Path, mem_max: int | None = None, timeout:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(spec.get("env") or {})  # a configuration's own (bench_vllm's mmap-cache-nt)
+    env.update(spec.get("env") or {})  # a configuration's own win over this process's (the child only sets defaults)
     t0 = time.perf_counter()
     timed_out = False
     with open(log_path, "wb") as log:

@@ -205,6 +205,11 @@ def test_child_specs_give_uva_the_pool_bytes(tmp_path):
     assert by["mmap-cache-skewed"]["llm"]["additional_config"]["mmap_offload"]["routing_trace"] == str(tmp_path / "t.csv")
     assert by["mmap-layer"]["llm"]["additional_config"]["mmap_offload"]["expert_cache_gib"] == 0
     assert by["uva"]["llm"]["attention_config"] == {"backend": "TRITON_ATTN"} and by["uva"]["llm"]["enforce_eager"]
+    # every child runs with one OpenMP thread, as vLLM's workers; a configuration may add its own variables
+    assert all(s["env"]["OMP_NUM_THREADS"] for s in specs)
+    nt = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "mmap-cache-nt",
+                                                       "--routings", "uniform"]), tmp_path, tmp_path, None, 8 * gib, gib, 0.0)[0]
+    assert nt["env"]["MMO_ASYNC_FILL_STORES"] == "streaming" and nt["env"]["OMP_NUM_THREADS"]
     kinds = [t["kind"] for t in by["uva"]["tasks"]]
     assert kinds == ["decode"] * 3 + ["prefill", "record", "trace"] + ["decode"] * 3  # uniform, then the trace
     assert [t["kind"] for t in by["mmap-cache-skewed"]["tasks"]] == ["decode"] * 3  # the backend applies the trace
