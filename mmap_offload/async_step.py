@@ -8,10 +8,14 @@ thread then stops at every MoE layer until the device has caught up, so eager vL
 the same decisions (the same C helpers, bit for bit) and queues the misses' reads into a pinned
 staging buffer, and a copy kernel (copy_kernel.py) that moves each 256 KiB piece into its pool slot
 as soon as the copy threads flag it read, and writes the slot ids. It returns the slot ids' device
-buffer at once; nothing on vLLM's thread waits.
+buffer at once; nothing on vLLM's thread waits. ``AsyncStep.run_sparse(layer, ids, rows)`` does the
+same for a call of more ids than the pool has slots (decode at larger batches): the layer buffer
+``rows`` gets exactly the routed experts, as ``ExpertStep.run_sparse`` fills it (hits from their slots
+on the device, misses from the cache, hot misses admitted into the pool, its decisions bit for bit),
+in parts of ``max_experts`` misses, one staging load each (csrc/async_step.c).
 
 The caller keeps the promise the callback cannot check in time (``eligible``): at most as many ids
-as the pool has slots (so every routed expert fits), every expert of the layer checked
+as the pool has slots (so every routed expert fits; sparse calls: at most ``cap``), every expert of the layer checked
 (``Cache.clean_mask``) and with its source address, no hint in flight, and no other path touching the
 cache's arrays until ``wait()``: the callback mutates them from CUDA's callback thread. ``wait()``
 blocks until every enqueued callback ran (the device must reach them) and raises the first failure:
@@ -127,8 +131,8 @@ class AsyncStep:
         # the copy pool's rule for small chunks, as in session 9) the few misses of expert-mode calls,
         # whose step is the launching thread's (cached stores would evict its working set from the
         # last-level cache), and caches (rep movsb) a sparse call's many, which the kernel then reads
-        # from that cache: the device's chain is the step's there. "cached" / "streaming": one rule for both (benchmarks,
-        # MMO_ASYNC_FILL_STORES).
+        # from that cache: the device's chain is the step's there. "cached" / "streaming": one rule
+        # for both (benchmarks, MMO_ASYNC_FILL_STORES).
         self.fill_stores = os.environ.get("MMO_ASYNC_FILL_STORES", "auto")
         if self.fill_stores not in ("auto", "cached", "streaming"):
             raise ValueError(f"MMO_ASYNC_FILL_STORES={self.fill_stores!r}: use auto, cached or streaming")
