@@ -97,8 +97,8 @@ typedef struct {
     fill_piece *fp; /* its fill's pieces (staging offsets), queued by its callback */
     int64_t nfp, first_fill; /* how many; the item of the first one */
     int64_t nnew, *new_pairs; /* the (expert, slot) it made resident: forgotten if the fill fails */
-    /* sparse calls: this job's part of its call, the layer buffer's tensors, the admission cap */
-    int64_t part, parts, max_admit;
+    /* sparse calls (rows[0] != 0): its call's parts, the layer buffer's tensors, the admission cap */
+    int64_t parts, max_admit;
     uint64_t rows[AJ_MAX_T], stride[AJ_MAX_T];
 } mo_ajob;
 
@@ -235,7 +235,7 @@ static void harvest(mo_async *a, mo_ajob *j) {
 static int64_t queue_fill(mo_async *a, mo_ajob *j) {
     if (!j->nfp) return A_ERR_NONE;
     for (int64_t i = 0; i < j->nfp; i++) j->flags[j->first_fill + i] = 0; /* before the queue */
-    int movsb = a->fill_movsb >= 0 ? a->fill_movsb : j->parts > 1 || j->rows[0] != 0; /* auto: sparse calls cached */
+    int movsb = a->fill_movsb >= 0 ? a->fill_movsb : j->rows[0] != 0; /* auto: sparse calls' fills cached */
     j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill, movsb);
     if (j->fill) {
         a->inflight = j;
@@ -258,12 +258,12 @@ static void cb_end(mo_async *a, const mo_step *st, int64_t err, uint64_t t0, uin
 }
 
 /* Misses' items from staging offset 0: each tensor of expert miss[i] cut into chunk_bytes pieces,
- * into rows (expert-indexed: row[t] + e * stride[t]; NULL: into slot slot_of[i]'s tensors), and into
- * pool slot also[i]'s tensors too where also is given and also[i] >= 0. Items go from item ``at``
- * on, pieces into j->fp. Returns the items written, or -1 where the job or the staging is too
- * small (nothing is queued then). */
+ * into pool slot slot_of[i]'s tensors, or (slot_of NULL: a sparse call) into the layer buffer's
+ * rows (row[t] + e * stride[t]); the second destination is left 0 (sparse_cb patches in an admitted
+ * miss's slot). Items go from item ``at`` on, pieces into j->fp. Returns the items written, or -1
+ * where the job or the staging is too small (nothing is queued then). */
 static int64_t miss_items(mo_async *a, mo_ajob *j, const mo_step *st, const int64_t *miss, int64_t nm,
-                          const int64_t *slot_of, const int64_t *also, int64_t at) {
+                          const int64_t *slot_of, int64_t at) {
     uint64_t *pc = j->desc + D_HEAD, off = 0, ch = a->chunk_bytes;
     int64_t T = st->T, np = 0;
     for (int64_t i = 0; i < nm; i++)
@@ -271,9 +271,7 @@ static int64_t miss_items(mo_async *a, mo_ajob *j, const mo_step *st, const int6
             uint64_t n = st->sizes[t];
             off = (off + 255) & ~(uint64_t)255;
             if (off + n > a->staging_bytes) return -1;
-            uint64_t dst = j->rows[0] && !slot_of ? j->rows[t] + (uint64_t)miss[i] * j->stride[t]
-                                                  : st->dst[slot_of[i] * T + t];
-            uint64_t dst2 = also && also[i] >= 0 ? st->dst[also[i] * T + t] : 0;
+            uint64_t dst = slot_of ? st->dst[slot_of[i] * T + t] : j->rows[t] + (uint64_t)miss[i] * j->stride[t];
             for (uint64_t c = 0; c < n; c += ch) {
                 uint64_t take = n - c < ch ? n - c : ch;
                 if (at + np >= a->max_pieces) return -1;
@@ -282,7 +280,7 @@ static int64_t miss_items(mo_async *a, mo_ajob *j, const mo_step *st, const int6
                 it[0] = off + c;
                 it[1] = dst + c;
                 it[2] = take;
-                it[3] = dst2 ? dst2 + c : 0;
+                it[3] = 0;
                 np++;
             }
             off += n;
@@ -339,7 +337,7 @@ static void async_cb(void *arg) {
     int64_t nowv = *st->now + 1;
     if (!err && nm && mo_step_victims(st, nowv, nm, prot, vic) < nm) err = A_ERR_PROMISE;
     if (!err && nm) { /* the misses' items: fill chunks of staging, each copied to its slot by the kernel */
-        np = miss_items(a, j, st, miss, nm, vic, NULL, 0);
+        np = miss_items(a, j, st, miss, nm, vic, 0);
         if (np < 0) err = A_ERR_PROMISE;
         for (int64_t t = 0; t < st->T; t++) bytes += st->sizes[t] * (uint64_t)nm;
     }
@@ -451,7 +449,7 @@ static void sparse_cb(void *arg) {
         for (int64_t k = 0; k < K && !err; k++) {
             int64_t lo = k * per, hi = lo + per < nm ? lo + per : nm;
             if (lo >= hi) break;
-            if (miss_items(a, part[k], st, miss + lo, hi - lo, NULL, NULL, k ? 0 : nhit) < 0) err = A_ERR_PROMISE;
+            if (miss_items(a, part[k], st, miss + lo, hi - lo, NULL, k ? 0 : nhit) < 0) err = A_ERR_PROMISE;
         }
         if (!err) {
             int64_t adm[MAX_EXPERTS], seq[MAX_EXPERTS];
@@ -574,7 +572,6 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
     j->nk = nk;
     j->id_size = id_size;
     j->rows[0] = 0;
-    j->part = 0;
     j->parts = 1;
     int err = nk ? a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream) : 0;
     if (err) return err; /* nothing of this job is on the stream yet */
@@ -606,7 +603,6 @@ int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, cons
         p->st = st;
         p->nk = nk;
         p->id_size = id_size;
-        p->part = k;
         p->parts = K;
         p->max_admit = max_admit;
         p->nfp = p->nnew = 0;
