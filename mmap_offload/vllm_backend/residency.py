@@ -292,18 +292,15 @@ class Residency:
         exactly the routed experts (even where they would all have fit the pool: that is known
         only on the stream) and the ids pass unchanged; None where the call is not eligible."""
         t0 = time.perf_counter()
-        li = self.ec._li(t.layer)
-        if not self.async_step.eligible(li, ids.numel(), ids.dtype, sparse=True):
+        served = False
+        if self.async_step.eligible(self.ec._li(t.layer), ids.numel(), ids.dtype, sparse=True):  # before the claim
+            tensors, _ = self.off.prefetcher.claim(t.layer)  # copies on this stream: ordered anyway
+            served = self.async_step.run_sparse(t.layer, ids, tensors)
+        self.metrics["native_s"] += time.perf_counter() - t0
+        if not served:
             self._async_settle()
-            self.metrics["native_s"] += time.perf_counter() - t0
-            return None
-        tensors, _ = self.off.prefetcher.claim(t.layer)  # copies on this stream: ordered anyway
-        if not self.async_step.run_sparse(t.layer, ids, tensors):
-            self._async_settle()
-            self.metrics["native_s"] += time.perf_counter() - t0
             return None
         self._async_dirty = True
-        self.metrics["native_s"] += time.perf_counter() - t0
         self.metrics["sparse_calls"] += 1
         self.metrics["sparse_async_calls"] += 1
         self._bind_sparse(t, tensors, self.async_step.pairs if not self.async_step.cuda else [])
@@ -484,15 +481,15 @@ class Residency:
             self.async_step._fold()
         out = dict(self.metrics)
         if self.async_step is not None:  # its sparse calls' counters (folded just above)
+            asum = self.async_step.summary()
             out["sparse_miss_bytes"] += self.async_step.sparse_miss_bytes
-            sm = self.async_step.summary()
-            out["sparse_hits"] += sm["sparse_hits"]
-            out["sparse_misses"] += sm["sparse_misses"]
+            out["sparse_hits"] += asum["sparse_hits"]
+            out["sparse_misses"] += asum["sparse_misses"]
         out.update({f"pool_{k}": v for k, v in self.ec.summary().items()})
         if self.step is not None:
             out.update({f"step_{k}": v for k, v in self.step.summary().items()})
         if self.async_step is not None:
-            out.update({f"async_{k}": v for k, v in self.async_step.summary().items()})
+            out.update({f"async_{k}": v for k, v in asum.items()})
         out["async_off"] = self.async_off
         out["pool_slots_per_layer"] = self.slots
         out["pool_bytes"] = self.ec.capacity_bytes
