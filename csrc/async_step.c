@@ -202,14 +202,7 @@ static void fail(mo_async *a, int64_t err, int64_t li, uint64_t fault) { /* unde
 /* Forget the (expert, slot) pairs job j made resident where the slot still holds them: their bytes
  * never arrived (a failed or refused fill, a kernel that gave up). */
 static void forget_new(mo_step *st, const mo_ajob *j) {
-    for (int64_t i = 0; i < j->nnew; i++) {
-        int64_t e = j->new_pairs[2 * i], s = j->new_pairs[2 * i + 1];
-        if (st->owner_li[s] == st->li && st->owner_e[s] == e) {
-            st->lut[e] = -1;
-            st->owner_li[s] = st->owner_e[s] = -1;
-            st->used[s] = st->hinted[s] = 0;
-        }
-    }
+    for (int64_t i = 0; i < j->nnew; i++) mo_step_forget(st, j->new_pairs[2 * i], j->new_pairs[2 * i + 1]);
 }
 
 /* The end of job j's fill (CPU work only; its kernel, if it ran, has waited for every item). A
@@ -243,6 +236,14 @@ static int64_t queue_fill(mo_async *a, mo_ajob *j) {
     }
     forget_new(j->st, j);
     return A_ERR_FILL;
+}
+
+/* Every callback's start: the previous job's kernel ran, so its fill is over (harvest it). Returns
+ * the time that took. */
+static uint64_t cb_begin(mo_async *a, uint64_t t0) {
+    harvest(a, a->inflight);
+    a->inflight = NULL;
+    return ns_now() - t0;
 }
 
 /* Every callback's end: its error, its timings, one more callback done. */
@@ -290,9 +291,8 @@ static int64_t miss_items(mo_async *a, mo_ajob *j, const mo_step *st, const int6
     return np;
 }
 
-static void job_head(mo_async *a, mo_ajob *j, int64_t items, int64_t nk, const mo_step *st) {
+static void job_head(mo_ajob *j, int64_t items, int64_t nk, const mo_step *st) {
     uint64_t *desc = j->desc;
-    (void)a;
     desc[D_NPIECES] = (uint64_t)items;
     desc[D_NK] = (uint64_t)nk;
     desc[D_IDSIZE] = (uint64_t)j->id_size;
@@ -306,34 +306,20 @@ static void async_cb(void *arg) {
     mo_ajob *j = (mo_ajob *)arg;
     mo_async *a = j->a;
     mo_step *st = j->st;
-    uint64_t t0 = ns_now();
-    harvest(a, a->inflight); /* the previous job's kernel ran: its fill is over */
-    a->inflight = NULL;
-    uint64_t fill_ns = ns_now() - t0;
-    int64_t E = st->E, S = st->S, nk = j->nk, isz = j->id_size;
+    uint64_t t0 = ns_now(), fill_ns = cb_begin(a, t0);
+    int64_t S = st->S, nk = j->nk, isz = j->id_size;
     int64_t out[OUT_HEAD];
     memset(out, 0, sizeof(out));
     uint64_t *slot_ids = j->desc + D_HEAD + 4 * a->max_pieces;
     int64_t err = A_ERR_NONE;
-    uint8_t mark[MAX_EXPERTS], prot[MAX_EXPERTS];
-    int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], vic[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, np = 0;
+    uint8_t prot[MAX_EXPERTS];
+    int64_t used[MAX_EXPERTS], hit[MAX_EXPERTS], miss[MAX_EXPERTS], vic[MAX_EXPERTS], nm = 0, nh = 0, np = 0, bad;
     uint64_t bytes = 0;
-    memset(mark, 0, (size_t)E);
     memset(prot, 0, (size_t)S);
     j->nnew = j->nfp = 0;
-    for (int64_t i = 0; i < nk && !err; i++) {
-        int64_t v = mo_step_read_id(j->ids, i, isz);
-        if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
-    }
-    for (int64_t e = 0; e < E && !err; e++)
-        if (mark[e]) used[nu++] = e;
-    if (nu > S) err = A_ERR_PROMISE;
-    for (int64_t i = 0; i < nu && !err; i++) {
-        int64_t e = used[i], s = st->lut[e];
-        if (s >= 0) { prot[s] = 1; nh++; continue; }
-        if ((st->verified && !st->verified[e]) || !st->src[e]) err = A_ERR_PROMISE;
-        miss[nm++] = e;
-    }
+    int64_t nu = mo_step_distinct(st, j->ids, nk, isz, used, &bad);
+    if (nu < 0 || nu > S || mo_step_split(st, used, nu, hit, &nh, miss, &nm) < 0) err = A_ERR_PROMISE;
+    for (int64_t i = 0; i < nh && !err; i++) prot[st->lut[hit[i]]] = 1;
     int64_t nowv = *st->now + 1;
     if (!err && nm && mo_step_victims(st, nowv, nm, prot, vic) < nm) err = A_ERR_PROMISE;
     if (!err && nm) { /* the misses' items: fill chunks of staging, each copied to its slot by the kernel */
@@ -361,7 +347,7 @@ static void async_cb(void *arg) {
         for (int64_t i = 0; i < nk; i++)
             slot_ids[i] = (uint64_t)st->lut[mo_step_read_id(j->ids, i, isz)];
     }
-    job_head(a, j, np, nk, st);
+    job_head(j, np, nk, st);
     if (!err) err = queue_fill(a, j);
     pthread_mutex_lock(&a->mu);
     if (err != A_ERR_PROMISE) {
@@ -391,37 +377,22 @@ static void sparse_cb(void *arg) {
     mo_ajob *j = (mo_ajob *)arg;
     mo_async *a = j->a;
     mo_step *st = j->st;
-    uint64_t t0 = ns_now();
-    harvest(a, a->inflight);
-    a->inflight = NULL;
-    uint64_t fill_ns = ns_now() - t0;
-    int64_t E = st->E, T = st->T, nk = j->nk, isz = j->id_size, K = j->parts;
+    uint64_t t0 = ns_now(), fill_ns = cb_begin(a, t0);
+    int64_t T = st->T, nk = j->nk, isz = j->id_size, K = j->parts;
     int64_t per = (int64_t)(a->staging_bytes / staged_expert_bytes(st)), ppe = 0; /* misses per part, items per miss */
     for (int64_t t = 0; t < T; t++) ppe += (int64_t)((st->sizes[t] + a->chunk_bytes - 1) / a->chunk_bytes);
     mo_ajob *part[AJ_JOBS];
     for (int64_t k = 0; k < K; k++) {
         part[k] = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
         part[k]->nnew = part[k]->nfp = 0;
-        job_head(a, part[k], 0, 0, st);
+        job_head(part[k], 0, 0, st);
     }
     int64_t out[OUT_HEAD];
     memset(out, 0, sizeof(out));
     int64_t err = A_ERR_NONE;
-    uint8_t mark[MAX_EXPERTS];
-    int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], hit[MAX_EXPERTS], nu = 0, nm = 0, nh = 0, na = 0;
-    memset(mark, 0, (size_t)E);
-    for (int64_t i = 0; i < nk && !err; i++) {
-        int64_t v = mo_step_read_id(j->ids, i, isz);
-        if (v < 0 || v >= E) err = A_ERR_PROMISE; else mark[v] = 1;
-    }
-    for (int64_t e = 0; e < E && !err; e++)
-        if (mark[e]) used[nu++] = e;
-    for (int64_t i = 0; i < nu && !err; i++) {
-        int64_t e = used[i];
-        if (st->lut[e] >= 0) { hit[nh++] = e; continue; }
-        if ((st->verified && !st->verified[e]) || !st->src[e]) err = A_ERR_PROMISE;
-        miss[nm++] = e;
-    }
+    int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], hit[MAX_EXPERTS], nm = 0, nh = 0, na = 0, bad;
+    int64_t nu = mo_step_distinct(st, j->ids, nk, isz, used, &bad);
+    if (nu < 0 || mo_step_split(st, used, nu, hit, &nh, miss, &nm) < 0) err = A_ERR_PROMISE;
     if (!err && (per < 1 || nm > per * K)) err = A_ERR_PROMISE;
     /* the hits' items (device to device from their slots), in part 0, before its misses */
     uint64_t *pc = j->desc + D_HEAD;
@@ -452,10 +423,10 @@ static void sparse_cb(void *arg) {
             if (miss_items(a, part[k], st, miss + lo, hi - lo, NULL, k ? 0 : nhit) < 0) err = A_ERR_PROMISE;
         }
         if (!err) {
-            int64_t adm[MAX_EXPERTS], seq[MAX_EXPERTS];
-            na = mo_step_admit(st, used, nu, hit, nh, miss, nm, j->max_admit, adm, seq, out);
+            int64_t adm[2 * MAX_EXPERTS];
+            na = mo_step_admit(st, used, nu, hit, nh, miss, nm, j->max_admit, adm, out);
             for (int64_t i = 0; i < na; i++) {
-                int64_t m = seq[i], s = adm[m];
+                int64_t m = adm[2 * i], s = adm[2 * i + 1];
                 mo_ajob *pj = part[m / per];
                 pj->new_pairs[2 * pj->nnew] = miss[m];
                 pj->new_pairs[2 * pj->nnew + 1] = s;
@@ -469,10 +440,10 @@ static void sparse_cb(void *arg) {
         }
     }
     if (err) { /* nothing decided (the checks precede every commit): no part copies anything */
-        for (int64_t k = 0; k < K; k++) { part[k]->nfp = 0; job_head(a, part[k], 0, 0, st); }
+        for (int64_t k = 0; k < K; k++) { part[k]->nfp = 0; job_head(part[k], 0, 0, st); }
     } else {
-        job_head(a, j, nhit + j->nfp, 0, st);
-        for (int64_t k = 1; k < K; k++) job_head(a, part[k], part[k]->nfp, 0, st);
+        job_head(j, nhit + j->nfp, 0, st);
+        for (int64_t k = 1; k < K; k++) job_head(part[k], part[k]->nfp, 0, st);
         err = queue_fill(a, j);
     }
     pthread_mutex_lock(&a->mu);
@@ -493,10 +464,7 @@ static void sparse_cb(void *arg) {
 static void part_cb(void *arg) {
     mo_ajob *j = (mo_ajob *)arg;
     mo_async *a = j->a;
-    uint64_t t0 = ns_now();
-    harvest(a, a->inflight);
-    a->inflight = NULL;
-    uint64_t fill_ns = ns_now() - t0;
+    uint64_t t0 = ns_now(), fill_ns = cb_begin(a, t0);
     int64_t err = queue_fill(a, j);
     cb_end(a, j->st, err, t0, fill_ns, 0);
 }

@@ -84,6 +84,45 @@ int64_t mo_step_read_id(const void *ids, int64_t i, int64_t size) {
     return size == 4 ? (int64_t)((const int32_t *)ids)[i] : ((const int64_t *)ids)[i];
 }
 
+/* The distinct experts of ids[0, nk) (int32 or int64), ascending, into used: their count, or -1
+ * with *bad the first id outside [0, E). */
+int64_t mo_step_distinct(const mo_step *st, const void *ids, int64_t nk, int64_t id_size, int64_t *used,
+                         int64_t *bad) {
+    uint8_t mark[MAX_EXPERTS];
+    memset(mark, 0, (size_t)st->E);
+    for (int64_t i = 0; i < nk; i++) {
+        int64_t v = mo_step_read_id(ids, i, id_size);
+        if (v < 0 || v >= st->E) { *bad = v; return -1; }
+        mark[v] = 1;
+    }
+    int64_t nu = 0;
+    for (int64_t e = 0; e < st->E; e++)
+        if (mark[e]) used[nu++] = e;
+    return nu;
+}
+
+/* used[0, nu) split into hits (resident, in hit) and misses (in miss), in order: 0, or -1 where a
+ * miss cannot be fetched here (its first-use check has not run, or its source address is not known). */
+int64_t mo_step_split(const mo_step *st, const int64_t *used, int64_t nu, int64_t *hit, int64_t *nh, int64_t *miss,
+                      int64_t *nm) {
+    *nh = *nm = 0;
+    for (int64_t i = 0; i < nu; i++) {
+        int64_t e = used[i];
+        if (st->lut[e] >= 0) { hit[(*nh)++] = e; continue; }
+        if ((st->verified && !st->verified[e]) || !st->src[e]) return -1;
+        miss[(*nm)++] = e;
+    }
+    return 0;
+}
+
+/* Empty slot s if it still holds expert e: its bytes never arrived (a failed copy or fill). */
+void mo_step_forget(mo_step *st, int64_t e, int64_t s) {
+    if (st->owner_li[s] != st->li || st->owner_e[s] != e) return;
+    st->lut[e] = -1;
+    st->owner_li[s] = st->owner_e[s] = -1;
+    st->used[s] = st->hinted[s] = 0;
+}
+
 /* ExpertCache._victims for ``n`` slots, the slots in prot[] (hit) spared: free ones first
  * (ascending), then the lowest keys (ties: least recently used first). Returns how many. */
 int64_t mo_step_victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out) {
@@ -174,28 +213,17 @@ int64_t mo_step_run(mo_step *st, const void *ids, int64_t nk, int64_t id_size, v
         h = st->ids_host;
     }
     /* 2. distinct experts, ascending */
-    uint8_t mark[MAX_EXPERTS];
-    memset(mark, 0, (size_t)E);
-    for (int64_t i = 0; i < nk; i++) {
-        int64_t v = mo_step_read_id(h, i, id_size);
-        if (v < 0 || v >= E) { out[OUT_DETAIL] = v; return MO_STEP_RANGE; }
-        mark[v] = 1;
-    }
-    int64_t *used = out + OUT_HEAD, *pairs = out + OUT_HEAD + E, nu = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (mark[e]) used[nu++] = e;
+    int64_t *used = out + OUT_HEAD, *pairs = out + OUT_HEAD + E;
+    int64_t nu = mo_step_distinct(st, h, nk, id_size, used, &out[OUT_DETAIL]);
+    if (nu < 0) return MO_STEP_RANGE;
     out[OUT_USED] = nu;
     if (nu > S) return MO_STEP_SPARSE;
     /* 3. hits and misses */
+    int64_t hit[MAX_EXPERTS], miss[MAX_EXPERTS], nm, nh;
+    if (mo_step_split(st, used, nu, hit, &nh, miss, &nm) < 0) return MO_STEP_PYTHON;
     uint8_t prot[MAX_EXPERTS];
     memset(prot, 0, (size_t)S);
-    int64_t miss[MAX_EXPERTS], nm = 0, nh = 0;
-    for (int64_t i = 0; i < nu; i++) {
-        int64_t e = used[i], s = st->lut[e];
-        if (s >= 0) { prot[s] = 1; nh++; continue; }
-        if ((st->verified && !st->verified[e]) || !st->src[e]) return MO_STEP_PYTHON;
-        miss[nm++] = e;
-    }
+    for (int64_t i = 0; i < nh; i++) prot[st->lut[hit[i]]] = 1;
     int64_t nowv = *st->now + 1;
     /* 4. their slots */
     int64_t vic[MAX_EXPERTS];
@@ -257,13 +285,8 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
     int64_t E = st->E, S = st->S, T = st->T, nu = out[OUT_USED];
     if (nu < 0 || nu > E || E > MAX_EXPERTS || S > E) return MO_STEP_INVALID;
     int64_t *used = out + OUT_HEAD, *pairs = out + OUT_HEAD + E;
-    int64_t miss[MAX_EXPERTS], hit[MAX_EXPERTS], nm = 0, nh = 0;
-    for (int64_t i = 0; i < nu; i++) {
-        int64_t e = used[i];
-        if (st->lut[e] >= 0) { hit[nh++] = e; continue; }
-        if ((st->verified && !st->verified[e]) || !st->src[e]) return MO_STEP_PYTHON;
-        miss[nm++] = e;
-    }
+    int64_t miss[MAX_EXPERTS], hit[MAX_EXPERTS], nm, nh;
+    if (mo_step_split(st, used, nu, hit, &nh, miss, &nm) < 0) return MO_STEP_PYTHON;
     if (nm * T * 3 > st->pieces_cap) return MO_STEP_INVALID;
     for (int64_t k = OUT_MISSES; k < OUT_HEAD; k++) out[k] = 0;
     /* the misses into their rows */
@@ -297,21 +320,16 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
     }
     if (!nm) return 0; /* nothing fetched: the Python path calls no admit either */
     /* ExpertCache.admit, committed first; then each admitted slot's copy from its row */
-    int64_t adm[MAX_EXPERTS], seq[MAX_EXPERTS], na = 0;
-    int64_t n_adm = mo_step_admit(st, used, nu, hit, nh, miss, nm, max_admit, adm, seq, out);
+    int64_t adm[2 * MAX_EXPERTS], na = 0;
+    int64_t n_adm = mo_step_admit(st, used, nu, hit, nh, miss, nm, max_admit, adm, out);
     for (int64_t i = 0; i < n_adm; i++) {
-        int64_t s = adm[seq[i]], e = miss[seq[i]];
+        int64_t e = miss[adm[2 * i]], s = adm[2 * i + 1];
         for (int64_t t = 0; t < T; t++) {
             int err = st->memcpy_async((void *)(uintptr_t)st->dst[s * T + t],
                                        (const void *)(uintptr_t)(rows[t] + (uint64_t)e * stride[t]),
                                        (size_t)st->sizes[t], D2D, stream);
             if (err) { /* this slot's bytes are unknown, the later ones never came: they stay empty */
-                for (int64_t k = i; k < n_adm; k++) {
-                    int64_t q = seq[k];
-                    st->lut[miss[q]] = -1;
-                    st->owner_li[adm[q]] = st->owner_e[adm[q]] = -1;
-                    st->used[adm[q]] = 0;
-                }
+                for (int64_t k = i; k < n_adm; k++) mo_step_forget(st, miss[adm[2 * k]], adm[2 * k + 1]);
                 out[OUT_DETAIL] = err;
                 out[OUT_ADMITTED] = na;
                 return MO_STEP_CUDA;
@@ -329,14 +347,12 @@ int64_t mo_step_sparse(mo_step *st, const uint64_t *rows, const uint64_t *stride
  * async sparse step's decisions), committed: the clock advances, the routed experts' scores are
  * touched, the hits' slots marked used; then up to ``max_admit`` misses, the hottest first
  * (np.argsort(-decayed, kind="stable")), each take a victim (free slots first, hits spared) whose
- * holder's decayed use is lower (``_displaces``). adm[i]: the slot miss i now owns, or -1; seq: the
- * admitted misses' indices in admission order; the victims' old experts are evicted (out: evictions,
- * wasted hints). Returns how many were admitted. The caller copies their bytes. */
+ * holder's decayed use is lower (``_displaces``). adm: (index in miss, slot) per admitted miss, in
+ * admission order; the victims' old experts are evicted (out: evictions, wasted hints). Returns how
+ * many were admitted. The caller copies their bytes. */
 int64_t mo_step_admit(mo_step *st, const int64_t *used, int64_t nu, const int64_t *hit, int64_t nh,
-                      const int64_t *miss, int64_t nm, int64_t max_admit, int64_t *adm, int64_t *seq,
-                      int64_t *out) {
+                      const int64_t *miss, int64_t nm, int64_t max_admit, int64_t *adm, int64_t *out) {
     int64_t S = st->S, nowv = *st->now + 1;
-    for (int64_t i = 0; i < nm; i++) adm[i] = -1;
     *st->now = nowv;
     mo_step_touch(st, used, nu, nowv);
     uint8_t prot[MAX_EXPERTS];
@@ -371,8 +387,9 @@ int64_t mo_step_admit(mo_step *st, const int64_t *used, int64_t nu, const int64_
         st->hinted[s] = 0;
         st->used[s] = 1;
         st->use_call[s] = nowv;
-        adm[m] = s;
-        seq[na++] = m;
+        adm[2 * na] = m;
+        adm[2 * na + 1] = s;
+        na++;
     }
     return na;
 }

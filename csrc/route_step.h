@@ -71,8 +71,12 @@ void mo_step_evict(mo_step *st, int64_t s, int64_t *out);
 void mo_step_mark_used(mo_step *st, const uint8_t *prot, const int64_t *used, int64_t nu, int64_t nowv,
                        int64_t *out);
 int64_t mo_step_read_id(const void *ids, int64_t i, int64_t size);
+int64_t mo_step_distinct(const mo_step *st, const void *ids, int64_t nk, int64_t id_size, int64_t *used,
+                         int64_t *bad);
+int64_t mo_step_split(const mo_step *st, const int64_t *used, int64_t nu, int64_t *hit, int64_t *nh, int64_t *miss,
+                      int64_t *nm);
+void mo_step_forget(mo_step *st, int64_t e, int64_t s);
 int64_t mo_step_victims(const mo_step *st, int64_t nowv, int64_t n, const uint8_t *prot, int64_t *out);
 int64_t mo_step_admit(mo_step *st, const int64_t *used, int64_t nu, const int64_t *hit, int64_t nh,
-                      const int64_t *miss, int64_t nm, int64_t max_admit, int64_t *adm, int64_t *seq,
-                      int64_t *out);
+                      const int64_t *miss, int64_t nm, int64_t max_admit, int64_t *adm, int64_t *out);
 #endif
