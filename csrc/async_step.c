@@ -547,7 +547,7 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
 }
 
 /* The parts a sparse call of nk ids on layer ``st`` is enqueued as (file comment); 0: none fit. */
-int64_t mo_async_sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
+static int64_t sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
     uint64_t eb = staged_expert_bytes(st);
     int64_t per = eb ? (int64_t)(a->staging_bytes / eb) : 0;
     if (per < 1 || nk < 1) return 0;
@@ -563,7 +563,7 @@ int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, cons
     if (!a || !st || !rows || !stride || nk < 1 || nk > a->cap || (id_size != 4 && id_size != 8) ||
         st->E > MAX_EXPERTS || st->T > AJ_MAX_T || !rows[0])
         return -1;
-    int64_t K = mo_async_sparse_parts(a, st, nk);
+    int64_t K = sparse_parts(a, st, nk);
     if (!K) return -1;
     mo_ajob *j = reserve(a, K);
     for (int64_t k = 0; k < K; k++) { /* host fields only: the stream has run every earlier user's callback */

@@ -72,8 +72,6 @@ def _typed(lib) -> bool:
     lib.mo_async_last_pairs.argtypes = [_vp, _vp]
     lib.mo_async_run_sparse.restype = _i64
     lib.mo_async_run_sparse.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp]
-    lib.mo_async_sparse_parts.restype = _i64
-    lib.mo_async_sparse_parts.argtypes = [_vp, _vp, _i64]
     return lib.mo_async_stats_len() == _N and lib.mo_async_jobs() == _JOBS
 
 
@@ -243,9 +241,6 @@ class AsyncStep:
             ids = ids.contiguous()
         st, _, ref = self.step._struct(li, ids.dtype)
         bases, strides = self.step.row_arrays(rows)
-        if int(self.lib.mo_async_sparse_parts(self.handle, ref, nk)) < 1:
-            self.metrics["declined"] += 1
-            return False
         rc = self._enqueue(li, ids, (st, ref, bases, strides), lambda stream: self.lib.mo_async_run_sparse(
             self.handle, ref, bases.ctypes.data, strides.ctypes.data, int(max_admit), ids.data_ptr(), nk,
             ids.element_size(), stream))
@@ -313,13 +308,9 @@ class AsyncStep:
 
     def _forget(self, li: int) -> None:
         """Empty layer position ``li``'s pool (its slots' bytes are unknown)."""
-        ec = self.ec
-        pool = ec._pool_of[li]
+        pool = self.ec._pool_of[li]
         for s in range(pool.size):
-            if pool.owner_li[s] >= 0:
-                ec._lut[pool.owner_li[s], pool.owner_e[s]] = -1
-            pool.owner_li[s] = pool.owner_e[s] = -1
-            pool.used[s] = pool.hinted[s] = False
+            self.ec._forget_slot(pool, s)
 
     def _fold(self) -> None:
         if self.handle:  # after close(): the last counters were folded there

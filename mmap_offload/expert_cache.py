@@ -375,12 +375,16 @@ class ExpertCache:
         slots = {s for s, p in pool.pending.items() if p is failed}
         slots |= {s for s, p in pool.fill_of.items() if p is failed}
         for s in slots:
-            pool.pending.pop(s, None)
-            pool.fill_of.pop(s, None)
-            if pool.owner_li[s] >= 0:
-                self._lut[pool.owner_li[s], pool.owner_e[s]] = -1
-            pool.owner_li[s] = pool.owner_e[s] = -1
-            pool.used[s] = pool.hinted[s] = False
+            self._forget_slot(pool, s)
+
+    def _forget_slot(self, pool: _Pool, s: int) -> None:
+        """Empty slot ``s`` without counting an eviction: its bytes are not its expert's."""
+        pool.pending.pop(s, None)
+        pool.fill_of.pop(s, None)
+        if pool.owner_li[s] >= 0:
+            self._lut[pool.owner_li[s], pool.owner_e[s]] = -1
+        pool.owner_li[s] = pool.owner_e[s] = -1
+        pool.used[s] = pool.hinted[s] = False
 
     def check_ordered(self) -> None:
         """Wait for the reads of every stream-ordered fill so far and raise the first read error,

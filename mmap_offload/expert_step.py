@@ -165,7 +165,7 @@ class ExpertStep:
             bufs = self._buffers[key] = (slot_host, slot_dev)
         slot_host, slot_dev = bufs
         ids_host = self._ids_host(dtype)
-        pieces = np.zeros(max(ec.num_experts * T, 8192) * 3, dtype=np.uint64)  # the async step cuts pieces into chunks
+        pieces = np.zeros(ec.num_experts * T * 3, dtype=np.uint64)
         rows = (ec._lut[li], ec._last[li], ec._logscore[li], src[li], offs, sizes, pieces, dst) + (
             (clean,) if clean is not None else ())
         if not all(a.flags.c_contiguous for a in rows):  # the C step reads them as flat arrays

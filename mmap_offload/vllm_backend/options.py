@@ -50,9 +50,10 @@ class MmapOptions:
     # with stream_ordered: expert mode's per-layer work (ids to the host, hits and misses, eviction,
     # the misses' batch, slot ids) in one native call (mmap_offload/expert_step.py); False: Python
     native_step: bool = True
-    # with native_step, on CUDA: a decode layer whose routed ids fit its pool is decided on the
-    # stream (a host-function callback + a copy kernel, mmap_offload/async_step.py): vLLM's thread
-    # never waits for the router's ids. False: the native step waits for them per layer
+    # with native_step: a decode layer is decided on the stream (a host-function callback + a copy
+    # kernel, mmap_offload/async_step.py; calls of more ids than its pool's slots fill the layer
+    # buffer's routed rows): vLLM's thread never waits for the router's ids. False: the native step
+    # waits for them per layer
     async_step: bool = True
     # hybrid: at decode, misses are split between host compute (straight from the cache's bytes,
     # host/kernel.py) and the copy path, so that both finish together (host_experts.py)
