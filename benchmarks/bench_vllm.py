@@ -417,9 +417,14 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("residency_native_s", "native_ms"), ("residency_between_s", "between_ms"),
                               ("residency_outside_s", "outside_ms"),
                               ("residency_async_fill_s", "async_fill_ms"),
-                              ("residency_async_callback_s", "async_cb_ms")):
+                              ("residency_async_callback_s", "async_cb_ms"),
+                              ("residency_async_host_s", "async_host_ms"),
+                              ("residency_async_host_wait_s", "async_host_wait_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
+            if "residency_async_host_experts" in after:  # hybrid calls on the stream: experts computed on the host
+                row["async_host_experts_per_step"] = round(d("residency_async_host_experts") / steps, 1)
+                row["async_host_share"] = after.get("residency_async_host_share")
         rows.append(row)
     return rows
 
@@ -546,6 +551,9 @@ def markdown(res: dict) -> str:
                      f"{', native step %.2f' % r['native_ms'] if r.get('native_ms') else ''}]")
         if r.get("async_cb_ms"):  # the async step's stream callbacks (CUDA's thread), and its waits for fills
             host += f" <callbacks {r['async_cb_ms']:.2f}, fill waits {r.get('async_fill_ms', 0):.2f}>"
+        if r.get("async_host_experts_per_step"):  # hybrid on the stream: host experts, its job time, the stream's wait
+            host += (f" <host {r['async_host_experts_per_step']:.1f} experts, {r.get('async_host_ms', 0):.2f} ms, "
+                     f"waited {r.get('async_host_wait_ms', 0):.2f}, share {r.get('async_host_share') or 0:.2f}>")
         if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
             host += f" {{between layers {r['between_ms']:.2f}, outside {r.get('outside_ms', 0):.2f}}}"
         L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "

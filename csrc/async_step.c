@@ -78,11 +78,12 @@ enum { HIT_CHUNK = 1 << 20 }; /* a sparse call's hit copies (device to device), 
  *   max items: a flag per item, stored by the fill threads once its bytes are in staging
  *   then the routed ids (cap of them, 8 bytes each at most), copied there by the stream */
 enum { D_NPIECES = 0, D_NK, D_IDSIZE, D_SLOTDEV, D_MAXPIECES, D_CAP, D_KERR, D_HEAD = 8 };
-enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3, A_ERR_KERNEL = 4 };
+enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3, A_ERR_KERNEL = 4, A_ERR_HOST = 5 };
 /* mo_async_stats words */
 enum { AS_CALLS, AS_HITS, AS_MISSES, AS_EVICTIONS, AS_HINT_USED, AS_HINT_WASTED, AS_MISS_BYTES, AS_FILL_NS,
        AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_SPARSE, AS_SPARSE_HITS, AS_SPARSE_MISSES,
-       AS_ADMITTED, AS_PARTS, AS_LEN };
+       AS_ADMITTED, AS_PARTS, AS_HYBRID, AS_HOST_EXPERTS, AS_HOST_ROWS, AS_HOST_NS, AS_HOST_WAIT_NS, AS_HOST_READY,
+       AS_HOST_CALLS, AS_LEN };
 
 typedef struct mo_async mo_async;
 typedef struct {
@@ -100,7 +101,43 @@ typedef struct {
     /* sparse calls (rows[0] != 0): its call's parts, the layer buffer's tensors, the admission cap */
     int64_t parts, max_admit;
     uint64_t rows[AJ_MAX_T], stride[AJ_MAX_T];
+    /* hybrid sparse calls (hy: part 0 of one): the host's sources [E][4] (w13, s13, w2, s2 addresses),
+     * the call's token rows */
+    int64_t hy, hy_rows;
+    const uint64_t *hsrc;
 } mo_ajob;
+
+/* Hybrid: a sparse call's misses that are not admitted into the pool are split between the copy
+ * path and host compute (host_kernel.c, called through function pointers: mo_host is another
+ * library). One pinned area serves every call: the stream orders each call's copies into it (x,
+ * router weights) after the previous call's collect, and its collect after its host job's start. */
+typedef int (*fn_host_start)(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
+                             const void *jobs, int njobs, void *out, int mode);
+typedef int (*fn_host_wait)(void *h, int64_t *ns, int *ready);
+typedef struct { /* host_kernel.c's mo_job_t (MO_HOST_ABI 2, checked by async_step.py): 10 words */
+    const int64_t *rows;
+    const float *weights;
+    int64_t m;
+    const void *w13, *s13, *w2, *s2;
+    int32_t gs13, gs2, grouped13, grouped2, sdtype, pad;
+} host_job;
+typedef struct {
+    fn_host_start start;
+    fn_host_wait wait;
+    void *pool;                      /* the mo_host pool (HostKernel's) */
+    int isa, xdt, adapt;
+    int64_t H, I, max_rows, xsz;
+    int32_t gs13, gs2, grouped13, grouped2, sdtype;
+    char *area;                      /* pinned: x [max_rows, H], out [max_rows, H], w [cap] f32, blk */
+    uint64_t x_off, out_off, w_off, blk_off; /* blk: masked weights [cap] f32, then the kernel's ids [cap] */
+    int64_t *rows;                   /* [cap] the host jobs' rows */
+    float *wts;                      /* [cap] their route weights */
+    host_job *jobs;                  /* [cap] */
+    double share;                    /* of a call's misses computed on the host (adapted by collects) */
+    int started;                     /* a host job runs that no collect waited for yet */
+    int idle;                        /* the last call had misses for the host and gave it none */
+    int64_t cenq, cdone;             /* collects enqueued / run */
+} mo_hybrid;
 
 struct mo_async {
     fn_memcpy_async memcpy_async;
@@ -122,6 +159,7 @@ struct mo_async {
     mo_ajob *inflight;      /* the last job whose fill was queued and not finished yet */
     int64_t last_first, last_parts; /* the last call's first job (enq count) and its jobs */
     uint64_t stats[AS_LEN];
+    mo_hybrid hy;                /* hy.start == NULL: no host compute (mo_async_set_host) */
     mo_ajob jobs[AJ_JOBS];
 };
 
@@ -187,6 +225,9 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
 void mo_async_destroy(mo_async *a) {
     if (!a) return;
     for (int i = 0; i < AJ_JOBS; i++) { free(a->jobs[i].new_pairs); free(a->jobs[i].fp); }
+    free(a->hy.rows);
+    free(a->hy.wts);
+    free(a->hy.jobs);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cv);
     free(a);
@@ -371,6 +412,169 @@ static uint64_t staged_expert_bytes(const mo_step *st) {
     return (b + 255) & ~(uint64_t)255;
 }
 
+/* ---------------------------------------------------------------- hybrid (host compute of misses) */
+
+static void host_wait_started(mo_async *a, int adapt) { /* the started host job's end; its counters */
+    mo_hybrid *h = &a->hy;
+    if (!h->started) return;
+    uint64_t t0 = ns_now();
+    int64_t ns = 0;
+    int ready = 0;
+    int rc = h->wait(h->pool, &ns, &ready);
+    h->started = 0;
+    pthread_mutex_lock(&a->mu);
+    a->stats[AS_HOST_NS] += (uint64_t)(ns > 0 ? ns : 0);
+    a->stats[AS_HOST_WAIT_NS] += ns_now() - t0;
+    a->stats[AS_HOST_READY] += (uint64_t)(ready != 0);
+    if (rc) fail(a, A_ERR_HOST, -1, (uint64_t)(rc < 0 ? -rc : rc));
+    if (adapt && h->adapt) { /* the host was done first: it can take more; the stream waited for it: less */
+        h->share += ready ? 1.0 / 32 : -1.0 / 32;
+        h->share = h->share < 0 ? 0 : h->share > 1 ? 1 : h->share;
+    }
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* The kernel's inputs of a hybrid call: its router weights with the host's (token, expert) pairs set
+ * to 0, and its ids with those pairs' experts replaced by ``dummy`` (an expert whose row this call
+ * fills: the kernel reads valid bytes and adds nothing). host_e[e]: expert e is computed on the host
+ * (all 0: the call's weights and ids as they are). */
+static void hybrid_blk(mo_async *a, const mo_ajob *j, const uint8_t *host_e, int64_t dummy) {
+    mo_hybrid *h = &a->hy;
+    int64_t nk = j->nk, isz = j->id_size;
+    const float *w = (const float *)(h->area + h->w_off);
+    float *wm = (float *)(h->area + h->blk_off);
+    char *ids = h->area + h->blk_off + (uint64_t)((a->cap * 4 + 7) & ~7);
+    for (int64_t i = 0; i < nk; i++) {
+        int64_t e = mo_step_read_id(j->ids, i, isz);
+        int host = e >= 0 && e < j->st->E && host_e[e];
+        wm[i] = host ? 0.0f : w[i];
+        if (isz == 4) ((int32_t *)ids)[i] = (int32_t)(host ? dummy : e); else ((int64_t *)ids)[i] = host ? dummy : e;
+    }
+}
+
+/* A hybrid call's misses (sparse_cb, part 0): the admissions first (mo_step_admit over every miss,
+ * as a plain sparse call takes them: admitted misses are always copied), then the share of the
+ * others with the fewest tokens goes to the host, the rest is copied as a plain call copies its
+ * misses (miss_items, parts of ``per``). At least one expert is copied or hit (the host's pairs read
+ * its row). Starts the host job (x and out in the pinned area, out zeroed first). host_e: the
+ * host's experts (by id); *na, *nhost: admitted, computed on the host. A refusal forgets the
+ * admissions (A_ERR_PROMISE); a host job that cannot start fails the step (A_ERR_HOST). */
+static int64_t hybrid_misses(mo_async *a, mo_ajob *j, mo_ajob **part, int64_t K, int64_t per, int64_t ppe,
+                             int64_t nhit, const int64_t *used, int64_t nu, const int64_t *hit, int64_t nh,
+                             const int64_t *miss, int64_t nm, uint8_t *host_e, int64_t *dummy, int64_t *na_out,
+                             int64_t *nhost_out, int64_t *out) {
+    mo_hybrid *h = &a->hy;
+    mo_step *st = j->st;
+    int64_t T = st->T, nk = j->nk, isz = j->id_size, n = j->hy_rows, k = nk / n;
+    for (int64_t m = 0; m < nm; m++)
+        for (int64_t q = 0; q < 4; q++)
+            if (!j->hsrc[4 * miss[m] + q]) return A_ERR_PROMISE; /* nothing committed yet */
+    int64_t adm[2 * MAX_EXPERTS], slot_of[MAX_EXPERTS], midx[MAX_EXPERTS], tok[MAX_EXPERTS];
+    int64_t na = mo_step_admit(st, used, nu, hit, nh, miss, nm, j->max_admit, adm, out);
+    for (int64_t m = 0; m < nm; m++) { slot_of[m] = -1; tok[m] = 0; }
+    for (int64_t i = 0; i < na; i++) slot_of[adm[2 * i]] = adm[2 * i + 1];
+    for (int64_t e = 0; e < st->E; e++) midx[e] = -1;
+    for (int64_t m = 0; m < nm; m++) midx[miss[m]] = m;
+    for (int64_t i = 0; i < nk; i++) {
+        int64_t m = midx[mo_step_read_id(j->ids, i, isz)];
+        if (m >= 0) tok[m]++;
+    }
+    /* the host's candidates: misses not admitted, fewest tokens first (then the lower index) */
+    int64_t cand[MAX_EXPERTS], nc = 0;
+    for (int64_t m = 0; m < nm; m++) {
+        if (slot_of[m] >= 0) continue;
+        int64_t q = nc++;
+        while (q > 0 && tok[cand[q - 1]] > tok[m]) { cand[q] = cand[q - 1]; q--; }
+        cand[q] = m;
+    }
+    pthread_mutex_lock(&a->mu);
+    double share = h->share;
+    pthread_mutex_unlock(&a->mu);
+    int64_t nhost = (int64_t)(share * (double)nm + 0.5);
+    if (nhost > nc) nhost = nc;
+    if (nh == 0 && nhost >= nm) nhost = nm - 1;
+    if (nhost < 0) nhost = 0;
+    uint8_t is_host[MAX_EXPERTS];
+    memset(is_host, 0, (size_t)nm);
+    for (int64_t i = 0; i < nhost; i++) is_host[cand[i]] = 1;
+    int64_t cm[MAX_EXPERTS], cpos[MAX_EXPERTS], ncm = 0;
+    for (int64_t m = 0; m < nm; m++) {
+        cpos[m] = is_host[m] ? -1 : ncm;
+        if (!is_host[m]) cm[ncm++] = miss[m];
+    }
+    int64_t err = A_ERR_NONE;
+    for (int64_t q = 0; q < K && !err; q++) {
+        int64_t lo = q * per, hi = lo + per < ncm ? lo + per : ncm;
+        if (lo >= hi) break;
+        if (miss_items(a, part[q], st, cm + lo, hi - lo, NULL, q ? 0 : nhit) < 0) err = A_ERR_PROMISE;
+    }
+    if (err) {
+        for (int64_t i = 0; i < na; i++) mo_step_forget(st, miss[adm[2 * i]], adm[2 * i + 1]);
+        return err;
+    }
+    for (int64_t i = 0; i < na; i++) { /* an admitted miss's items also go into its slot */
+        int64_t m = adm[2 * i], s = adm[2 * i + 1], c = cpos[m];
+        mo_ajob *pj = part[c / per];
+        pj->new_pairs[2 * pj->nnew] = miss[m];
+        pj->new_pairs[2 * pj->nnew + 1] = s;
+        pj->nnew++;
+        uint64_t *ip = pj->desc + D_HEAD + 4 * (pj->first_fill + (c % per) * ppe);
+        for (int64_t t = 0, q = 0; t < T; t++)
+            for (uint64_t c2 = 0; c2 < st->sizes[t]; c2 += a->chunk_bytes, q++) ip[4 * q + 3] = st->dst[s * T + t] + c2;
+    }
+    *na_out = na;
+    *nhost_out = nhost;
+    h->idle = nhost == 0 && nc > 0;
+    *dummy = nh ? hit[0] : cm[0];
+    if (!nhost) return A_ERR_NONE;
+    /* the host's jobs: each host expert's tokens (a token routes to an expert once) and weights */
+    const float *w = (const float *)(h->area + h->w_off);
+    int64_t r = 0, nj = 0;
+    for (int64_t m = 0; m < nm; m++) {
+        if (!is_host[m]) continue;
+        int64_t e = miss[m];
+        host_e[e] = 1;
+        host_job *J = &h->jobs[nj++];
+        J->rows = h->rows + r;
+        J->weights = h->wts + r;
+        J->m = 0;
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t c = 0; c < k; c++)
+                if (mo_step_read_id(j->ids, t * k + c, isz) == e) {
+                    h->rows[r] = t;
+                    h->wts[r] = w[t * k + c];
+                    r++;
+                    J->m++;
+                    break;
+                }
+        J->w13 = (const void *)(uintptr_t)j->hsrc[4 * e];
+        J->s13 = (const void *)(uintptr_t)j->hsrc[4 * e + 1];
+        J->w2 = (const void *)(uintptr_t)j->hsrc[4 * e + 2];
+        J->s2 = (const void *)(uintptr_t)j->hsrc[4 * e + 3];
+        J->gs13 = h->gs13;
+        J->gs2 = h->gs2;
+        J->grouped13 = h->grouped13;
+        J->grouped2 = h->grouped2;
+        J->sdtype = h->sdtype;
+        J->pad = 0;
+    }
+    int rc = h->start(h->pool, h->isa, h->area + h->x_off, h->xdt, n, h->H, h->I, h->jobs, (int)nj,
+                      h->area + h->out_off, 1);
+    if (rc) { /* the host's pairs are in no one's sum: the step must fail */
+        pthread_mutex_lock(&a->mu);
+        fail(a, A_ERR_HOST, st->li, (uint64_t)(rc < 0 ? -rc : rc));
+        pthread_mutex_unlock(&a->mu);
+        return A_ERR_NONE; /* the copies stand (their slots hold what they say) */
+    }
+    h->started = 1;
+    pthread_mutex_lock(&a->mu);
+    a->stats[AS_HOST_CALLS]++;
+    a->stats[AS_HOST_EXPERTS] += (uint64_t)nj;
+    a->stats[AS_HOST_ROWS] += (uint64_t)r;
+    pthread_mutex_unlock(&a->mu);
+    return A_ERR_NONE;
+}
+
 /* A sparse call's part 0 (file comment): mo_step_sparse's decisions on the ids the stream copied,
  * every part's items, part 0's fill queued. */
 static void sparse_cb(void *arg) {
@@ -391,6 +595,14 @@ static void sparse_cb(void *arg) {
     memset(out, 0, sizeof(out));
     int64_t err = A_ERR_NONE;
     int64_t used[MAX_EXPERTS], miss[MAX_EXPERTS], hit[MAX_EXPERTS], nm = 0, nh = 0, na = 0, bad;
+    uint8_t host_e[MAX_EXPERTS];
+    int64_t nhost = 0, dummy = 0;
+    if (j->hy) {
+        host_wait_started(a, 0); /* a call whose collect never came (its step failed): its job ends first */
+        a->hy.idle = 0;
+        memset(host_e, 0, (size_t)st->E);
+        memset(a->hy.area + a->hy.out_off, 0, (size_t)(j->hy_rows * a->hy.H * a->hy.xsz));
+    }
     int64_t nu = mo_step_distinct(st, j->ids, nk, isz, used, &bad);
     if (nu < 0 || mo_step_split(st, used, nu, hit, &nh, miss, &nm) < 0) err = A_ERR_PROMISE;
     if (!err && (per < 1 || nm > per * K)) err = A_ERR_PROMISE;
@@ -413,8 +625,11 @@ static void sparse_cb(void *arg) {
             }
         }
     }
+    if (!err && nm && j->hy) /* admissions, then the host's share of the rest */
+        err = hybrid_misses(a, j, part, K, per, ppe, nhit, used, nu, hit, nh, miss, nm, host_e, &dummy, &na, &nhost,
+                            out);
     /* ExpertCache.admit's decisions (mo_step_admit, as mo_step_sparse takes them) */
-    if (!err && nm) {
+    else if (!err && nm) {
         /* the items first (nothing committed yet: a refusal changes nothing); then the admissions'
          * second destinations are patched in */
         for (int64_t k = 0; k < K && !err; k++) {
@@ -439,6 +654,10 @@ static void sparse_cb(void *arg) {
             }
         }
     }
+    if (j->hy) {
+        if (err) memset(host_e, 0, (size_t)st->E);
+        hybrid_blk(a, j, host_e, dummy);
+    }
     if (err) { /* nothing decided (the checks precede every commit): no part copies anything */
         for (int64_t k = 0; k < K; k++) { part[k]->nfp = 0; job_head(part[k], 0, 0, st); }
     } else {
@@ -453,6 +672,7 @@ static void sparse_cb(void *arg) {
         a->stats[AS_SPARSE_HITS] += (uint64_t)nh;
         a->stats[AS_SPARSE_MISSES] += (uint64_t)nm;
         a->stats[AS_ADMITTED] += (uint64_t)na;
+        a->stats[AS_HYBRID] += (uint64_t)(j->hy != 0);
         a->stats[AS_EVICTIONS] += (uint64_t)out[OUT_EVICTIONS];
         a->stats[AS_HINT_WASTED] += (uint64_t)out[OUT_HINT_WASTED];
     }
@@ -555,11 +775,10 @@ static int64_t sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
     return k <= AJ_JOBS / 4 ? k : 0;
 }
 
-/* Enqueue a sparse call (file comment) of layer ``st``: the layer buffer's tensor t of expert e at
- * rows[t] + e * stride[t], at most ``max_admit`` misses admitted into the pool. Returns as
- * mo_async_run; the same promise, except that nk may exceed the pool's slots (<= cap). */
-int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
-                            const void *ids, int64_t nk, int64_t id_size, void *stream) {
+/* A sparse call's parts (mo_async_run_sparse, mo_async_run_hybrid); hy: the hybrid fields, or NULL. */
+static int64_t run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
+                          const void *ids, int64_t nk, int64_t id_size, void *stream, const mo_ajob *hy,
+                          const void *weights, const void *x, void *blk_dev) {
     if (!a || !st || !rows || !stride || nk < 1 || nk > a->cap || (id_size != 4 && id_size != 8) ||
         st->E > MAX_EXPERTS || st->T > AJ_MAX_T || !rows[0])
         return -1;
@@ -574,9 +793,17 @@ int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, cons
         p->parts = K;
         p->max_admit = max_admit;
         p->nfp = p->nnew = 0;
+        p->hy = k == 0 && hy;
+        p->hy_rows = hy ? hy->hy_rows : 0;
+        p->hsrc = hy ? hy->hsrc : NULL;
         for (int64_t t = 0; t < st->T; t++) { p->rows[t] = rows[t]; p->stride[t] = stride[t]; }
     }
     int err = a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream);
+    if (!err && hy) { /* the call's router weights and token rows, for the callback and the host job */
+        mo_hybrid *h = &a->hy;
+        err = a->memcpy_async(h->area + h->w_off, weights, (size_t)(nk * 4), D2H, stream);
+        if (!err) err = a->memcpy_async(h->area + h->x_off, x, (size_t)(hy->hy_rows * h->H * h->xsz), D2H, stream);
+    }
     if (err) return err;
     for (int64_t k = 0; k < K; k++) {
         mo_ajob *p = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
@@ -588,7 +815,150 @@ int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, cons
             return err;
         }
     }
+    if (hy) { /* the kernel's weights and ids, written by part 0's callback */
+        mo_hybrid *h = &a->hy;
+        err = a->memcpy_async(blk_dev, h->area + h->blk_off, (size_t)(((a->cap * 4 + 7) & ~7) + a->cap * 8), H2D_KIND,
+                              stream);
+        if (err) {
+            pthread_mutex_lock(&a->mu);
+            fail(a, A_ERR_LAUNCH, st->li, (uint64_t)err);
+            pthread_mutex_unlock(&a->mu);
+            return err;
+        }
+    }
     return 0;
+}
+
+/* Enqueue a sparse call (file comment) of layer ``st``: the layer buffer's tensor t of expert e at
+ * rows[t] + e * stride[t], at most ``max_admit`` misses admitted into the pool. Returns as
+ * mo_async_run; the same promise, except that nk may exceed the pool's slots (<= cap). */
+int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
+                            const void *ids, int64_t nk, int64_t id_size, void *stream) {
+    return run_sparse(a, st, rows, stride, max_admit, ids, nk, id_size, stream, NULL, NULL, NULL, NULL);
+}
+
+/* Pinned layout of the hybrid area for ``cap`` ids, ``max_rows`` token rows of H values of xsz bytes:
+ * out[0..4] = offsets of x, out, the router weights, blk (masked weights [cap] f32, 8-aligned, then
+ * the kernel's ids [cap], 8 bytes each at most), and the whole area's bytes; out[5]: blk's bytes. */
+void mo_async_host_layout(int64_t cap, int64_t max_rows, int64_t H, int64_t xsz, int64_t *out) {
+    int64_t xb = (max_rows * H * xsz + 255) & ~(int64_t)255, blk = ((cap * 4 + 7) & ~7) + cap * 8;
+    out[0] = 0;
+    out[1] = xb;
+    out[2] = 2 * xb;
+    out[3] = 2 * xb + ((cap * 4 + 255) & ~(int64_t)255);
+    out[4] = out[3] + blk;
+    out[5] = blk;
+}
+
+/* Host compute for hybrid calls: mo_host's mo_host_mlp_start / mo_host_mlp_wait and its pool, the
+ * experts' geometry (host_kernel.c's mo_job_t fields), x's dtype (DT_*) and size, the pinned
+ * area (mo_async_host_layout), the initial share of misses computed on the host, and whether
+ * collects adapt it. Only with no call in flight (after mo_async_wait). 0, or -1 for bad arguments. */
+int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int64_t isa, int64_t xdt, int64_t xsz,
+                          int64_t H, int64_t I, int64_t gs13, int64_t gs2, int64_t grouped13, int64_t grouped2,
+                          int64_t sdtype, int64_t max_rows, char *area, double share, int64_t adapt) {
+    if (!a || !start || !wait || !pool || !area || H <= 0 || I <= 0 || max_rows < 1 || xsz < 1 || share < 0 ||
+        share > 1)
+        return -1;
+    mo_hybrid *h = &a->hy;
+    int64_t lay[6];
+    mo_async_host_layout(a->cap, max_rows, H, xsz, lay);
+    int64_t *rows = malloc((size_t)a->cap * sizeof(int64_t));
+    float *wts = malloc((size_t)a->cap * sizeof(float));
+    host_job *jobs = malloc((size_t)a->cap * sizeof(host_job));
+    if (!rows || !wts || !jobs) { free(rows); free(wts); free(jobs); return -1; }
+    free(h->rows);
+    free(h->wts);
+    free(h->jobs);
+    h->rows = rows;
+    h->wts = wts;
+    h->jobs = jobs;
+    h->start = (fn_host_start)start;
+    h->wait = (fn_host_wait)wait;
+    h->pool = pool;
+    h->isa = (int)isa;
+    h->xdt = (int)xdt;
+    h->xsz = xsz;
+    h->H = H;
+    h->I = I;
+    h->gs13 = (int32_t)gs13;
+    h->gs2 = (int32_t)gs2;
+    h->grouped13 = (int32_t)grouped13;
+    h->grouped2 = (int32_t)grouped2;
+    h->sdtype = (int32_t)sdtype;
+    h->max_rows = max_rows;
+    h->area = area;
+    h->x_off = (uint64_t)lay[0];
+    h->out_off = (uint64_t)lay[1];
+    h->w_off = (uint64_t)lay[2];
+    h->blk_off = (uint64_t)lay[3];
+    h->share = share;
+    h->adapt = adapt != 0;
+    h->started = 0;
+    return 0;
+}
+
+/* The share of a hybrid call's misses computed on the host now (set: share >= 0 sets it). */
+double mo_async_host_share(mo_async *a, double share) {
+    pthread_mutex_lock(&a->mu);
+    if (share >= 0 && share <= 1) a->hy.share = share;
+    double s = a->hy.share;
+    pthread_mutex_unlock(&a->mu);
+    return s;
+}
+
+/* Enqueue a hybrid sparse call: mo_async_run_sparse's call, of ``n_rows`` tokens (nk / n_rows ids
+ * each), where part 0's callback also sends the host a share of the misses not admitted into the
+ * pool (the fewest tokens first), computed on the host from the rows ``x`` (device, [n_rows, H],
+ * the area's dtype) with the router ``weights`` (device, f32 [nk]), from the experts' bytes at
+ * hsrc[4 e .. 4 e + 3] (w13, s13, w2, s2; host addresses, kept valid by the caller). blk_dev
+ * (device, mo_async_host_layout's blk bytes) receives the kernel's weights (the host's pairs 0) and
+ * ids (those pairs' experts replaced by a routed expert whose row is filled). The host's rows are
+ * added by the caller after mo_async_collect. Returns as mo_async_run_sparse. */
+int64_t mo_async_run_hybrid(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
+                            const void *ids, int64_t nk, int64_t id_size, const void *weights, const void *x,
+                            int64_t n_rows, const uint64_t *hsrc, void *blk_dev, void *stream) {
+    if (!a || !a->hy.start || n_rows < 1 || n_rows > a->hy.max_rows || nk % n_rows || !hsrc || !blk_dev || !weights ||
+        !x)
+        return -1;
+    mo_ajob hy;
+    hy.hy_rows = n_rows;
+    hy.hsrc = hsrc;
+    return run_sparse(a, st, rows, stride, max_admit, ids, nk, id_size, stream, &hy, weights, x, blk_dev);
+}
+
+/* The host's half of the last hybrid call: when the stream reaches it, wait for its host job (the
+ * share adapts: a job done first takes more next time, a job waited for less, a call that had misses
+ * for the host and gave it none more); then the host's
+ * rows (nbytes from the area's out) are copied to out_dev. The caller adds them to the MoE output
+ * after this. 0, a CUDA error, or -1 (no host set, nbytes too large). */
+static void collect_cb(void *arg) {
+    mo_async *a = (mo_async *)arg;
+    mo_hybrid *h = &a->hy;
+    if (h->started) {
+        host_wait_started(a, 1);
+    } else if (h->idle && h->adapt) { /* the share gave the host nothing it could have taken: more */
+        pthread_mutex_lock(&a->mu);
+        h->share = h->share + 1.0 / 32 > 1 ? 1 : h->share + 1.0 / 32;
+        pthread_mutex_unlock(&a->mu);
+    }
+    h->idle = 0;
+    pthread_mutex_lock(&a->mu);
+    a->hy.cdone++;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+}
+
+int64_t mo_async_collect(mo_async *a, void *out_dev, int64_t nbytes, void *stream) {
+    if (!a || !a->hy.start || nbytes < 0 || nbytes > a->hy.max_rows * a->hy.H * a->hy.xsz || (nbytes && !out_dev))
+        return -1;
+    int err = a->launch_host_func(stream, collect_cb, a);
+    if (err) return err;
+    pthread_mutex_lock(&a->mu);
+    a->hy.cenq++;
+    pthread_mutex_unlock(&a->mu);
+    if (nbytes) err = a->memcpy_async(out_dev, a->hy.area + a->hy.out_off, (size_t)nbytes, H2D_KIND, stream);
+    return err;
 }
 
 /* Wait until every enqueued callback ran (no CUDA call: the device must reach them). Returns the
@@ -596,10 +966,11 @@ int64_t mo_async_run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, cons
  * detail (the faulting address of a failed fill, the CUDA error of a failed launch). */
 int64_t mo_async_wait(mo_async *a, int64_t *info) {
     pthread_mutex_lock(&a->mu);
-    while (a->done < a->enq) pthread_cond_wait(&a->cv, &a->mu);
+    while (a->done < a->enq || a->hy.cdone < a->hy.cenq) pthread_cond_wait(&a->cv, &a->mu);
     mo_ajob *last = a->inflight; /* no callback runs now: this thread would have to enqueue it */
     a->inflight = NULL;
     pthread_mutex_unlock(&a->mu);
+    if (a->hy.start) host_wait_started(a, 0); /* a hybrid call whose collect never came */
     uint64_t t0 = ns_now();
     harvest(a, last); /* its fill is CPU work: it ends without the device */
     pthread_mutex_lock(&a->mu);
@@ -613,7 +984,7 @@ int64_t mo_async_wait(mo_async *a, int64_t *info) {
 
 int64_t mo_async_pending(mo_async *a) {
     pthread_mutex_lock(&a->mu);
-    int64_t n = a->enq - a->done;
+    int64_t n = a->enq - a->done + a->hy.cenq - a->hy.cdone;
     pthread_mutex_unlock(&a->mu);
     return n;
 }

@@ -45,11 +45,13 @@ __all__ = ["AsyncStep"]
 
 _vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 (_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
- _ENQ, _USED, _FILLS, _SPARSE, _SPARSE_HITS, _SPARSE_MISSES, _ADMITTED, _PARTS) = range(19)
-_N = 19  # csrc/async_step.c AS_LEN
+ _ENQ, _USED, _FILLS, _SPARSE, _SPARSE_HITS, _SPARSE_MISSES, _ADMITTED, _PARTS, _HYBRID, _HOST_EXPERTS, _HOST_ROWS,
+ _HOST_NS, _HOST_WAIT_NS, _HOST_READY, _HOST_CALLS) = range(26)
+_N = 26  # csrc/async_step.c AS_LEN
 _JOBS = 128  # csrc/async_step.c AJ_JOBS
 _HIT_CHUNK = 1 << 20  # csrc/async_step.c HIT_CHUNK
-_ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH, _ERR_KERNEL = 1, 2, 3, 4
+_ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH, _ERR_KERNEL, _ERR_HOST = 1, 2, 3, 4, 5
+_HOST_ABI = 2  # csrc/host_kernel.c MO_HOST_ABI: the mo_job_t the callback writes
 
 
 def _typed(lib) -> bool:
@@ -72,6 +74,16 @@ def _typed(lib) -> bool:
     lib.mo_async_last_pairs.argtypes = [_vp, _vp]
     lib.mo_async_run_sparse.restype = _i64
     lib.mo_async_run_sparse.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp]
+    lib.mo_async_host_layout.argtypes = [_i64, _i64, _i64, _i64, _vp]
+    lib.mo_async_set_host.restype = _i64
+    lib.mo_async_set_host.argtypes = [_vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                                      _i64, _vp, ctypes.c_double, _i64]
+    lib.mo_async_host_share.restype = ctypes.c_double
+    lib.mo_async_host_share.argtypes = [_vp, ctypes.c_double]
+    lib.mo_async_run_hybrid.restype = _i64
+    lib.mo_async_run_hybrid.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp]
+    lib.mo_async_collect.restype = _i64
+    lib.mo_async_collect.argtypes = [_vp, _vp, _i64, _vp]
     return lib.mo_async_stats_len() == _N and lib.mo_async_jobs() == _JOBS
 
 
@@ -174,10 +186,12 @@ class AsyncStep:
         self.pairs: list[tuple[int, int]] = []  # CPU: (expert, slot) the last call made resident
         self.metrics = dict(runs=0, sparse_runs=0, declined=0, waits=0, wait_s=0.0)
         self.sparse_miss_bytes = 0  # read from the cache by sparse calls (folded in _fold)
+        self._host: dict[str, Any] | None = None  # hybrid calls (set_host)
+        self._collect_rows = 0  # the last hybrid call's token rows, until collect()
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.pinned_bytes for b in self._bufs)
+        return sum(b.pinned_bytes for b in self._bufs) + (self._host["area"].pinned_bytes if self._host else 0)
 
     def eligible(self, li: int, nk: int, dtype: torch.dtype, sparse: bool = False) -> bool:
         """The promise of the module docstring, for a call of ``nk`` ids on layer position ``li``
@@ -249,6 +263,114 @@ class AsyncStep:
         self.metrics["sparse_runs"] += 1
         return True
 
+    # -- hybrid calls: a share of a sparse call's misses computed on the host ------------------------
+    def set_host(self, kernel, geometry: tuple, max_rows: int, dtype: torch.dtype, share: float = 0.5,
+                 adapt: bool = True) -> None:
+        """Let ``run_hybrid`` compute misses on the host with ``kernel`` (a ``HostKernel``; its pool is
+        driven from the callback, so nothing else may call it while a hybrid call is in flight: the
+        caller waits first). ``geometry``: ``host.kernel._geometry``'s (I, k per group of w13 and w2,
+        their scale permutations, the scales' dtype code) of the cache's experts; ``dtype``: the
+        activations'; ``share``: the misses' share computed on the host at first (collects adapt it
+        when ``adapt``: a host job done before the stream needed it takes more next time, one the stream
+        waited for less). Only with no call in flight (after ``wait``)."""
+        from .host.kernel import _DT_CODE, _ISA_CODE
+
+        if int(kernel._lib.mo_host_abi()) != _HOST_ABI:
+            raise RuntimeError(f"mo_host's job layout is ABI {int(kernel._lib.mo_host_abi())}, the async step "
+                               f"writes ABI {_HOST_ABI}: rebuild the native libraries")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"hybrid calls take bf16 or fp16 activations, not {dtype}")
+        inter, gs13, gs2, g13, g2, sdt = geometry
+        w2 = next(s for s in self.ec.cache.expert_specs if s.name == "w2_weight_packed")
+        hidden = int(w2.shape[-1]) // 2
+        xsz = torch.empty((), dtype=dtype).element_size()
+        lay = np.zeros(6, dtype=np.int64)
+        self.lib.mo_async_host_layout(self.cap, int(max_rows), hidden, xsz, lay.ctypes.data)
+        from .pinned import PinnedBuffer
+
+        area = PinnedBuffer(int(lay[4]), pin=self.cuda, hugepage=False)
+        dev = self.step.device
+        blk = torch.zeros(int(lay[5]), dtype=torch.uint8, device=dev)
+        out = torch.zeros((int(max_rows), hidden), dtype=dtype, device=dev)
+        start = ctypes.cast(kernel._lib.mo_host_mlp_start, ctypes.c_void_p).value
+        wait = ctypes.cast(kernel._lib.mo_host_mlp_wait, ctypes.c_void_p).value
+        rc = self.lib.mo_async_set_host(self.handle, start, wait, kernel._pool, _ISA_CODE[kernel.isa], _DT_CODE[dtype],
+                                        xsz, hidden, int(inter), int(gs13), int(gs2), int(g13), int(g2), int(sdt),
+                                        int(max_rows), area.tensor.data_ptr(), float(share), int(bool(adapt)))
+        if rc:
+            area.close()
+            raise ValueError("the async step refused its host set-up (bad geometry or share)")
+        old = self._host
+        self._host = dict(kernel=kernel, area=area, blk=blk, out=out, dtype=dtype, max_rows=int(max_rows),
+                          hidden=hidden, wbytes=(self.cap * 4 + 7) // 8 * 8)
+        if old is not None:
+            old["area"].close()
+
+    @property
+    def host_share(self) -> float:
+        return float(self.lib.mo_async_host_share(self.handle, -1.0)) if self._host else 0.0
+
+    @host_share.setter
+    def host_share(self, v: float) -> None:
+        self.lib.mo_async_host_share(self.handle, float(v))
+
+    def run_hybrid(self, layer: int, ids: torch.Tensor, rows: dict[str, torch.Tensor], weights: torch.Tensor,
+                   x: torch.Tensor, sources: np.ndarray, max_admit: int = 4):
+        """``run_sparse``'s call of ``x.shape[0]`` tokens (ids ``[n, k]``) where part of the misses
+        that are not admitted into the pool (the fewest tokens first, ``host_share`` of the misses) is
+        computed on the host from the rows ``x`` and the router ``weights`` (f32 ``[n, k]``), out of
+        the experts' bytes at ``sources`` (uint64 ``[E, 4]``: w13, s13, w2, s2 host addresses, kept
+        alive by the caller). Returns ``(weights, ids)`` for the MoE kernel (device views written on
+        the stream: the host's pairs get weight 0 and a routed expert whose row is filled), or None
+        where the call is not eligible (nothing enqueued). ``collect(out)`` must follow the kernel."""
+        h = self._host
+        ec = self.ec
+        li = ec._li(layer)
+        n, nk = int(x.shape[0]), ids.numel()
+        if not self.handle:
+            raise MmapOffloadError("the async step is closed")
+        if (h is None or x.dtype != h["dtype"] or n > h["max_rows"] or n < 1 or nk % n or weights.dtype != torch.float32
+                or weights.numel() != nk or not self.eligible(li, nk, ids.dtype, sparse=True)):
+            self.metrics["declined"] += 1
+            return None
+        ids, weights, x = ids.contiguous(), weights.contiguous(), x.contiguous()
+        st, _, ref = self.step._struct(li, ids.dtype)
+        bases, strides = self.step.row_arrays(rows)
+        blk = h["blk"]
+        rc = self._enqueue(li, ids, (st, ref, bases, strides, weights, x, sources), lambda stream:
+                           self.lib.mo_async_run_hybrid(self.handle, ref, bases.ctypes.data, strides.ctypes.data,
+                                                        int(max_admit), ids.data_ptr(), nk, ids.element_size(),
+                                                        weights.data_ptr(), x.data_ptr(), n, sources.ctypes.data,
+                                                        blk.data_ptr(), stream))
+        if rc is None:
+            return None
+        self.metrics["sparse_runs"] += 1
+        self.metrics["hybrid_runs"] = self.metrics.get("hybrid_runs", 0) + 1
+        self._collect_rows = n
+        w = blk[: nk * 4].view(torch.float32).view(weights.shape)
+        wb = h["wbytes"]
+        kid = blk[wb: wb + nk * ids.element_size()].view(ids.dtype).view(ids.shape)
+        return w, kid
+
+    def collect(self, out: torch.Tensor) -> torch.Tensor:
+        """Add the last hybrid call's host rows to ``out`` (the MoE output ``[n, H]``, after its kernel
+        on the same stream): the stream waits for the host job, copies its rows to the device and
+        adds them (in ``out``'s dtype). Returns ``out``."""
+        h, n = self._host, self._collect_rows
+        if h is None or not n:
+            return out
+        self._collect_rows = 0
+        nbytes = n * h["hidden"] * h["out"].element_size()
+        stream = self.step._stream() if self.cuda else self.step.pool._fake_stream
+        rc = int(self.lib.mo_async_collect(self.handle, h["out"].data_ptr(), nbytes, stream))
+        if rc:
+            self.wait()
+            raise RuntimeError(f"enqueueing the hybrid call's host rows failed ({rc})")
+        if not self.cuda:
+            self.step._drain_cpu_stream()
+        out[:n] += h["out"][:n].to(out.dtype)
+        return out
+
     def _enqueue(self, li: int, ids: torch.Tensor, keep: tuple, call) -> int | None:
         """Run ``call(stream)`` (an enqueue of the C side) for layer position ``li``: None where it
         declined (nothing enqueued), else its result (0, or a CUDA error already recorded: then
@@ -299,6 +421,9 @@ class AsyncStep:
         if err == _ERR_KERNEL:
             raise RuntimeError(f"the async step's copy kernel gave up waiting 60 s for staged bytes (layer position "
                                f"{li}): the copy pool's fill threads stalled; the experts it fetched were forgotten")
+        if err == _ERR_HOST:
+            raise RuntimeError(f"the host kernel failed on a hybrid call's misses (layer position {li}, error "
+                               f"{detail}): that step's output lacks them")
         if err == _ERR_LAUNCH:
             self._forget(li)
             raise RuntimeError(f"launching the async step's copy kernel failed with CUDA error {detail}; "
@@ -341,7 +466,11 @@ class AsyncStep:
                    sparse_misses=int(s[_SPARSE_MISSES]), admitted=int(s[_ADMITTED]), sparse_parts=int(s[_PARTS]),
                    enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
                    callback_s=float(s[_CB_NS]) / 1e9, job_waits=int(s[_WAITS]), kernel=self.kernel_source,
-                   staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes, fill_stores=self.fill_stores)
+                   staging_bytes=self.staging_bytes, pinned_bytes=self.pinned_bytes, fill_stores=self.fill_stores,
+                   hybrid_calls=int(s[_HYBRID]), host_calls=int(s[_HOST_CALLS]), host_experts=int(s[_HOST_EXPERTS]),
+                   host_rows=int(s[_HOST_ROWS]), host_s=float(s[_HOST_NS]) / 1e9,
+                   host_wait_s=float(s[_HOST_WAIT_NS]) / 1e9, host_ready=int(s[_HOST_READY]),
+                   host_share=self.host_share if self.handle else 0.0)
         return out
 
     def close(self) -> None:
@@ -360,6 +489,8 @@ class AsyncStep:
             self.lib.mo_async_destroy(h)
             for b in self._bufs:
                 b.close()
+            if self._host is not None:
+                self._host["area"].close()
 
 
 def _host_func() -> int:

@@ -121,8 +121,24 @@ def test_sparse_calls_on_the_stream_give_the_same_tokens(run):
     assert s["residency_async_admitted"] > 0 and s["residency_async_sparse_hits"] > 0, s
 
 
+def test_hybrid_sparse_calls_on_the_stream_give_the_same_tokens(run):
+    """mmap_sparse with hybrid: W4A16 sparse calls on the stream send a share of the misses they do
+    not admit to the host kernel, started from the stream's callback (AsyncStep.run_hybrid); the
+    kernel gets those pairs at weight 0 and the host's rows are added after it. Tokens as
+    test_hybrid_tokens_equal_no_offload's rule (bf16 takes the Python hybrid path here)."""
+    from token_match import assert_equal_up_to_a_near_tie
+
+    hy, ref = run["cases"]["mmap_hybrid_sparse"], run["cases"]["ref"]
+    s = hy["summary"]
+    if run["quant"] == "w4a16":
+        assert s["residency_hybrid_async_calls"] > 0 and s["residency_async_host_experts"] > 0, s
+        assert s["residency_async_hybrid_calls"] == s["residency_hybrid_async_calls"], s
+    assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
+
+
 def test_pinned_host_memory_is_small(run):
-    for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto", "mmap_sparse"):
+    for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto", "mmap_sparse",
+                 "mmap_hybrid_sparse"):
         s = run["cases"][case]["summary"]  # the ring, and the async step's staging and job areas
         assert s["engine_pinned_bytes"] + s.get("residency_async_pinned_bytes", 0) <= 0.5 * 2**30, case
 

@@ -13,6 +13,8 @@ QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy
     mmap_auto    warm cache, the default expert cache size (from what vLLM leaves free)
     mmap_sparse  warm cache, 2 slots per layer: every call routes more ids than slots (sparse
                  calls decided on the stream, async_step.py)
+    mmap_hybrid_sparse  mmap_sparse with hybrid: W4A16 sparse calls on the stream send part of
+                 their misses to the host kernel (AsyncStep.run_hybrid); bf16 takes the Python path
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready.
 """
@@ -159,7 +161,9 @@ def main() -> int:
     for case, extra in (("mmap_hybrid", {"expert_cache_gib": gib, "hybrid": True}),  # misses on the host too
                         ("mmap_auto", {"expert_cache_gib": None}),  # the default pool size
                         # 2 slots per layer, 4 ids per decode call: sparse calls, decided on the stream
-                        ("mmap_sparse", {"expert_cache_gib": gib / 3, "layer_stream_fraction": 1.0})):
+                        ("mmap_sparse", {"expert_cache_gib": gib / 3, "layer_stream_fraction": 1.0}),
+                        ("mmap_hybrid_sparse", {"expert_cache_gib": gib / 3, "layer_stream_fraction": 1.0,
+                                                "hybrid": True})):
         if only and case not in only:
             continue
         try:

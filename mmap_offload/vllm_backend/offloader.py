@@ -467,7 +467,7 @@ class MmapOffloader(_OffloaderBase):
         for t in self.targets:
             route_through(t.router, lambda w, ids, x, t=t: self.residency.route(t, w, ids, x))
             if self.residency.host is not None:
-                add_after_experts(t.experts, lambda out, t=t: self.residency.host.add_to(t, out))
+                add_after_experts(t.experts, lambda out, t=t: self.residency.add_host(t, out))
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""

@@ -111,6 +111,13 @@ class Residency:
             from .host_experts import HostExperts
 
             self.host = HostExperts(off, threads=opts.host_threads)  # 0: its default (cores, TP, copy threads)
+        # hybrid sparse calls on the stream (AsyncStep.run_hybrid): W4A16 (the native host kernel, which
+        # the stream's callback starts), set up at the first call (x's dtype); None: not taken
+        self._hy_sources: dict[int, np.ndarray] | None = None
+        if (self.host is not None and self.async_step is not None and opts.hybrid_stream
+                and self.host.kind == "w4a16"):
+            self._hy_sources = {}
+        self._hy_collect: int | None = None  # the target index whose host rows the stream still owes
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
         # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads,
@@ -239,7 +246,10 @@ class Residency:
                 t1 = time.perf_counter()
                 hybrid = self.host is not None and x is not None and n <= self.host.MAX_TOKENS
                 out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
-                if self.async_step is not None and not hybrid and n * k <= self.async_fits:
+                if (hybrid and self._hy_sources is not None and self.async_fits < n * k <= self.async_step.cap
+                        and (got := self._async_hybrid_mode(t, topk_ids, topk_weights, x)) is not None):
+                    topk_weights, out = got
+                elif self.async_step is not None and not hybrid and n * k <= self.async_fits:
                     out = self._async_mode(t, topk_ids)
                 elif self.async_step is not None and not hybrid and n * k <= self.async_step.cap:
                     out = self._async_sparse_mode(t, topk_ids)
@@ -307,6 +317,67 @@ class Residency:
         self.metrics["sparse_async_calls"] += 1
         self._bind_sparse(t, tensors, self.async_step.pairs)  # (pairs: the CPU's, where twins are made)
         return ids
+
+    def _async_hybrid_mode(self, t, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+        """A sparse call on the stream whose misses are partly computed on the host
+        (``AsyncStep.run_hybrid``): (weights, ids) for the kernel, device buffers the stream writes
+        (the host's pairs weigh 0 and read a filled row); patch 4b's ``add_host`` adds the host's
+        rows. None where the call is not eligible (then the other paths, after a wait)."""
+        a, host = self.async_step, self.host
+        if x.dtype not in (torch.bfloat16, torch.float16) or weights.dtype != torch.float32:
+            return None
+        t0 = time.perf_counter()
+        li = self.ec._li(t.layer)
+        if not a.eligible(li, ids.numel(), ids.dtype, sparse=True):
+            self.metrics["native_s"] += time.perf_counter() - t0
+            return None
+        if a._host is None or a._host["dtype"] != x.dtype:
+            self._async_settle()  # the callbacks drive the host kernel: none may be in flight
+            from ..host.kernel import _geometry
+
+            names = host._names
+            w13, s13, w2, s2 = (self.cache.tensor(t.layer, 0, n) for n in names)
+            a.set_host(host.kernel, _geometry(w13, s13, w2, s2, host.group, host.hidden, "hybrid"), host.MAX_TOKENS,
+                       x.dtype, share=self._initial_share())
+        src = self._hy_sources.get(t.layer)
+        if src is None:
+            src = self._hy_sources[t.layer] = np.array(
+                [[self.cache.tensor(t.layer, e, n).data_ptr() for n in host._names] for e in range(self.num_experts)],
+                dtype=np.uint64)
+        if host._pending:  # the Python path's job of a failed step: the kernel is the callback's now
+            host._drop_pending()
+        tensors, _ = self.off.prefetcher.claim(t.layer)
+        got = a.run_hybrid(t.layer, ids, tensors, weights, x, src)
+        self.metrics["native_s"] += time.perf_counter() - t0
+        if got is None:
+            self._async_settle()
+            return None
+        self._async_dirty = True
+        self._hy_collect = t.index
+        self.metrics["sparse_calls"] += 1
+        self.metrics["sparse_async_calls"] += 1
+        self.metrics["hybrid_calls"] += 1
+        self.metrics["hybrid_async_calls"] = self.metrics.get("hybrid_async_calls", 0) + 1
+        self._bind_sparse(t, tensors, a.pairs)
+        return got
+
+    def _initial_share(self) -> float:
+        """The share of misses the host starts with: its calibrated rate against the copy path's
+        (~38 GB/s measured through the async step's staging on the H200, session 10, until measured
+        here); the stream's collects adapt it from then on."""
+        h = self.host.host_rate
+        c = self.host.copy_rate or 38e9
+        return float(min(1.0, max(0.0, h / (h + c)))) if h > 0 else 0.5
+
+    def add_host(self, t, out: torch.Tensor) -> torch.Tensor:
+        """Patch 4b: the host's rows of layer ``t`` into its MoE output (a stream hybrid call's, or
+        the Python hybrid path's)."""
+        if self._hy_collect is not None:
+            if self._hy_collect == t.index:
+                self._hy_collect = None
+                return self.async_step.collect(out)
+            self._hy_collect = None  # a call whose output never came here (its step failed)
+        return self.host.add_to(t, out)
 
     def _async_settle(self) -> None:
         """Wait for the async step's callbacks in flight, if it enqueued any since the last wait

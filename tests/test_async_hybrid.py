@@ -1,0 +1,339 @@
+"""Hybrid calls on the stream (``AsyncStep.run_hybrid``, csrc/async_step.c): a sparse call whose misses
+that are not admitted into the pool are partly computed on the host (the native W4A16 kernel, started
+from the stream's callback) while the others are copied into the layer buffer.
+
+- Outputs: the MoE kernel's part (the returned weights and ids over the layer buffer, computed here by
+  the independent Marlin reference of tests/marlin_reference.py) plus ``collect``'s host rows equals
+  every pair computed by the reference from the cache, within test_hybrid's tolerance (bf16 rounding
+  of fp32 sums taken in another order).
+- Decisions: the pool admits exactly what a plain sparse call admits (bit for bit, against a twin
+  cache): what goes to the host is chosen among the misses not admitted.
+- Bytes: every routed expert that is not the host's is in its row; the host's rows are not written;
+  the returned weights are 0 exactly at the host's pairs, whose ids point at a filled row.
+- A call whose collect never comes (its step failed) does not block the next one or ``wait()``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmap_offload.async_step import AsyncStep
+from mmap_offload.expert_cache import ExpertCache
+from mmap_offload.expert_step import ExpertStep
+from mmap_offload.host.cost import EXPERT_TENSORS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fakes import expert_matches  # noqa: E402
+from test_expert_step import _ordered_engine, _same, _state  # noqa: E402
+from test_hybrid import TOL, make_marlin_cache, ref_expert  # noqa: E402
+
+H, INTER, GROUP, E, LAYERS, K = 256, 128, 64, 12, (0, 1), 4
+SLOTS = 3  # per layer: every call below has more ids than slots (the sparse form)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    c = make_marlin_cache(tmp_path_factory.mktemp("hy"), hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS)
+    for layer in LAYERS:
+        c.check_experts_once(layer, list(range(E)))
+    return c
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from mmap_offload.host.kernel import HostKernel
+
+    k = HostKernel(threads=3)
+    yield k
+    k.close()
+
+
+def _geometry(cache):
+    from mmap_offload.host.kernel import _geometry
+
+    w13, s13, w2, s2 = (cache.tensor(LAYERS[0], 0, n) for n in EXPERT_TENSORS)
+    return _geometry(w13, s13, w2, s2, GROUP, H, "test")
+
+
+def _sources(cache) -> dict[int, np.ndarray]:
+    return {l: np.array([[cache.tensor(l, e, n).data_ptr() for n in EXPERT_TENSORS] for e in range(E)], dtype=np.uint64)
+            for l in LAYERS}
+
+
+def _calls(steps: int, n: int, seed: int):
+    """Per step and layer: ids [n, K] (distinct per token, skewed), weights f32 [n, K], x bf16 [n, H]."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, E + 1) ** 1.1
+    p /= p.sum()
+    out = []
+    for _ in range(steps):
+        row = []
+        for _ in LAYERS:
+            ids = np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(n)])
+            w = rng.random((n, K)).astype(np.float32)
+            x = torch.from_numpy(rng.standard_normal((n, H)).astype(np.float32)).to(torch.bfloat16)
+            row.append((torch.from_numpy(ids), torch.from_numpy(w / w.sum(1, keepdims=True)), x))
+        out.append(row)
+    return out
+
+
+def _buffer(cache):
+    return {s.name: torch.zeros((E, *s.shape), dtype=s.torch_dtype) for s in cache.expert_specs}
+
+
+def _mlp(x, t: dict, e: int):
+    return ref_expert(x, t["w13_weight_packed"][e], t["w13_weight_scale"][e], t["w2_weight_packed"][e],
+                      t["w2_weight_scale"][e], GROUP)
+
+
+def _moe(x, ids, w, tensors) -> torch.Tensor:
+    """sum over pairs of w * expert(x) over ``tensors`` ({name: [E, ...]}), fp32."""
+    out = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for c in range(ids.shape[1]):
+            if float(w[t, c]) != 0.0:
+                out[t] += float(w[t, c]) * _mlp(x[t: t + 1], tensors, int(ids[t, c]))[0]
+    return out
+
+
+def _cache_tensors(cache, layer):
+    return {n: torch.stack([cache.tensor(layer, e, n) for e in range(E)]) for n in EXPERT_TENSORS}
+
+
+def _pair(cache):
+    ea, es = _ordered_engine(), _ordered_engine()
+    kw = dict(capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
+    return ea, es, ExpertCache(cache, ea, "cpu", **kw), ExpertCache(cache, es, "cpu", **kw)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_hybrid_call_equals_every_pair_on_the_gpu_and_admits_as_a_plain_sparse_call(cache, kernel, share):
+    ea, es, ac, sc = _pair(cache)
+    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    p = AsyncStep.create(ExpertStep.create(sc), max_experts=3)
+    assert isinstance(a, AsyncStep) and isinstance(p, AsyncStep)
+    try:
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=share, adapt=False)
+        src = _sources(cache)
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        host_pairs = 0
+        for step in _calls(6, 3, seed=1):
+            for li, layer in enumerate(LAYERS):
+                ids, w, x = step[li]
+                buf, twin = _buffer(cache), _buffer(cache)
+                got = a.run_hybrid(layer, ids, buf, w, x, src[layer])
+                assert got is not None
+                wk, ik = got
+                assert p.run_sparse(layer, ids, twin)
+                mask = wk == 0
+                host = set(ids[mask].tolist())
+                host_pairs += int(mask.sum())
+                if share == 0.0:
+                    assert not mask.any()
+                # weights kept, or 0 exactly at the host's pairs (all of an expert's pairs), whose ids
+                # point at a routed expert the call filled
+                assert torch.equal(wk[~mask], w[~mask]) and torch.equal(ik[~mask], ids[~mask])
+                assert not (set(ids[~mask].tolist()) & host)
+                filled = set(ids.flatten().tolist()) - host
+                assert set(ik[mask].tolist()) <= filled
+                for e in range(E):
+                    if e in filled:
+                        assert expert_matches(cache, layer, e, buf, e) and expert_matches(cache, layer, e, twin, e)
+                    elif e in host:
+                        assert all(int(v[e].count_nonzero()) == 0 for v in buf.values())
+                out = _moe(x, ik, wk, buf).to(torch.bfloat16)
+                a.collect(out)
+                want = _moe(x, ids, w, refs[layer])
+                err = (out.float() - want).abs().max().item()
+                assert err <= TOL * want.abs().max().item(), (share, err)
+            a.wait()
+            p.wait()
+            _same(_state(ac), _state(sc))  # the host's share changes no admission
+        s = a.summary()
+        assert s["hybrid_calls"] == 6 * len(LAYERS)
+        if share > 0:
+            assert s["host_experts"] > 0 and s["host_rows"] == host_pairs
+        else:
+            assert s["host_experts"] == 0 and host_pairs == 0
+    finally:
+        a.close()
+        p.close()
+        ea.close()
+        es.close()
+
+
+def test_hybrid_keeps_one_expert_on_the_device_and_survives_a_missing_collect(cache, kernel):
+    """share 1 with an empty pool: every miss but one goes to the host (the host's pairs need a filled
+    row); a call whose collect never came is waited for by the next call and by wait()."""
+    ea, es, ac, _ = _pair(cache)
+    es.close()
+    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    try:
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=1.0, adapt=False)
+        src = _sources(cache)
+        ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+        w = torch.full((2, K), 0.25)
+        x = torch.randn(2, H).to(torch.bfloat16)
+        wk, ik = a.run_hybrid(LAYERS[0], ids, _buffer(cache), w, x, src[LAYERS[0]], max_admit=0)
+        assert int((wk != 0).sum()) == 1  # one pair stays on the device: its expert's row is the dummy
+        # no collect: the next call and wait() end the orphaned host job
+        got = a.run_hybrid(LAYERS[1], ids, _buffer(cache), w, x, src[LAYERS[1]], max_admit=0)
+        assert got is not None
+        a.wait()
+        assert a.summary()["host_calls"] == 2
+        out = torch.zeros(2, H, dtype=torch.bfloat16)
+        a.collect(out)  # the second call's rows
+        assert out.abs().sum() > 0
+        a.wait()
+    finally:
+        a.close()
+        ea.close()
+
+
+def test_hybrid_share_adapts_to_which_side_finishes_first(cache, kernel):
+    """Each collect moves the share by 1/32: up where the host job was done before it (the host could
+    take more) or where the call gave the host none of the misses it could have taken, down where
+    the collect waited for the job."""
+    ea, es, ac, _ = _pair(cache)
+    es.close()
+    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    try:
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=0.3, adapt=True)
+        src = _sources(cache)
+        moves = set()
+        for step in _calls(6, 3, seed=3):
+            for li, layer in enumerate(LAYERS):
+                ids, w, x = step[li]
+                before, s0 = a.host_share, a.summary()
+                a.run_hybrid(layer, ids, _buffer(cache), w, x, src[layer])
+                a.collect(torch.zeros(3, H, dtype=torch.bfloat16))
+                a.wait()
+                s1 = a.summary()
+                jobs, ready = s1["host_calls"] - s0["host_calls"], s1["host_ready"] - s0["host_ready"]
+                delta = round((a.host_share - before) * 32)
+                if jobs:
+                    assert delta == (1 if ready else -1) or (delta == 0 and before in (0.0, 1.0))
+                    moves.add("ready" if ready else "waited")
+                else:
+                    assert delta in (0, 1)  # idle (misses the host could have taken) or nothing to take
+                    moves.add("idle" if delta else "none")
+        assert a.summary()["host_calls"] > 0 and moves & {"ready", "waited"}
+    finally:
+        a.close()
+        ea.close()
+
+
+def test_hybrid_declines_what_it_cannot_take(cache, kernel):
+    ea, es, ac, _ = _pair(cache)
+    es.close()
+    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    try:
+        src = _sources(cache)
+        ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+        w, x = torch.full((2, K), 0.25), torch.randn(2, H).to(torch.bfloat16)
+        assert a.run_hybrid(LAYERS[0], ids, _buffer(cache), w, x, src[LAYERS[0]]) is None  # no set_host
+        a.set_host(kernel, _geometry(cache), max_rows=1, dtype=torch.bfloat16)
+        assert a.run_hybrid(LAYERS[0], ids, _buffer(cache), w, x, src[LAYERS[0]]) is None  # rows > max_rows
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16)
+        assert a.run_hybrid(LAYERS[0], ids, _buffer(cache), w.double(), x, src[LAYERS[0]]) is None  # weights not f32
+        assert a.run_hybrid(LAYERS[0], ids, _buffer(cache), w, x.half(), src[LAYERS[0]]) is None  # other dtype
+        with pytest.raises(ValueError, match="bf16 or fp16"):
+            a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.float32)
+        assert a.metrics["declined"] == 4
+    finally:
+        a.close()
+        ea.close()
+
+
+def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypatch):
+    """The vLLM backend's wiring (Residency.route -> AsyncStep.run_hybrid, patch 4b's add_host ->
+    collect) on the CPU with a stand-in offloader: the returned weights and ids over the layer buffer,
+    plus the host's rows, equal every pair from the cache."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.options import MmapOptions
+    from mmap_offload.vllm_backend.residency import Residency
+
+    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=5)
+    for layer in LAYERS:
+        cache.check_experts_once(layer, list(range(E)))
+    eng = _ordered_engine()
+    bufs = {l: _buffer(cache) for l in LAYERS}
+    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
+    off = SimpleNamespace(options=MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0), device=torch.device("cpu"), cache=cache,
+                          engine=eng, targets=targets, tp_size=1, _transforms={},
+                          prefetcher=SimpleNamespace(claim=lambda layer: (bufs[layer], None)))
+    nbytes = sum(s.nbytes for s in cache.expert_specs)
+    res = Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes)
+    try:
+        assert res.async_step is not None and res._hy_sources is not None, res.async_off
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        for step in _calls(12, 3, seed=9):  # the share starts from the calibrated rates and adapts
+            for t in targets:
+                ids, w, x = step[t.index]
+                for b in bufs[t.layer].values():
+                    b.zero_()
+                wk, ik = res.route(t, w, ids, x)
+                out = _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16)
+                out = res.add_host(t, out)
+                want = _moe(x, ids, w, refs[t.layer])
+                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+        s = res.summary()
+        assert s["hybrid_async_calls"] == 12 * len(LAYERS) and s["async_host_experts"] > 0, s
+        assert s["async_hybrid_calls"] == s["hybrid_async_calls"]
+    finally:
+        res.close()
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel):
+    """CUDA: hybrid calls enqueued behind device work with no host wait. The stream copies x and the
+    weights to the host, the callback starts the host job, the copy kernel fills the copied rows, the
+    kernel's weights and ids land on the device, and the collect brings the host's rows up: read in
+    stream order, the kernel's part over the layer buffer plus the host's rows equal every pair from
+    the cache (test_hybrid's tolerance), and the host computed experts."""
+    from fakes import cuda_engine
+
+    c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=2)
+    for layer in LAYERS:
+        c.check_experts_once(layer, list(range(E)))
+    dev = torch.device("cuda")
+    eng = cuda_engine("ordered")
+    stream = torch.cuda.Stream(dev)
+    snaps = []
+    try:
+        with torch.cuda.stream(stream):
+            ec = ExpertCache(c, eng, dev, capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
+            a = AsyncStep.create(ExpertStep.create(ec), max_experts=3)
+            assert isinstance(a, AsyncStep), a
+            a.set_host(kernel, _geometry(c), max_rows=8, dtype=torch.bfloat16, share=0.6, adapt=True)
+            src = _sources(c)
+            for step in _calls(8, 3, seed=6):
+                for li, layer in enumerate(LAYERS):
+                    ids, w, x = step[li]
+                    buf = {k: v.to(dev) for k, v in _buffer(c).items()}
+                    busy = torch.randn(1024, 1024, device=dev)
+                    busy = busy @ busy  # the call comes after work it must not wait for
+                    wk, ik = a.run_hybrid(layer, ids.to(dev), buf, w.to(dev), x.to(dev), src[layer])
+                    out = torch.zeros(3, H, dtype=torch.bfloat16, device=dev)
+                    a.collect(out)
+                    snaps.append((layer, ids, w, x, wk.clone(), ik.clone(), {k: v.clone() for k, v in buf.items()}, out))
+                a.wait()
+        torch.cuda.synchronize()
+        refs = {l: _cache_tensors(c, l) for l in LAYERS}
+        for layer, ids, w, x, wk, ik, buf, out in snaps:
+            got = _moe(x, ik.cpu(), wk.cpu(), {k: v.cpu() for k, v in buf.items()}) + out.cpu().float()
+            want = _moe(x, ids, w, refs[layer])
+            assert (got - want).abs().max().item() <= TOL * want.abs().max().item()
+        s = a.summary()
+        assert s["hybrid_calls"] == len(snaps) and s["host_experts"] > 0, s
+    finally:
+        a.close()
+        eng.close()
