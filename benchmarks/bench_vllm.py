@@ -489,6 +489,10 @@ def bars(rows: list[dict], prefill_name: str) -> list[dict]:
         v = r.get("x_uva") if r else None
         out.append({"bar": f"decode-{b} skewed: mmap-cache / uva", "value": v, "need": f">= {BARS['decode_skewed']}",
                     "met": None if v is None else v >= BARS["decode_skewed"]})
+        nf = _find(rows, "noff", "skewed", f"decode-{b}")
+        if nf and nf.get("x_uva") is not None:  # the ceiling of this run: every expert in VRAM, nothing moved
+            out.append({"bar": f"decode-{b} skewed: noff / uva (ceiling of this run, information)",
+                        "value": nf["x_uva"], "need": "-", "met": "info"})
     for cfg in ("mmap-cache", "mmap-layer"):
         r = _find(rows, cfg, "uniform", prefill_name)
         v = r.get("x_uva") if r else None
@@ -562,7 +566,7 @@ def markdown(res: dict) -> str:
                  f"{c.get('ready_s', '')} |")
     L += ["", "| bar (issue 12) | this run | need | met |", "| --- | ---: | ---: | --- |"]
     for b in res["bars"]:
-        met = {True: "yes", False: "**no**", None: "not measured"}[b["met"]]
+        met = {True: "yes", False: "**no**", None: "not measured", "info": "-"}[b["met"]]
         detail = ", ".join(f"{k} {v}" for k, v in b.get("detail", {}).items())
         L.append(f"| {b['bar']} | {b['value'] if b['value'] is not None else '-'}{' (' + detail + ')' if detail else ''} | "
                  f"{b['need']} | {met} |")

@@ -149,8 +149,9 @@ def test_rows_ratios_bars_and_markdown():
                                                 "result": {"skipped": "deadline"}}], summary=True)
     cache_u = child("mmap-cache", "mmap-cache", [_decode("uniform/decode-1", 50.0)], summary=True)
     cache_u["ready"] = {"ready_s": 7.5, "model_info": {}}
+    noff = child("noff", "noff", [_decode("skewed/decode-1", 80.0)])
     rows = []
-    for c in (uva, cache, layer, cache_u):
+    for c in (uva, cache, layer, cache_u, noff):
         rows += bench_vllm.rows_from_child(c)
     bench_vllm.ratios(rows)
     r = bench_vllm._find(rows, "mmap-cache", "skewed", "decode-1")
@@ -161,6 +162,9 @@ def test_rows_ratios_bars_and_markdown():
     assert b["decode-1 skewed: mmap-cache / uva"]["met"] is True
     assert b["decode-8 skewed: mmap-cache / uva"]["value"] == 0.75 and b["decode-8 skewed: mmap-cache / uva"]["met"] is False
     assert b["prefill-2k uniform: mmap-cache / uva"]["met"] is None  # not measured
+    ceiling = b["decode-1 skewed: noff / uva (ceiling of this run, information)"]  # no offload's own ratio
+    assert ceiling["value"] == 0.8 and ceiling["met"] == "info"
+    assert "decode-8 skewed: noff / uva (ceiling of this run, information)" not in b  # noff did not run it
     lay = b["decode: mmap-cache / mmap-layer (every routing and batch)"]
     assert lay["detail"] == {"skewed decode-1": 9.0, "skewed decode-8": 0.94} and lay["met"] is False
     res = {"rows": rows, "bars": list(b.values()), "configs": [bench_vllm.config_summary(c, {"config": c["config"], "llm": {}})
@@ -172,6 +176,7 @@ def test_rows_ratios_bars_and_markdown():
     # host ms per step: route 30e-4 s and sync 10e-4 s over the 4 timed steps
     assert "| mmap-cache | skewed | decode-1 | 90.0 | 0.9 | 10.00 | 0.75 / 0.25 | 2.0 | 75% | expert 3 |" in md
     assert "| decode-8 skewed: mmap-cache / uva | 0.75 | >= 0.8 | **no** |" in md
+    assert "| decode-1 skewed: noff / uva (ceiling of this run, information) | 0.8 | - | - |" in md
     assert "| mmap-layer | uniform | prefill-2k | deadline | | | | | | | | | | |" in md
     # each row shows its own child's figures (ready s last): the uniform and the trace engine of mmap-cache
     assert [l for l in md.splitlines() if l.startswith("| mmap-cache | uniform | decode-1")][0].endswith("| 7.5 |")
