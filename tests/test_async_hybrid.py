@@ -286,6 +286,20 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
         s = res.summary()
         assert s["hybrid_async_calls"] == 12 * len(LAYERS) and s["async_host_experts"] > 0, s
         assert s["async_hybrid_calls"] == s["hybrid_async_calls"]
+        # a call whose ids fit the pool (1 token x 3 ids, 3 slots) takes the async expert step, no host
+        host_before, calls_before = s["async_host_calls"], s["async_calls"]
+        for step in _calls(3, 1, seed=11):
+            for t in targets:
+                ids, w, x = step[t.index]
+                ids, w = ids[:, :SLOTS], w[:, :SLOTS]
+                wk, slots = res.route(t, w, ids, x)
+                assert wk is w  # the router's weights, as they are
+                out = res.add_host(t, _moe(x, slots, w, res.ec.slots(t.layer)).to(torch.bfloat16))
+                want = _moe(x, ids, w, refs[t.layer])
+                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+        s = res.summary()
+        assert s["async_calls"] == calls_before + 3 * len(LAYERS) and s["async_host_calls"] == host_before, s
+        assert s["host_host_experts"] == 0, s  # the Python hybrid path never ran
     finally:
         res.close()
         eng.close()

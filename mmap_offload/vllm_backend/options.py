@@ -60,8 +60,9 @@ class MmapOptions:
     hybrid: bool = False
     # with hybrid and async_step, W4A16: a sparse call on the stream (more ids than the pool's slots,
     # decode at batch 8) sends a share of its misses that are not admitted into the pool to the host
-    # kernel, started from the stream's callback (async_step.py run_hybrid); False: such calls wait
-    # for the router and copy every miss
+    # kernel, started from the stream's callback (async_step.py run_hybrid), and a call whose ids fit
+    # the pool takes the async step without the host; False: hybrid calls wait for the router
+    # (host_experts.py's Python path) and sparse ones copy every miss
     hybrid_stream: bool = True
     host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
