@@ -248,7 +248,7 @@ class Residency:
                 if hybrid and self._hy_sources is not None and n * k <= self.async_fits:
                     # with hybrid on the stream, a call whose ids fit the pool takes the async step
                     # without the host: its step is the launching thread's, which the Python hybrid
-                    # path lengthens (H200, batch 1: 29.2 against 19.5 ms per step, session 11)
+                    # path lengthens (H200, batch 1: 39.3 / 29.2 against 18.2 / 19.5 ms per step, session 11)
                     hybrid = False
                 out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
                 if (hybrid and self._hy_sources is not None and self.async_fits < n * k <= self.async_step.cap
