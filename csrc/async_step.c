@@ -412,6 +412,20 @@ static uint64_t staged_expert_bytes(const mo_step *st) {
     return (b + 255) & ~(uint64_t)255;
 }
 
+/* An admitted miss e, the c-th copied miss of its sparse call, also goes into pool slot s: its ppe
+ * items (in part c / per) get the slot as second destination, and that part remembers the pair
+ * (forgotten if its fill fails). */
+static void admit_into(mo_async *a, mo_ajob **part, int64_t per, int64_t ppe, const mo_step *st, int64_t c, int64_t e,
+                       int64_t s) {
+    mo_ajob *pj = part[c / per];
+    pj->new_pairs[2 * pj->nnew] = e;
+    pj->new_pairs[2 * pj->nnew + 1] = s;
+    pj->nnew++;
+    uint64_t *ip = pj->desc + D_HEAD + 4 * (pj->first_fill + (c % per) * ppe);
+    for (int64_t t = 0, q = 0; t < st->T; t++)
+        for (uint64_t o = 0; o < st->sizes[t]; o += a->chunk_bytes, q++) ip[4 * q + 3] = st->dst[s * st->T + t] + o;
+}
+
 /* ---------------------------------------------------------------- hybrid (host compute of misses) */
 
 static void host_wait_started(mo_async *a, int adapt) { /* the started host job's end; its counters */
@@ -465,7 +479,7 @@ static int64_t hybrid_misses(mo_async *a, mo_ajob *j, mo_ajob **part, int64_t K,
                              int64_t *nhost_out, int64_t *out) {
     mo_hybrid *h = &a->hy;
     mo_step *st = j->st;
-    int64_t T = st->T, nk = j->nk, isz = j->id_size, n = j->hy_rows, k = nk / n;
+    int64_t nk = j->nk, isz = j->id_size, n = j->hy_rows, k = nk / n;
     for (int64_t m = 0; m < nm; m++)
         for (int64_t q = 0; q < 4; q++)
             if (!j->hsrc[4 * miss[m] + q]) return A_ERR_PROMISE; /* nothing committed yet */
@@ -512,16 +526,7 @@ static int64_t hybrid_misses(mo_async *a, mo_ajob *j, mo_ajob **part, int64_t K,
         for (int64_t i = 0; i < na; i++) mo_step_forget(st, miss[adm[2 * i]], adm[2 * i + 1]);
         return err;
     }
-    for (int64_t i = 0; i < na; i++) { /* an admitted miss's items also go into its slot */
-        int64_t m = adm[2 * i], s = adm[2 * i + 1], c = cpos[m];
-        mo_ajob *pj = part[c / per];
-        pj->new_pairs[2 * pj->nnew] = miss[m];
-        pj->new_pairs[2 * pj->nnew + 1] = s;
-        pj->nnew++;
-        uint64_t *ip = pj->desc + D_HEAD + 4 * (pj->first_fill + (c % per) * ppe);
-        for (int64_t t = 0, q = 0; t < T; t++)
-            for (uint64_t c2 = 0; c2 < st->sizes[t]; c2 += a->chunk_bytes, q++) ip[4 * q + 3] = st->dst[s * T + t] + c2;
-    }
+    for (int64_t i = 0; i < na; i++) admit_into(a, part, per, ppe, st, cpos[adm[2 * i]], miss[adm[2 * i]], adm[2 * i + 1]);
     *na_out = na;
     *nhost_out = nhost;
     h->idle = nhost == 0 && nc > 0;
@@ -640,18 +645,7 @@ static void sparse_cb(void *arg) {
         if (!err) {
             int64_t adm[2 * MAX_EXPERTS];
             na = mo_step_admit(st, used, nu, hit, nh, miss, nm, j->max_admit, adm, out);
-            for (int64_t i = 0; i < na; i++) {
-                int64_t m = adm[2 * i], s = adm[2 * i + 1];
-                mo_ajob *pj = part[m / per];
-                pj->new_pairs[2 * pj->nnew] = miss[m];
-                pj->new_pairs[2 * pj->nnew + 1] = s;
-                pj->nnew++;
-                /* miss m's items (ppe of them, in its part) also go into slot s */
-                uint64_t *ip = pj->desc + D_HEAD + 4 * (pj->first_fill + (m % per) * ppe);
-                for (int64_t t = 0, q = 0; t < T; t++)
-                    for (uint64_t c = 0; c < st->sizes[t]; c += a->chunk_bytes, q++)
-                        ip[4 * q + 3] = st->dst[s * T + t] + c;
-            }
+            for (int64_t i = 0; i < na; i++) admit_into(a, part, per, ppe, st, adm[2 * i], miss[adm[2 * i]], adm[2 * i + 1]);
         }
     }
     if (j->hy) {

@@ -105,6 +105,13 @@ def _cache_tensors(cache, layer):
     return {n: torch.stack([cache.tensor(layer, e, n) for e in range(E)]) for n in EXPERT_TENSORS}
 
 
+def _single(cache):
+    """One cache (no twin) and its async step: (engine, cache, step)."""
+    ea, es, ac, _ = _pair(cache)
+    es.close()
+    return ea, ac, AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+
+
 def _pair(cache):
     ea, es = _ordered_engine(), _ordered_engine()
     kw = dict(capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
@@ -170,9 +177,7 @@ def test_hybrid_call_equals_every_pair_on_the_gpu_and_admits_as_a_plain_sparse_c
 def test_hybrid_keeps_one_expert_on_the_device_and_survives_a_missing_collect(cache, kernel):
     """share 1 with an empty pool: every miss but one goes to the host (the host's pairs need a filled
     row); a call whose collect never came is waited for by the next call and by wait()."""
-    ea, es, ac, _ = _pair(cache)
-    es.close()
-    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    ea, ac, a = _single(cache)
     try:
         a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=1.0, adapt=False)
         src = _sources(cache)
@@ -199,9 +204,7 @@ def test_hybrid_share_adapts_to_which_side_finishes_first(cache, kernel):
     """Each collect moves the share by 1/32: up where the host job was done before it (the host could
     take more) or where the call gave the host none of the misses it could have taken, down where
     the collect waited for the job."""
-    ea, es, ac, _ = _pair(cache)
-    es.close()
-    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    ea, ac, a = _single(cache)
     try:
         a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=0.3, adapt=True)
         src = _sources(cache)
@@ -229,9 +232,7 @@ def test_hybrid_share_adapts_to_which_side_finishes_first(cache, kernel):
 
 
 def test_hybrid_declines_what_it_cannot_take(cache, kernel):
-    ea, es, ac, _ = _pair(cache)
-    es.close()
-    a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
+    ea, ac, a = _single(cache)
     try:
         src = _sources(cache)
         ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
