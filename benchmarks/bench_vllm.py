@@ -276,9 +276,17 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
 
     mm = {"cache_dir": str(cache), "lookahead": 1, **mmap_options(args.mmap_option)}
     specs = []
+    seen: dict[str, int] = {}
     for cfg in [c for c in args.configs.split(",") if c]:
         if cfg not in CONFIGS:
             raise SystemExit(f"unknown config {cfg!r}: use some of {', '.join(CONFIGS)}")
+        seen[cfg] = seen.get(cfg, 0) + 1
+        if seen[cfg] > 1:  # a configuration named again runs again, later in the run (order effects)
+            n0 = len(specs)
+            specs += [{**sp, "label": f"{sp['label']}#{seen[cfg]}", "repeat": seen[cfg]}
+                      for sp in specs if sp["config"] == cfg and "repeat" not in sp]
+            if len(specs) > n0:
+                continue
         if cfg in ("uva", "uva-eqtotal"):
             resident = budget + (2 * layer_bytes if cfg == "uva-eqtotal" else 0)
             gb = max(0.0, (expert_bytes - resident) / GIB)
@@ -364,6 +372,8 @@ def rows_from_child(child: dict) -> list[dict]:
             continue
         routing, _, workload = ev["name"].partition("/")
         row = {"config": child["config"], "routing": routing, "workload": workload}
+        if child.get("repeat"):  # the n-th run of this configuration in this run
+            row.update(repeat=child["repeat"], label=child.get("label"))
         if "skipped" in r or "error" in r:
             row["status"] = r.get("skipped") or r.get("error", "")[:200]
             rows.append(row)
@@ -468,8 +478,14 @@ def config_summary(child: dict, spec: dict) -> dict:
 
 
 def ratios(rows: list[dict]) -> None:
-    """``x_uva`` on every row: tokens/s over uva's for the same routing and workload."""
-    ref = {(r["routing"], r["workload"]): r.get("tok_s") for r in rows if r["config"] == "uva"}
+    """``x_uva`` on every row: tokens/s over uva's for the same routing and workload (the mean of
+    uva's runs where ``--configs`` names it more than once; each uva row's own ratio then shows how
+    far the runs of one configuration drift within the run)."""
+    got: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["config"] == "uva" and r.get("tok_s"):
+            got.setdefault((r["routing"], r["workload"]), []).append(r["tok_s"])
+    ref = {k: sum(v) / len(v) for k, v in got.items()}
     for r in rows:
         u = ref.get((r["routing"], r["workload"]))
         if u and r.get("tok_s"):
@@ -536,12 +552,16 @@ def markdown(res: dict) -> str:
          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = {c: i for i, c in enumerate(CONFIGS)}
     wl = {w: i for i, w in enumerate(res["workloads"])}
-    for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99))):
+    for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99),
+                                         r.get("repeat", 1))):
         c = by_cfg.get(r["config"], {})
         if r["routing"] == "skewed" and r["config"] in POOL_CONFIGS:
             c = cfgs.get(f"{r['config']}/{r['config']}-skewed", c)
+        if r.get("repeat"):
+            c = cfgs.get(f"{r['config']}/{r.get('label')}", c)
+        name = r["config"] + (f" #{r['repeat']}" if r.get("repeat") else "")
         if "tok_s" not in r:
-            L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | | |")
+            L.append(f"| {name} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | | |")
             continue
         hit = f"{100 * r['pool_hit_rate']:.0f}%" if "pool_hit_rate" in r else ""
         modes = " ".join(f"{k} {v}" for k, v in r.get("residency_calls", {}).items() if v)
@@ -560,7 +580,7 @@ def markdown(res: dict) -> str:
                      f"waited {r.get('async_host_wait_ms', 0):.2f}, share {r.get('async_host_share') or 0:.2f}>")
         if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
             host += f" {{between layers {r['between_ms']:.2f}, outside {r.get('outside_ms', 0):.2f}}}"
-        L.append(f"| {r['config']} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
+        L.append(f"| {name} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "
                  f"{c.get('ready_s', '')} |")
@@ -708,7 +728,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--budget-frac", type=float, default=0.25, help="VRAM for expert weights B = this x expert bytes")
     p.add_argument("--budget-gib", type=float, default=None, help="B in GiB (overrides --budget-frac)")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"some of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"some of {','.join(CONFIGS)}, run in this order; a name given again runs again in that place "
+                        "(e.g. uva first and last: x uva is then against the mean of uva's runs)")
     p.add_argument("--routings", default="uniform,skewed")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
     p.add_argument("--decode-tokens", type=int, default=96,
@@ -809,6 +831,7 @@ def main(argv=None) -> int:
         child = vllm_runner.run_child(spec, workdir=work / "children", timeout=left + 30, cgroup=not args.no_cgroup,
                                       python=args.python, echo=log)
         child["config"] = spec["config"]
+        child["repeat"] = spec.get("repeat")
         child["has_summary"] = spec.get("register_backend", False)
         log(f"   {spec['label']}: {child['outcome']} in {child['wall_s']} s")
         if child["outcome"] != "ok":

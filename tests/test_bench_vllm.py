@@ -150,8 +150,10 @@ def test_rows_ratios_bars_and_markdown():
     cache_u = child("mmap-cache", "mmap-cache", [_decode("uniform/decode-1", 50.0)], summary=True)
     cache_u["ready"] = {"ready_s": 7.5, "model_info": {}}
     noff = child("noff", "noff", [_decode("skewed/decode-1", 80.0)])
+    uva2 = child("uva", "uva#2", [_decode("skewed/decode-8", 200.0)])  # uva run again, last
+    uva2["repeat"] = 2
     rows = []
-    for c in (uva, cache, layer, cache_u, noff):
+    for c in (uva, cache, layer, cache_u, noff, uva2):
         rows += bench_vllm.rows_from_child(c)
     bench_vllm.ratios(rows)
     r = bench_vllm._find(rows, "mmap-cache", "skewed", "decode-1")
@@ -215,6 +217,11 @@ def test_child_specs_give_uva_the_pool_bytes(tmp_path):
     nt = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "mmap-cache-nt",
                                                        "--routings", "uniform"]), tmp_path, tmp_path, None, 8 * gib, gib, 0.0)[0]
     assert nt["env"]["MMO_ASYNC_FILL_STORES"] == "streaming" and nt["env"]["OMP_NUM_THREADS"]
+    # a configuration named twice runs twice, in that place (uva first and last: the run's order effect)
+    rep = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "uva,mmap-cache,noff,uva"]),
+                                 tmp_path, tmp_path, tmp_path / "t.csv", 8 * gib, gib, 0.0)
+    assert [s["label"] for s in rep] == ["uva", "mmap-cache-skewed", "mmap-cache", "noff", "uva#2"]
+    assert rep[-1]["repeat"] == 2 and rep[-1]["llm"] == rep[0]["llm"] and "repeat" not in rep[0]
     kinds = [t["kind"] for t in by["uva"]["tasks"]]
     assert kinds == ["decode"] * 3 + ["prefill", "record", "trace"] + ["decode"] * 3  # uniform, then the trace
     assert [t["kind"] for t in by["mmap-cache-skewed"]["tasks"]] == ["decode"] * 3  # the backend applies the trace
@@ -370,3 +377,15 @@ def test_host_time_around_route_is_reported_per_step():
            "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
     md = bench_vllm.markdown(res)
     assert "native step 0.50] {between layers 2.00, outside 3.00}" in md, md
+
+
+def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
+    """uva named twice in --configs (first and last): every x_uva is against the mean of its runs,
+    and each uva row's own ratio shows the drift within the run."""
+    import bench_vllm
+
+    rows = [{"config": "uva", "routing": "skewed", "workload": "decode-1", "tok_s": 60.0},
+            {"config": "mmap-cache", "routing": "skewed", "workload": "decode-1", "tok_s": 70.0},
+            {"config": "uva", "routing": "skewed", "workload": "decode-1", "tok_s": 80.0, "repeat": 2, "label": "uva#2"}]
+    bench_vllm.ratios(rows)
+    assert [r["x_uva"] for r in rows] == [0.857, 1.0, 1.143]
