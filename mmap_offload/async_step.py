@@ -184,7 +184,7 @@ class AsyncStep:
         self._pairs = np.zeros(2 * self.max_pieces, dtype=np.int64)
         self._live: list[Any] = [None] * (_JOBS + 32)  # > the C side's jobs (a call takes one at least)
         self.pairs: list[tuple[int, int]] = []  # CPU: (expert, slot) the last call made resident
-        self.metrics = dict(runs=0, sparse_runs=0, declined=0, waits=0, wait_s=0.0)
+        self.metrics = dict(runs=0, sparse_runs=0, hybrid_runs=0, declined=0, waits=0, wait_s=0.0)
         self.sparse_miss_bytes = 0  # read from the cache by sparse calls (folded in _fold)
         self._host: dict[str, Any] | None = None  # hybrid calls (set_host)
         self._collect_rows = 0  # the last hybrid call's token rows, until collect()
@@ -345,7 +345,7 @@ class AsyncStep:
         if rc is None:
             return None
         self.metrics["sparse_runs"] += 1
-        self.metrics["hybrid_runs"] = self.metrics.get("hybrid_runs", 0) + 1
+        self.metrics["hybrid_runs"] += 1
         self._collect_rows = n
         w = blk[: nk * 4].view(torch.float32).view(weights.shape)
         wb = h["wbytes"]

@@ -129,6 +129,7 @@ class Residency:
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
+                                            hybrid_async_calls=0,
                                             between_s=0.0, outside_s=0.0,
                                             sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
                                             trace=bool(self.trace is not None))
@@ -362,7 +363,7 @@ class Residency:
         self.metrics["sparse_calls"] += 1
         self.metrics["sparse_async_calls"] += 1
         self.metrics["hybrid_calls"] += 1
-        self.metrics["hybrid_async_calls"] = self.metrics.get("hybrid_async_calls", 0) + 1
+        self.metrics["hybrid_async_calls"] += 1
         self._bind_sparse(t, tensors, a.pairs)
         return got
 
