@@ -26,6 +26,8 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-no-background-check": ("verify_in_background", {"action": "store_false", "default": None}),
     "--mmap-no-rebuild": ("rebuild", {"action": "store_false", "default": None}),
     "--mmap-expert-cache-gib": ("expert_cache_gib", {}),
+    "--mmap-hybrid": ("hybrid", {"action": "store_true", "default": None}),
+    "--mmap-host-threads": ("host_threads", {"type": int}),
 }
 
 
