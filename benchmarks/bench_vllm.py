@@ -275,33 +275,26 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
         return t
 
     mm = {"cache_dir": str(cache), "lookahead": 1, **mmap_options(args.mmap_option)}
-    specs = []
-    seen: dict[str, int] = {}
-    for cfg in [c for c in args.configs.split(",") if c]:
-        if cfg not in CONFIGS:
-            raise SystemExit(f"unknown config {cfg!r}: use some of {', '.join(CONFIGS)}")
-        seen[cfg] = seen.get(cfg, 0) + 1
-        if seen[cfg] > 1:  # a configuration named again runs again, later in the run (order effects)
-            n0 = len(specs)
-            specs += [{**sp, "label": f"{sp['label']}#{seen[cfg]}", "repeat": seen[cfg]}
-                      for sp in specs if sp["config"] == cfg and "repeat" not in sp]
-            if len(specs) > n0:
-                continue
+    def config_specs(cfg: str, extra: dict) -> list[dict]:
+        """The children of one configuration (a pool configuration: one per routing), ``extra`` options
+        on top of the mmap ones."""
+        out: list[dict] = []
+        mm_cfg = {**mm, **extra}
         if cfg in ("uva", "uva-eqtotal"):
             resident = budget + (2 * layer_bytes if cfg == "uva-eqtotal" else 0)
             gb = max(0.0, (expert_bytes - resident) / GIB)
-            specs.append({**base, "label": cfg, "config": cfg, "register_backend": False, "tasks": own_routing_tasks(cfg == "uva"),
-                          "llm": {**common, "cpu_offload_params": ["experts"], "offload_backend": "uva",
-                                  "cpu_offload_gb": round(gb, 6)}})
+            out.append({**base, "label": cfg, "config": cfg, "register_backend": False, "tasks": own_routing_tasks(cfg == "uva"),
+                       "llm": {**common, "cpu_offload_params": ["experts"], "offload_backend": "uva",
+                               "cpu_offload_gb": round(gb, 6)}})
         elif cfg == "noff":
-            specs.append({**base, "label": cfg, "config": cfg, "register_backend": False, "tasks": own_routing_tasks(False),
-                          "llm": dict(common)})
+            out.append({**base, "label": cfg, "config": cfg, "register_backend": False, "tasks": own_routing_tasks(False),
+                       "llm": dict(common)})
         elif cfg == "mmap-layer":
-            specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "tasks": own_routing_tasks(False),
-                          "llm": {**common, "offload_backend": "mmap",
-                                  "additional_config": {"mmap_offload": {**mm, "expert_cache_gib": 0}}}})
+            out.append({**base, "label": cfg, "config": cfg, "register_backend": True, "tasks": own_routing_tasks(False),
+                       "llm": {**common, "offload_backend": "mmap",
+                               "additional_config": {"mmap_offload": {**mm_cfg, "expert_cache_gib": 0}}}})
         elif cfg in POOL_CONFIGS:
-            pool = {**mm, "expert_cache_gib": round((expert_bytes if cfg == "mmap-all" else budget) / GIB, 9)}
+            pool = {**mm_cfg, "expert_cache_gib": round((expert_bytes if cfg == "mmap-all" else budget) / GIB, 9)}
             if cfg == "mmap-hybrid":  # the same pool; decode misses split between host compute and copies
                 pool["hybrid"] = True
             if cfg == "mmap-cache-wait":  # the same pool; the launching thread waits for the misses' reads
@@ -313,15 +306,40 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
             cfg_env = {**base["env"], **{"mmap-cache-nt": {"MMO_ASYNC_FILL_STORES": "streaming"},
                                          "mmap-cache-movsb": {"MMO_ASYNC_FILL_STORES": "cached"}}.get(cfg, {})}
             if skewed:  # the trace goes through the backend's own option: one engine per routing
-                specs.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True, "env": cfg_env,
-                              "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
-                              "llm": {**common, "offload_backend": "mmap",
-                                      "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
+                out.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True, "env": cfg_env,
+                           "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
+                           "llm": {**common, "offload_backend": "mmap",
+                                   "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
             if "uniform" in routings:
-                specs.append({**base, "label": cfg, "config": cfg, "register_backend": True, "env": cfg_env,
-                              "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
-                              "llm": {**common, "offload_backend": "mmap",
-                                      "additional_config": {"mmap_offload": pool}}})
+                out.append({**base, "label": cfg, "config": cfg, "register_backend": True, "env": cfg_env,
+                           "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
+                           "llm": {**common, "offload_backend": "mmap",
+                                   "additional_config": {"mmap_offload": pool}}})
+        return out
+
+    specs = []
+    seen: dict[str, int] = {}
+    for item in [c for c in args.configs.split(",") if c]:
+        cfg, _, opt_text = item.partition(":")  # "mmap-hybrid:threads=6:host_threads=9": a variant with options
+        if cfg not in CONFIGS:
+            raise SystemExit(f"unknown config {cfg!r}: use some of {', '.join(CONFIGS)}")
+        extra = mmap_options(opt_text.split(":")) if opt_text else {}
+        if extra and cfg not in POOL_CONFIGS + ("mmap-layer",):
+            raise SystemExit(f"config {item!r}: only the mmap configurations take options (KEY=VALUE after ':')")
+        seen[cfg] = seen.get(cfg, 0) + 1
+        if extra:  # a variant: its own row, labelled with its options, never the row the bars read
+            n0 = len(specs)
+            specs += config_specs(cfg, extra)
+            for sp in specs[n0:]:
+                sp.update(label=item + sp["label"][len(cfg):], repeat=seen[cfg], variant=opt_text)
+            continue
+        if seen[cfg] > 1:  # a configuration named again runs again, later in the run (order effects)
+            n0 = len(specs)
+            specs += [{**sp, "label": f"{sp['label']}#{seen[cfg]}", "repeat": seen[cfg]}
+                      for sp in specs if sp["config"] == cfg and "repeat" not in sp]
+            if len(specs) > n0:
+                continue
+        specs += config_specs(cfg, {})
     return specs
 
 
@@ -372,8 +390,10 @@ def rows_from_child(child: dict) -> list[dict]:
             continue
         routing, _, workload = ev["name"].partition("/")
         row = {"config": child["config"], "routing": routing, "workload": workload}
-        if child.get("repeat"):  # the n-th run of this configuration in this run
+        if child.get("repeat"):  # the n-th run of this configuration in this run, or a variant with options
             row.update(repeat=child["repeat"], label=child.get("label"))
+        if child.get("variant"):
+            row["variant"] = child["variant"]
         if "skipped" in r or "error" in r:
             row["status"] = r.get("skipped") or r.get("error", "")[:200]
             rows.append(row)
@@ -494,7 +514,7 @@ def ratios(rows: list[dict]) -> None:
 
 def _find(rows, config, routing, workload):
     return next((r for r in rows if r["config"] == config and r["routing"] == routing and r["workload"] == workload
-                 and r.get("tok_s")), None)
+                 and r.get("tok_s") and not r.get("variant")), None)
 
 
 def bars(rows: list[dict], prefill_name: str) -> list[dict]:
@@ -559,7 +579,8 @@ def markdown(res: dict) -> str:
             c = cfgs.get(f"{r['config']}/{r['config']}-skewed", c)
         if r.get("repeat"):
             c = cfgs.get(f"{r['config']}/{r.get('label')}", c)
-        name = r["config"] + (f" #{r['repeat']}" if r.get("repeat") else "")
+        name = (f"{r['config']}:{r['variant']}" if r.get("variant")
+                else r["config"] + (f" #{r['repeat']}" if r.get("repeat") else ""))
         if "tok_s" not in r:
             L.append(f"| {name} | {r['routing']} | {r['workload']} | {r.get('status', '-')} | | | | | | | | | | | |")
             continue
@@ -730,7 +751,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-gib", type=float, default=None, help="B in GiB (overrides --budget-frac)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"some of {','.join(CONFIGS)}, run in this order; a name given again runs again in that place "
-                        "(e.g. uva first and last: x uva is then against the mean of uva's runs)")
+                        "(e.g. uva first and last: x uva is then against the mean of uva's runs); an mmap config "
+                        "followed by ':KEY=VALUE' pairs runs as a variant with those backend options "
+                        "(e.g. mmap-hybrid:threads=6:host_threads=9)")
     p.add_argument("--routings", default="uniform,skewed")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
     p.add_argument("--decode-tokens", type=int, default=96,
@@ -832,6 +855,7 @@ def main(argv=None) -> int:
                                       python=args.python, echo=log)
         child["config"] = spec["config"]
         child["repeat"] = spec.get("repeat")
+        child["variant"] = spec.get("variant")
         child["has_summary"] = spec.get("register_backend", False)
         log(f"   {spec['label']}: {child['outcome']} in {child['wall_s']} s")
         if child["outcome"] != "ok":

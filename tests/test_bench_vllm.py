@@ -325,6 +325,33 @@ def test_mmap_options_reach_every_mmap_config(tmp_path):
     assert dec and all(t["warmup_tokens"] == 32 and t["tokens"] == 96 for t in dec)
 
 
+def test_a_config_with_options_runs_as_a_variant_beside_the_plain_one(tmp_path):
+    import bench_vllm
+
+    args = bench_vllm.parse_args(["--out", str(tmp_path), "--configs",
+                                  "uva,mmap-hybrid,mmap-hybrid:threads=6:host_threads=9", "--routings", "skewed"])
+    specs = bench_vllm.child_specs(args, tmp_path / "ckpt", tmp_path / "cache", tmp_path / "t.csv",
+                                   expert_bytes=8 << 30, layer_bytes=1 << 30, deadline_at=0.0)
+    assert [s["label"] for s in specs] == ["uva", "mmap-hybrid-skewed", "mmap-hybrid:threads=6:host_threads=9-skewed"]
+    plain, var = (s["llm"]["additional_config"]["mmap_offload"] for s in specs[1:])
+    assert var == {**plain, "threads": 6, "host_threads": 9} and "threads" not in plain
+    assert specs[2]["variant"] == "threads=6:host_threads=9" and specs[2]["repeat"] == 2 and "variant" not in specs[1]
+    # the bars read the plain row; the variant's row is named by its options
+    rows = []
+    for spec, tok in zip(specs, (100.0, 120.0, 130.0)):
+        child = {"config": spec["config"], "repeat": spec.get("repeat"), "label": spec["label"],
+                 "variant": spec.get("variant"),
+                 "tasks": [{"kind": "decode", "name": "skewed/decode-8", "result": {"tok_s": tok, "seconds": 1.0, "tokens": 8, "step_ms": 1.0}}]}
+        rows += bench_vllm.rows_from_child(child)
+    bench_vllm.ratios(rows)
+    assert bench_vllm._find(rows, "mmap-hybrid", "skewed", "decode-8")["x_uva"] == 1.2
+    assert rows[2]["variant"] == "threads=6:host_threads=9" and rows[2]["x_uva"] == 1.3
+    for bad in ("uva:threads=6", "mmap-cache:threads"):
+        with pytest.raises(SystemExit, match="options|KEY=VALUE"):
+            bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", bad]), tmp_path, tmp_path,
+                                   None, expert_bytes=8 << 30, layer_bytes=1 << 30, deadline_at=0.0)
+
+
 def test_host_sampler_finds_where_the_thread_spends_its_time():
     """MMO_SAMPLE_DECODE's sampler (vllm_runner.HostSampler): a thread busy in one function for 0.3 s
     (holding the GIL: the sampler looks only at its switches) and asleep in another for 0.1 s shows ~3/4
