@@ -134,6 +134,8 @@ typedef struct {
     float *wts;                      /* [cap] their route weights */
     host_job *jobs;                  /* [cap] */
     double share;                    /* of a call's misses computed on the host (adapted by collects) */
+    int64_t parts;                   /* a call's parts: 0 the fewest that hold its admissions (misses the
+                                      * staging cannot take go to the host), -1 a plain call's, n > 0 n */
     int started;                     /* a host job runs that no collect waited for yet */
     int idle;                        /* the last call had misses for the host and gave it none */
     int64_t cenq, cdone;             /* collects enqueued / run */
@@ -505,6 +507,7 @@ static int64_t hybrid_misses(mo_async *a, mo_ajob *j, mo_ajob **part, int64_t K,
     double share = h->share;
     pthread_mutex_unlock(&a->mu);
     int64_t nhost = (int64_t)(share * (double)nm + 0.5);
+    if (nhost < nm - per * K) nhost = nm - per * K; /* what the call's parts cannot copy */
     if (nhost > nc) nhost = nc;
     if (nh == 0 && nhost >= nm) nhost = nm - 1;
     if (nhost < 0) nhost = 0;
@@ -516,7 +519,7 @@ static int64_t hybrid_misses(mo_async *a, mo_ajob *j, mo_ajob **part, int64_t K,
         cpos[m] = is_host[m] ? -1 : ncm;
         if (!is_host[m]) cm[ncm++] = miss[m];
     }
-    int64_t err = A_ERR_NONE;
+    int64_t err = ncm > per * K ? A_ERR_PROMISE : A_ERR_NONE; /* more admissions than the parts hold */
     for (int64_t q = 0; q < K && !err; q++) {
         int64_t lo = q * per, hi = lo + per < ncm ? lo + per : ncm;
         if (lo >= hi) break;
@@ -610,7 +613,7 @@ static void sparse_cb(void *arg) {
     }
     int64_t nu = mo_step_distinct(st, j->ids, nk, isz, used, &bad);
     if (nu < 0 || mo_step_split(st, used, nu, hit, &nh, miss, &nm) < 0) err = A_ERR_PROMISE;
-    if (!err && (per < 1 || nm > per * K)) err = A_ERR_PROMISE;
+    if (!err && (per < 1 || (nm > per * K && !j->hy))) err = A_ERR_PROMISE; /* hybrid: the host takes the rest */
     /* the hits' items (device to device from their slots), in part 0, before its misses */
     uint64_t *pc = j->desc + D_HEAD;
     int64_t nhit = 0;
@@ -769,6 +772,20 @@ static int64_t sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
     return k <= AJ_JOBS / 4 ? k : 0;
 }
 
+/* A hybrid call's parts, of a plain call's K: the staging's loads it may copy. Fewer parts than K
+ * cost fewer callbacks and kernels on the stream (a part with nothing to copy still costs both: at
+ * batch 8 most of a plain call's parts are empty once the host takes its share); the misses beyond
+ * them go to the host (hybrid_misses). Never fewer than the admissions need: an admitted miss is copied. */
+static int64_t hybrid_parts(const mo_async *a, const mo_step *st, int64_t K, int64_t max_admit) {
+    uint64_t eb = staged_expert_bytes(st);
+    int64_t per = eb ? (int64_t)(a->staging_bytes / eb) : 1, want = a->hy.parts;
+    int64_t need = max_admit > 0 ? (max_admit + per - 1) / per : 0;
+    if (want < 0) return K;
+    if (want == 0) want = 1;
+    if (want < need) want = need;
+    return want < K ? want : K;
+}
+
 /* A sparse call's parts (mo_async_run_sparse, mo_async_run_hybrid); hy: the hybrid fields, or NULL. */
 static int64_t run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
                           const void *ids, int64_t nk, int64_t id_size, void *stream, const mo_ajob *hy,
@@ -778,6 +795,7 @@ static int64_t run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const 
         return -1;
     int64_t K = sparse_parts(a, st, nk);
     if (!K) return -1;
+    if (hy) K = hybrid_parts(a, st, K, max_admit);
     mo_ajob *j = reserve(a, K);
     for (int64_t k = 0; k < K; k++) { /* host fields only: the stream has run every earlier user's callback */
         mo_ajob *p = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
@@ -893,6 +911,16 @@ int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int6
 }
 
 /* The share of a hybrid call's misses computed on the host now (set: share >= 0 sets it). */
+/* A hybrid call's parts from the next call on (mo_hybrid.parts: 0 the fewest, -1 a plain call's,
+ * n > 0 n); returns the setting. Any value < -1 reads it. */
+int64_t mo_async_hybrid_parts(mo_async *a, int64_t parts) {
+    pthread_mutex_lock(&a->mu);
+    if (parts >= -1) a->hy.parts = parts;
+    int64_t p = a->hy.parts;
+    pthread_mutex_unlock(&a->mu);
+    return p;
+}
+
 double mo_async_host_share(mo_async *a, double share) {
     pthread_mutex_lock(&a->mu);
     if (share >= 0 && share <= 1) a->hy.share = share;

@@ -80,6 +80,8 @@ def _typed(lib) -> bool:
                                       _i64, _vp, ctypes.c_double, _i64]
     lib.mo_async_host_share.restype = ctypes.c_double
     lib.mo_async_host_share.argtypes = [_vp, ctypes.c_double]
+    lib.mo_async_hybrid_parts.restype = _i64
+    lib.mo_async_hybrid_parts.argtypes = [_vp, _i64]
     lib.mo_async_run_hybrid.restype = _i64
     lib.mo_async_run_hybrid.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp]
     lib.mo_async_collect.restype = _i64
@@ -313,6 +315,20 @@ class AsyncStep:
     @host_share.setter
     def host_share(self, v: float) -> None:
         self.lib.mo_async_host_share(self.handle, float(v))
+
+    @property
+    def hybrid_parts(self) -> int:
+        """How many parts (staging loads, each a callback and a kernel on the stream) a hybrid call is
+        enqueued as: 0 (the default) the fewest that hold its admissions, the misses the staging cannot
+        take computed on the host; -1 as many as a plain sparse call (ids / ``max_experts``, most of
+        them empty once the host takes its share); n > 0 at most n."""
+        return int(self.lib.mo_async_hybrid_parts(self.handle, -2))
+
+    @hybrid_parts.setter
+    def hybrid_parts(self, v: int) -> None:
+        if int(v) < -1:
+            raise ValueError(f"hybrid_parts={v}: use 0 (the fewest), -1 (a plain call's) or a count")
+        self.lib.mo_async_hybrid_parts(self.handle, int(v))
 
     def run_hybrid(self, layer: int, ids: torch.Tensor, rows: dict[str, torch.Tensor], weights: torch.Tensor,
                    x: torch.Tensor, sources: np.ndarray, max_admit: int = 4):

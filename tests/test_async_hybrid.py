@@ -118,21 +118,29 @@ def _pair(cache):
     return ea, es, ExpertCache(cache, ea, "cpu", **kw), ExpertCache(cache, es, "cpu", **kw)
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-def test_hybrid_call_equals_every_pair_on_the_gpu_and_admits_as_a_plain_sparse_call(cache, kernel, share):
+# parts -1: every call enqueued as a plain sparse call's 4 parts (12 ids, 3 misses per staging load),
+# the share alone decides the host's misses; parts 0 (the default): 2 parts, the fewest that hold the
+# call's admissions (max_admit 4), the misses beyond their 6 copies go to the host whatever the share
+@pytest.mark.parametrize("share,parts", [(0.0, -1), (0.5, -1), (1.0, -1), (0.0, 0), (0.5, 0)])
+def test_hybrid_call_equals_every_pair_on_the_gpu_and_admits_as_a_plain_sparse_call(cache, kernel, share, parts):
     ea, es, ac, sc = _pair(cache)
     a = AsyncStep.create(ExpertStep.create(ac), max_experts=3)
     p = AsyncStep.create(ExpertStep.create(sc), max_experts=3)
     assert isinstance(a, AsyncStep) and isinstance(p, AsyncStep)
     try:
         a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=share, adapt=False)
+        assert a.hybrid_parts == 0
+        a.hybrid_parts = parts
+        assert a.hybrid_parts == parts
+        copies = 3 * (4 if parts == -1 else 2)  # what the call's parts can copy
         src = _sources(cache)
         refs = {l: _cache_tensors(cache, l) for l in LAYERS}
-        host_pairs = 0
+        host_pairs = forced = 0
         for step in _calls(6, 3, seed=1):
             for li, layer in enumerate(LAYERS):
                 ids, w, x = step[li]
                 buf, twin = _buffer(cache), _buffer(cache)
+                resident = {e for e in range(E) if ac._lut[ac._li(layer), e] >= 0}  # before the call
                 got = a.run_hybrid(layer, ids, buf, w, x, src[layer])
                 assert got is not None
                 wk, ik = got
@@ -140,8 +148,11 @@ def test_hybrid_call_equals_every_pair_on_the_gpu_and_admits_as_a_plain_sparse_c
                 mask = wk == 0
                 host = set(ids[mask].tolist())
                 host_pairs += int(mask.sum())
-                if share == 0.0:
-                    assert not mask.any()
+                misses = set(ids.flatten().tolist()) - resident
+                assert len(misses - host) <= copies  # never more copies than the parts hold
+                if share == 0.0:  # the host gets exactly what the parts cannot copy
+                    assert len(host) == max(0, len(misses) - copies)
+                forced += max(0, len(misses) - copies)
                 # weights kept, or 0 exactly at the host's pairs (all of an expert's pairs), whose ids
                 # point at a routed expert the call filled
                 assert torch.equal(wk[~mask], w[~mask]) and torch.equal(ik[~mask], ids[~mask])
@@ -163,10 +174,11 @@ def test_hybrid_call_equals_every_pair_on_the_gpu_and_admits_as_a_plain_sparse_c
             _same(_state(ac), _state(sc))  # the host's share changes no admission
         s = a.summary()
         assert s["hybrid_calls"] == 6 * len(LAYERS)
+        assert s["sparse_parts"] == 6 * len(LAYERS) * copies // 3  # every call's parts, none more
         if share > 0:
             assert s["host_experts"] > 0 and s["host_rows"] == host_pairs
         else:
-            assert s["host_experts"] == 0 and host_pairs == 0
+            assert s["host_experts"] == forced and (forced > 0) == (parts == 0)  # these calls do overflow 2 parts
     finally:
         a.close()
         p.close()

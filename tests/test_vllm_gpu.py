@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,8 +40,20 @@ def run(request, tmp_path_factory):
     log_path = Path(keep, f"vllm_gpu_{quant}.log") if keep else work / "child.log"
     env.setdefault("MMO_CHILD_HANG_S", "400")
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, str(CHILD), quant, str(work), str(out)], env=env,
-                              stdout=log, stderr=subprocess.STDOUT, text=True, timeout=900)
+        proc = subprocess.Popen([sys.executable, str(CHILD), quant, str(work), str(out)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        # faulthandler shows Python frames only: 3 s before it fires, each thread's system call and
+        # kernel wait go to the log too (session 12: a W4A16 child hung inside gc.collect at load)
+        timer = threading.Timer(max(1.0, float(env["MMO_CHILD_HANG_S"]) - 3), _native_waits, (proc.pid, log_path))
+        timer.daemon = True
+        timer.start()
+        try:
+            proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            timer.cancel()
     text = log_path.read_text(errors="replace")
     if keep and out.exists():
         Path(keep, f"vllm_gpu_{quant}.json").write_text(out.read_text())
@@ -50,6 +64,32 @@ def run(request, tmp_path_factory):
         if "error" in r:
             pytest.fail(f"{quant} {case}: {r['error']}\n{r.get('tb', '')}")
     return res
+
+
+def _native_waits(pid: int, log_path: Path) -> None:
+    """Append every thread's name, state, system call (number and arguments: 202 futex, 16 ioctl, 7
+    poll) and kernel stack of process ``pid`` to ``log_path``: where a hung child waits below Python."""
+    lines = [f"==== native waits of pid {pid}"]
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        def read(name: str) -> str:
+            try:
+                return (task / name).read_text(errors="replace").strip()
+            except OSError as e:
+                return f"({e.strerror})"
+        stat = read("stat")
+        state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+        stack = " <- ".join(ln.split("]", 1)[-1].strip() for ln in read("stack").splitlines()[:6])
+        lines.append(f"tid {task.name} {read('comm')!r} state {state} wchan {read('wchan')} syscall {read('syscall')} "
+                     f"stack {stack}")
+    if shutil.which("gdb"):  # user-space frames of every thread, where the machine has gdb
+        try:
+            bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"],
+                                capture_output=True, text=True, timeout=60).stdout
+            lines += [ln for ln in bt.splitlines() if ln.startswith(("Thread", "#"))]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            lines.append(f"gdb: {e}")
+    with open(log_path, "a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def test_mmap_tokens_equal_no_offload_and_uva(run):

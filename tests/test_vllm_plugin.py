@@ -216,6 +216,10 @@ def test_options_precedence_and_errors():
         MmapOptions.resolve({"expert_cache_gib": -1}, env={})
     with pytest.raises(UnsupportedError, match="layer_stream_fraction"):
         MmapOptions.resolve({"layer_stream_fraction": 0}, env={})
+    assert MmapOptions.resolve(None, env={}).hybrid_parts == 0
+    assert MmapOptions.resolve({"hybrid_parts": "-1"}, env={}).hybrid_parts == -1
+    with pytest.raises(UnsupportedError, match="hybrid_parts"):
+        MmapOptions.resolve({"hybrid_parts": -2}, env={})
 
 
 def test_expert_cache_size_option():

@@ -64,6 +64,10 @@ class MmapOptions:
     # the pool takes the async step without the host; False: hybrid calls wait for the router
     # (host_experts.py's Python path) and sparse ones copy every miss
     hybrid_stream: bool = True
+    # with hybrid_stream: how many staging loads (parts: a callback and a kernel each on the stream) a
+    # hybrid call may copy; 0 the fewest that hold its admissions into the pool (the misses beyond
+    # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
+    hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
     routing_trace: str | None = None
@@ -106,6 +110,12 @@ class MmapOptions:
             raise UnsupportedError(
                 f"mmap_offload layer_stream_fraction must be in (0, 1], got {self.layer_stream_fraction}",
                 "pass e.g. 0.5",
+            )
+
+        if self.hybrid_parts < -1:
+            raise UnsupportedError(
+                f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",
+                "pass 0 (the fewest parts), -1 (as many as a plain sparse call) or a count",
             )
 
     def to_dict(self) -> dict:

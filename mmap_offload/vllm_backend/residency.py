@@ -117,6 +117,7 @@ class Residency:
         if (self.host is not None and self.async_step is not None and opts.hybrid_stream
                 and self.host.kind == "w4a16"):
             self._hy_sources = {}
+        self._hy_parts = opts.hybrid_parts  # AsyncStep.hybrid_parts
         self._hy_collect: int | None = None  # the target index whose host rows the stream still owes
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
@@ -345,6 +346,7 @@ class Residency:
             w13, s13, w2, s2 = (self.cache.tensor(t.layer, 0, n) for n in names)
             a.set_host(host.kernel, _geometry(w13, s13, w2, s2, host.group, host.hidden, "hybrid"), host.MAX_TOKENS,
                        x.dtype, share=self._initial_share())
+            a.hybrid_parts = self._hy_parts
         src = self._hy_sources.get(t.layer)
         if src is None:
             src = self._hy_sources[t.layer] = np.array(
