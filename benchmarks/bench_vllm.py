@@ -324,14 +324,18 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
         if cfg not in CONFIGS:
             raise SystemExit(f"unknown config {cfg!r}: use some of {', '.join(CONFIGS)}")
         extra = mmap_options(opt_text.split(":")) if opt_text else {}
+        # env.NAME=VALUE: an environment variable of the variant's children (e.g. env.MMO_PROFILE_DECODE=1)
+        var_env = {k[4:]: str(v) for k, v in extra.items() if k.startswith("env.")}
+        extra = {k: v for k, v in extra.items() if not k.startswith("env.")}
         if extra and cfg not in POOL_CONFIGS + ("mmap-layer",):
             raise SystemExit(f"config {item!r}: only the mmap configurations take options (KEY=VALUE after ':')")
         seen[cfg] = seen.get(cfg, 0) + 1
-        if extra:  # a variant: its own row, labelled with its options, never the row the bars read
+        if extra or var_env:  # a variant: its own row, labelled with its options, never the row the bars read
             n0 = len(specs)
             specs += config_specs(cfg, extra)
             for sp in specs[n0:]:
-                sp.update(label=item + sp["label"][len(cfg):], repeat=seen[cfg], variant=opt_text)
+                sp.update(label=item + sp["label"][len(cfg):], repeat=seen[cfg], variant=opt_text,
+                          env={**sp["env"], **var_env})
             continue
         if seen[cfg] > 1:  # a configuration named again runs again, later in the run (order effects)
             n0 = len(specs)
@@ -753,7 +757,8 @@ def parse_args(argv=None):
                    help=f"some of {','.join(CONFIGS)}, run in this order; a name given again runs again in that place "
                         "(e.g. uva first and last: x uva is then against the mean of uva's runs); an mmap config "
                         "followed by ':KEY=VALUE' pairs runs as a variant with those backend options "
-                        "(e.g. mmap-hybrid:threads=6:host_threads=9)")
+                        "(e.g. mmap-hybrid:threads=6:host_threads=9; env.NAME=VALUE sets a variable of its "
+                        "children, e.g. any config:env.MMO_PROFILE_DECODE=1)")
     p.add_argument("--routings", default="uniform,skewed")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
     p.add_argument("--decode-tokens", type=int, default=96,

@@ -346,6 +346,12 @@ def test_a_config_with_options_runs_as_a_variant_beside_the_plain_one(tmp_path):
     bench_vllm.ratios(rows)
     assert bench_vllm._find(rows, "mmap-hybrid", "skewed", "decode-8")["x_uva"] == 1.2
     assert rows[2]["variant"] == "threads=6:host_threads=9" and rows[2]["x_uva"] == 1.3
+    prof = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs",
+                                                         "noff:env.MMO_PROFILE_DECODE=1", "--routings", "skewed"]),
+                                  tmp_path, tmp_path, None, expert_bytes=8 << 30, layer_bytes=1 << 30, deadline_at=0.0)
+    assert [s["label"] for s in prof] == ["noff:env.MMO_PROFILE_DECODE=1"]
+    assert prof[0]["env"]["MMO_PROFILE_DECODE"] == "1" and prof[0]["env"]["OMP_NUM_THREADS"]
+    assert "MMO_PROFILE_DECODE" not in specs[1]["env"]
     for bad in ("uva:threads=6", "mmap-cache:threads"):
         with pytest.raises(SystemExit, match="options|KEY=VALUE"):
             bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", bad]), tmp_path, tmp_path,
