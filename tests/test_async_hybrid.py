@@ -243,6 +243,38 @@ def test_hybrid_share_adapts_to_which_side_finishes_first(cache, kernel):
         ea.close()
 
 
+def test_hybrid_parts_hold_the_admissions_and_never_fewer(cache, kernel):
+    """A call's parts hold at least its admissions (max_admit 5, 3 misses per staging load: 2 parts,
+    even when 1 is asked for); max_admit 0 needs 1; -1 is the plain call's ids / 3; n caps at the
+    plain count. Every call stays exact (its copied experts in their rows, the host's pairs at 0)."""
+    ea, ac, a = _single(cache)
+    try:
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=0.0, adapt=False)
+        src = _sources(cache)
+        x = torch.randn(3, H).to(torch.bfloat16)
+        w = torch.full((3, K), 0.25)
+        ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])  # 12 distinct: plain 4 parts
+        with pytest.raises(ValueError, match="hybrid_parts"):
+            a.hybrid_parts = -2
+        for parts, admit, want in ((1, 5, 2), (0, 5, 2), (0, 0, 1), (1, 0, 1), (-1, 0, 4), (9, 0, 4), (3, 0, 3)):
+            a.hybrid_parts = parts
+            before = a.summary()["sparse_parts"]
+            buf = _buffer(cache)
+            resident = {e for e in range(E) if ac._lut[ac._li(LAYERS[0]), e] >= 0}
+            wk, ik = a.run_hybrid(LAYERS[0], ids, buf, w, x, src[LAYERS[0]], max_admit=admit)
+            a.collect(torch.zeros(3, H, dtype=torch.bfloat16))
+            a.wait()
+            assert a.summary()["sparse_parts"] - before == want, (parts, admit)
+            host = set(ids[wk == 0].tolist())
+            copied = set(range(12)) - host - resident
+            assert len(copied) <= 3 * want and len(host) == max(0, 12 - len(resident) - 3 * want), (parts, admit)
+            for e in set(range(12)) - host:
+                assert expert_matches(cache, LAYERS[0], e, buf, e)
+    finally:
+        a.close()
+        ea.close()
+
+
 def test_hybrid_declines_what_it_cannot_take(cache, kernel):
     ea, ac, a = _single(cache)
     try:
