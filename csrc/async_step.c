@@ -768,7 +768,8 @@ static int64_t sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
     uint64_t eb = staged_expert_bytes(st);
     int64_t per = eb ? (int64_t)(a->staging_bytes / eb) : 0;
     if (per < 1 || nk < 1) return 0;
-    int64_t k = (nk + per - 1) / per;
+    int64_t most = nk < st->E ? nk : st->E; /* misses: distinct experts, at most E */
+    int64_t k = (most + per - 1) / per;
     return k <= AJ_JOBS / 4 ? k : 0;
 }
 

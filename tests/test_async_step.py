@@ -295,6 +295,26 @@ def test_async_sparse_call_declines_past_its_cap_and_fails_whole_on_a_failed_lau
         eng_s.close()
 
 
+def test_async_sparse_call_of_many_ids_has_a_part_per_staging_load_of_experts(cache):
+    """A call's parts hold its distinct experts, at most E of them, not one per id: 40 ids over 8
+    experts with one expert per staging load are 8 parts (one per id would be 40, past the 32 a call
+    may take: declined), and every routed expert lands in its row."""
+    eng, eng_s, ec, _ = _pair(cache, "lfu-decay")
+    a = AsyncStep.create(ExpertStep.create(ec), max_experts=1, max_ids=64)
+    bufs = _buffers(cache, 1)
+    try:
+        ids = torch.arange(40) % E
+        assert a.run_sparse(LAYERS[0], ids, bufs[0])
+        a.wait()
+        assert a.summary()["sparse_parts"] == E
+        for e in range(E):
+            assert expert_matches(cache, LAYERS[0], e, bufs[0], e)
+    finally:
+        a.close()
+        eng.close()
+        eng_s.close()
+
+
 def test_async_sparse_failed_read_forgets_its_admissions_and_fails_the_step(tmp_path):
     """A sparse call whose misses' reads raise SIGBUS: wait() raises the read error, the slots it
     admitted those experts into are forgotten, the hits' slots stay."""
@@ -488,3 +508,59 @@ def test_gpu_async_sparse_calls_exact_under_a_busy_stream(tmp_path):
         a.close()
         eng.close()
         eng_s.close()
+
+
+@pytest.mark.parametrize("sparse_max_ids", [0, 16])
+def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, sparse_max_ids):
+    """The vLLM backend's routing (Residency.route) with a stand-in offloader: 4 tokens x top-3 = 12 ids
+    over 8 experts expect more distinct experts than layer_stream_fraction 0.5 allows, so by default
+    each call streams the whole layer; with sparse_max_ids >= 12 the same calls are sparse on the
+    stream (the routed experts only, exact in their rows; the pool learns from them)."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.options import MmapOptions
+    from mmap_offload.vllm_backend.residency import Residency
+
+    c = make_cache(tmp_path, layers=LAYERS, num_experts=E)
+    for layer in LAYERS:
+        c.check_experts_once(layer, list(range(E)))
+    eng = _ordered_engine()
+    bufs = {l: {s.name: torch.zeros((E, *s.shape), dtype=s.torch_dtype) for s in c.expert_specs} for l in LAYERS}
+    whole = {l: {s.name: torch.stack([c.tensor(l, e, s.name) for e in range(E)]) for s in c.expert_specs}
+             for l in LAYERS}
+    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
+    prefetched = []
+    pf = SimpleNamespace(claim=lambda layer: (bufs[layer], None), start_prefetch=prefetched.append,
+                         layer_after=lambda layer, n: LAYERS[(LAYERS.index(layer) + n) % len(LAYERS)])
+    opts = MmapOptions(layer_stream_fraction=0.5, sparse_max_ids=sparse_max_ids)
+    off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=c, engine=eng, targets=targets,
+                          tp_size=1, _transforms={}, prefetcher=pf, _layer_tensors=lambda t: whole[t.layer])
+    nbytes = sum(s.nbytes for s in c.expert_specs)
+    res = Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes)
+    rng = np.random.default_rng(3)
+    try:
+        assert res.async_step is not None, res.async_off
+        assert res._expected_distinct(4, 3) > res.threshold  # the layer threshold alone streams these
+        calls = 0
+        for _ in range(5):
+            for t in targets:
+                ids = torch.from_numpy(np.stack([rng.choice(E, size=3, replace=False) for _ in range(4)]))
+                for b in bufs[t.layer].values():
+                    b.zero_()
+                w = torch.rand(4, 3)
+                wk, out = res.route(t, w, ids, None)
+                calls += 1
+                assert wk is w and torch.equal(out, ids)  # ids index the layer's buffer as they are
+                if sparse_max_ids:
+                    for e in set(ids.flatten().tolist()):  # every routed expert in its row, exact
+                        assert expert_matches(c, t.layer, e, bufs[t.layer], e), (t.layer, e)
+        res._async_settle()
+        m = res.metrics
+        if sparse_max_ids:
+            assert m["sparse_async_calls"] == calls and m["layer_calls"] == 0 and not prefetched
+            assert res.ec.metrics["admitted"] > 0  # the pool learns from sparse calls
+        else:
+            assert m["layer_calls"] == calls and m["sparse_async_calls"] == 0 and prefetched
+    finally:
+        res.close()
+        eng.close()

@@ -111,6 +111,10 @@ CHILD = textwrap.dedent(
         # layer buffer are filled (hits from the pool, misses from the cache)
         result["sparse"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 1.0}})
+        # the same pool, where layer_stream_fraction 0.5 (2 of 4 experts) would stream whole layers at
+        # every decode step of the batch of 3: sparse_max_ids serves those calls sparse on the stream
+        result["sparse_ids"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 0.5, "sparse_max_ids": 64}})
         # hybrid: decode misses split between host compute (torch on the mapped bf16 rows) and copies
         result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
@@ -237,6 +241,15 @@ def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):
     assert s["residency_sparse_async_calls"] > 0, s
     assert s["residency_sparse_async_calls"] + s["residency_native_sparse_calls"] >= s["residency_sparse_calls"] // 2, s
     assert s["residency_async_admitted"] > 0 or s["residency_pool_admitted"] > 0, s
+
+
+def test_sparse_max_ids_serves_calls_the_layer_threshold_would_stream(runs):
+    sp = runs["sparse_ids"]
+    assert sp["tokens"] == runs["ref"]["tokens"]
+    s = sp["summary"]
+    # decode at batch 3 (6 ids, 3.5 distinct of 4 expected > 2): sparse on the stream, not whole layers
+    assert s["residency_sparse_async_calls"] > 0 and s["residency_sparse_misses"] > 0, s
+    assert s["residency_layer_calls"] < s["residency_sparse_async_calls"], s
 
 
 def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):

@@ -220,6 +220,9 @@ def test_options_precedence_and_errors():
     assert MmapOptions.resolve({"hybrid_parts": "-1"}, env={}).hybrid_parts == -1
     with pytest.raises(UnsupportedError, match="hybrid_parts"):
         MmapOptions.resolve({"hybrid_parts": -2}, env={})
+    assert MmapOptions.resolve({"sparse_max_ids": "512"}, env={}).sparse_max_ids == 512
+    with pytest.raises(UnsupportedError, match="sparse_max_ids"):
+        MmapOptions.resolve({"sparse_max_ids": 5000}, env={})
 
 
 def test_expert_cache_size_option():

@@ -69,6 +69,12 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
+    # decode calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream
+    # (the routed experts only: hits copied from the pool on the device, misses through the staging)
+    # even where layer_stream_fraction would stream the whole layer (batch 64: 512 ids, where every
+    # expert of the layer was copied; session 12: 0.512x uva). 0: that threshold alone decides, and
+    # sparse calls stop at 256 ids. Not yet measured on a GPU
+    sparse_max_ids: int = 0
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
     routing_trace: str | None = None
 
@@ -112,6 +118,11 @@ class MmapOptions:
                 "pass e.g. 0.5",
             )
 
+        if not 0 <= self.sparse_max_ids <= 4096:
+            raise UnsupportedError(
+                f"mmap_offload sparse_max_ids must be in [0, 4096], got {self.sparse_max_ids}",
+                "pass 0 (the layer threshold decides) or the routed ids per call to serve sparse, e.g. 512",
+            )
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",

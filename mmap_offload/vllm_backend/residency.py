@@ -75,7 +75,8 @@ class Residency:
             "no native step" if self.step is None else "")
         if not self.async_off:
             nb = max(1, self.ec.expert_nbytes)
-            got = AsyncStep.create(self.step, max_experts=max(1, min(self.ec.slots_per_pool, 16, (96 << 20) // nb)))
+            got = AsyncStep.create(self.step, max_experts=max(1, min(self.ec.slots_per_pool, 16, (96 << 20) // nb)),
+                                   max_ids=max(256, opts.sparse_max_ids))
             if isinstance(got, str):
                 self.async_off = got
                 log.warning("mmap-offload: %s; decode layers wait for their routed ids instead", got)
@@ -87,6 +88,8 @@ class Residency:
         self.slots = self.ec.slots_per_pool
         # above this many distinct experts a layer is streamed whole
         self.threshold = max(1, int(opts.layer_stream_fraction * self.num_experts))
+        # calls of up to this many ids are sparse on the stream whatever the threshold expects (0: none)
+        self.sparse_ids = min(opts.sparse_max_ids, self.async_step.cap) if self.async_step is not None else 0
         E = self.num_experts
         pin = self.device.type == "cuda"
         self._map = {t.index: torch.full((E,), -1, dtype=torch.int32, device=self.device) for t in off.targets}
@@ -242,7 +245,7 @@ class Residency:
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
-            if self._expected_distinct(n, k) > self.threshold:
+            if self._expected_distinct(n, k) > self.threshold and not self.async_fits < n * k <= self.sparse_ids:
                 out = self._layer_mode(t, topk_ids, ahead=True)
             else:
                 t1 = time.perf_counter()
