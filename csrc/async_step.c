@@ -911,7 +911,6 @@ int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int6
     return 0;
 }
 
-/* The share of a hybrid call's misses computed on the host now (set: share >= 0 sets it). */
 /* A hybrid call's parts from the next call on (mo_hybrid.parts: 0 the fewest, -1 a plain call's,
  * n > 0 n); returns the setting. Any value < -1 reads it. */
 int64_t mo_async_hybrid_parts(mo_async *a, int64_t parts) {
@@ -922,6 +921,7 @@ int64_t mo_async_hybrid_parts(mo_async *a, int64_t parts) {
     return p;
 }
 
+/* The share of a hybrid call's misses computed on the host now (set: share >= 0 sets it). */
 double mo_async_host_share(mo_async *a, double share) {
     pthread_mutex_lock(&a->mu);
     if (share >= 0 && share <= 1) a->hy.share = share;

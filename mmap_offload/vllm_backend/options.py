@@ -117,7 +117,6 @@ class MmapOptions:
                 f"mmap_offload layer_stream_fraction must be in (0, 1], got {self.layer_stream_fraction}",
                 "pass e.g. 0.5",
             )
-
         if not 0 <= self.sparse_max_ids <= 4096:
             raise UnsupportedError(
                 f"mmap_offload sparse_max_ids must be in [0, 4096], got {self.sparse_max_ids}",
