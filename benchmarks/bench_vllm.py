@@ -80,6 +80,10 @@ MIB = 1 << 20
 
 USER_SHAPES = dict(hidden=5120, intermediate=768, experts=160, top_k=8, num_heads=40, num_kv_heads=8)
 TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4, num_kv_heads=2)
+# bench_moe.py's default shapes (Qwen3-235B-class experts: 64 of 9.3 MiB in W4A16), where issue 15 sets its
+# bars (decode >= 1.0x uva uniform, >= 1.5x skewed): the same bars in real vLLM with --shapes harness
+HARNESS_SHAPES = dict(hidden=4096, intermediate=1536, experts=64, top_k=8, num_heads=32, num_kv_heads=8)
+SHAPES = {"user": USER_SHAPES, "harness": HARNESS_SHAPES}
 DECODE_BATCHES = (1, 8, 64)
 CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-cache-nt",
            "mmap-cache-movsb", "mmap-hybrid", "noff", "uva-eqtotal",
@@ -743,6 +747,9 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None, help="checkpoint, cache, traces, child logs (default: a temp dir)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="toy shapes, bf16, 2 layers (vLLM's CPU build)")
+    p.add_argument("--shapes", default="user", choices=sorted(SHAPES),
+                   help="user: the user's per-rank experts (H 5120, I 768, 160, top-8); harness: bench_moe's "
+                        "default (H 4096, I 1536, 64, top-8), where issue 15's bars are set")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", dest="experts_n", type=int, default=None, help="routed experts per layer (160)")
     p.add_argument("--hidden", type=int, default=None)
@@ -785,7 +792,7 @@ def parse_args(argv=None):
                         "repeat for several; values are JSON where they parse as JSON")
     p.add_argument("--write-traces", default=None, metavar="DIR", help="write the sample traces into DIR and exit")
     a = p.parse_args(argv)
-    shp = TINY_SHAPES if a.tiny else USER_SHAPES
+    shp = TINY_SHAPES if a.tiny else SHAPES[a.shapes]
     a.experts_n = a.experts_n or shp["experts"]
     a.hidden = a.hidden or shp["hidden"]
     a.intermediate = a.intermediate or shp["intermediate"]

@@ -325,6 +325,17 @@ def test_mmap_options_reach_every_mmap_config(tmp_path):
     assert dec and all(t["warmup_tokens"] == 32 and t["tokens"] == 96 for t in dec)
 
 
+def test_shapes_presets_set_the_model_and_keep_explicit_values(tmp_path):
+    import bench_vllm
+
+    a = bench_vllm.parse_args(["--out", str(tmp_path)])
+    assert (a.hidden, a.intermediate, a.experts_n, a.top_k, a.num_heads) == (5120, 768, 160, 8, 40)
+    h = bench_vllm.parse_args(["--out", str(tmp_path), "--shapes", "harness"])
+    assert (h.hidden, h.intermediate, h.experts_n, h.top_k) == (4096, 1536, 64, 8)  # bench_moe's default
+    assert h.hidden % h.num_heads == 0 and h.num_heads % h.num_kv_heads == 0
+    assert bench_vllm.parse_args(["--out", str(tmp_path), "--shapes", "harness", "--experts", "32"]).experts_n == 32
+
+
 def test_a_config_with_options_runs_as_a_variant_beside_the_plain_one(tmp_path):
     import bench_vllm
 
