@@ -414,6 +414,12 @@ static uint64_t staged_expert_bytes(const mo_step *st) {
     return (b + 255) & ~(uint64_t)255;
 }
 
+/* Misses one staging load holds: a sparse call's per part (0: not one expert). */
+static int64_t staged_per_load(const mo_async *a, const mo_step *st) {
+    uint64_t eb = staged_expert_bytes(st);
+    return eb ? (int64_t)(a->staging_bytes / eb) : 0;
+}
+
 /* An admitted miss e, the c-th copied miss of its sparse call, also goes into pool slot s: its ppe
  * items (in part c / per) get the slot as second destination, and that part remembers the pair
  * (forgotten if its fill fails). */
@@ -591,7 +597,7 @@ static void sparse_cb(void *arg) {
     mo_step *st = j->st;
     uint64_t t0 = ns_now(), fill_ns = cb_begin(a, t0);
     int64_t T = st->T, nk = j->nk, isz = j->id_size, K = j->parts;
-    int64_t per = (int64_t)(a->staging_bytes / staged_expert_bytes(st)), ppe = 0; /* misses per part, items per miss */
+    int64_t per = staged_per_load(a, st), ppe = 0; /* misses per part, items per miss */
     for (int64_t t = 0; t < T; t++) ppe += (int64_t)((st->sizes[t] + a->chunk_bytes - 1) / a->chunk_bytes);
     mo_ajob *part[AJ_JOBS];
     for (int64_t k = 0; k < K; k++) {
@@ -765,8 +771,7 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
 
 /* The parts a sparse call of nk ids on layer ``st`` is enqueued as (file comment); 0: none fit. */
 static int64_t sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
-    uint64_t eb = staged_expert_bytes(st);
-    int64_t per = eb ? (int64_t)(a->staging_bytes / eb) : 0;
+    int64_t per = staged_per_load(a, st);
     if (per < 1 || nk < 1) return 0;
     int64_t most = nk < st->E ? nk : st->E; /* misses: distinct experts, at most E */
     int64_t k = (most + per - 1) / per;
@@ -778,8 +783,7 @@ static int64_t sparse_parts(mo_async *a, const mo_step *st, int64_t nk) {
  * batch 8 most of a plain call's parts are empty once the host takes its share); the misses beyond
  * them go to the host (hybrid_misses). Never fewer than the admissions need: an admitted miss is copied. */
 static int64_t hybrid_parts(const mo_async *a, const mo_step *st, int64_t K, int64_t max_admit) {
-    uint64_t eb = staged_expert_bytes(st);
-    int64_t per = eb ? (int64_t)(a->staging_bytes / eb) : 1, want = a->hy.parts;
+    int64_t per = staged_per_load(a, st), want = a->hy.parts; /* >= 1: K > 0 */
     int64_t need = max_admit > 0 ? (max_admit + per - 1) / per : 0;
     if (want < 0) return K;
     if (want == 0) want = 1;

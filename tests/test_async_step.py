@@ -532,7 +532,7 @@ def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, spars
     prefetched = []
     pf = SimpleNamespace(claim=lambda layer: (bufs[layer], None), start_prefetch=prefetched.append,
                          layer_after=lambda layer, n: LAYERS[(LAYERS.index(layer) + n) % len(LAYERS)])
-    opts = MmapOptions(layer_stream_fraction=0.5, sparse_max_ids=sparse_max_ids)
+    opts = MmapOptions(layer_stream_fraction=0.5, sparse_max_ids=sparse_max_ids, hybrid_parts=2)
     off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=c, engine=eng, targets=targets,
                           tp_size=1, _transforms={}, prefetcher=pf, _layer_tensors=lambda t: whole[t.layer])
     nbytes = sum(s.nbytes for s in c.expert_specs)
@@ -540,6 +540,7 @@ def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, spars
     rng = np.random.default_rng(3)
     try:
         assert res.async_step is not None, res.async_off
+        assert res.async_step.hybrid_parts == 2  # the option reaches the step once, at its creation
         assert res._expected_distinct(4, 3) > res.threshold  # the layer threshold alone streams these
         calls = 0
         for _ in range(5):

@@ -82,6 +82,7 @@ class Residency:
                 log.warning("mmap-offload: %s; decode layers wait for their routed ids instead", got)
             else:
                 self.async_step = got
+                got.hybrid_parts = opts.hybrid_parts  # hybrid calls' parts (kept across set_host)
         # ids per call the async step can take (at most one miss per id: the pool and its staging)
         self.async_fits = min(self.ec.slots_per_pool, self.async_step.max_experts) if self.async_step is not None else 0
         self._async_dirty = False  # a call was enqueued since the last wait
@@ -120,7 +121,6 @@ class Residency:
         if (self.host is not None and self.async_step is not None and opts.hybrid_stream
                 and self.host.kind == "w4a16"):
             self._hy_sources = {}
-        self._hy_parts = opts.hybrid_parts  # AsyncStep.hybrid_parts
         self._hy_collect: int | None = None  # the target index whose host rows the stream still owes
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
@@ -349,7 +349,6 @@ class Residency:
             w13, s13, w2, s2 = (self.cache.tensor(t.layer, 0, n) for n in names)
             a.set_host(host.kernel, _geometry(w13, s13, w2, s2, host.group, host.hidden, "hybrid"), host.MAX_TOKENS,
                        x.dtype, share=self._initial_share())
-            a.hybrid_parts = self._hy_parts
         src = self._hy_sources.get(t.layer)
         if src is None:
             src = self._hy_sources[t.layer] = np.array(
