@@ -8,16 +8,17 @@
 #     OUT=sweep bash scripts/host_kernel_sweep.sh
 #
 # VARIANTS: "|"-separated flag sets ("base" = none); ARGS: bench_host_kernel.py's arguments; OUT: a folder
-# for one JSON per variant and sweep.md (a table: GB/s per variant, shape, threads, M, and % of DRAM).
+# for sweep.json (each variant's flags and bench JSON) and sweep.md (a table: GB/s per variant, shape,
+# threads, M, and % of DRAM): two files, so a device call returns them all.
 # Knobs of csrc/host_kernel.c: PF_DIST (tiles the software prefetch runs ahead, 1), PF_HINT
-# (_MM_HINT_T0 / _MM_HINT_T1 ...), SEG_MAX (tiles per segment at most, 16), SEG_TM (tiles x rows, 128),
+# (_MM_HINT_T1, the default since session 13, or _MM_HINT_T0 ...), SEG_MAX (tiles per segment at most, 16), SEG_TM (tiles x rows, 128),
 # BF_MB (rows per register pass, 8). BENCHMARKS.md "Host compute" says which were tried where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CC=${CC:-cc}
 OUT=${OUT:-host-sweep}
-VARIANTS=${VARIANTS:-"base|-DPF_DIST=2|-DPF_DIST=4|-DPF_HINT=_MM_HINT_T1|-DSEG_MAX=8|-DSEG_MAX=32"}
+VARIANTS=${VARIANTS:-"base|-DPF_DIST=2|-DPF_HINT=_MM_HINT_T0|-DSEG_MAX=8|-DSEG_MAX=32"}
 ARGS=${ARGS:-"--shapes user,mixtral --threads 8,all --m 1,3 --seconds 0.25 --no-torch"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -34,20 +35,22 @@ for flags in "${sets[@]}"; do
   echo "== variant $i: ${flags:-base}"
   # shellcheck disable=SC2086
   MMAP_OFFLOAD_NATIVE_MO_HOST="$lib" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" benchmarks/bench_host_kernel.py $ARGS --out "$OUT/variant_$i.json" | grep -v "^#" || true
-  echo "${flags:-base}" >"$OUT/variant_$i.flags"
+    "$PY" benchmarks/bench_host_kernel.py $ARGS --out "$build/variant_$i.json" | grep -v "^#" || true
+  echo "${flags:-base}" >"$build/variant_$i.flags"
 done
-"$PY" - "$OUT" <<'EOF'
+"$PY" - "$build" "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
-rows = []
-for f in sorted(out.glob("variant_*.json"), key=lambda p: int(p.stem.split("_")[1])):
-    flags = (out / f"{f.stem}.flags").read_text().strip()
-    for r in json.loads(f.read_text())["rows"]:
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+rows, runs = [], []
+for f in sorted(src.glob("variant_*.json"), key=lambda p: int(p.stem.split("_")[1])):
+    flags = (src / f"{f.stem}.flags").read_text().strip()
+    runs.append({"flags": flags, "bench": json.loads(f.read_text())})
+    for r in runs[-1]["bench"]["rows"]:
         rows.append((flags, r["shape"], r["threads"], r["m"], r["host_gbs"], r["dram_gbs"]))
 lines = ["| variant | shape | threads | M | host GB/s | % of DRAM |", "| --- | --- | ---: | ---: | ---: | ---: |"]
 lines += [f"| {v} | {s} | {t} | {m} | {g:.1f} | {100 * g / d:.0f}% |" for v, s, t, m, g, d in rows]
+(out / "sweep.json").write_text(json.dumps(runs, indent=1))
 (out / "sweep.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

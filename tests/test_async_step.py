@@ -510,12 +510,13 @@ def test_gpu_async_sparse_calls_exact_under_a_busy_stream(tmp_path):
         eng_s.close()
 
 
-@pytest.mark.parametrize("sparse_max_ids", [0, 16])
+@pytest.mark.parametrize("sparse_max_ids", [0, 16, None])
 def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, sparse_max_ids):
     """The vLLM backend's routing (Residency.route) with a stand-in offloader: 4 tokens x top-3 = 12 ids
-    over 8 experts expect more distinct experts than layer_stream_fraction 0.5 allows, so by default
-    each call streams the whole layer; with sparse_max_ids >= 12 the same calls are sparse on the
-    stream (the routed experts only, exact in their rows; the pool learns from them)."""
+    over 8 experts expect more distinct experts than layer_stream_fraction 0.5 allows, so with
+    sparse_max_ids 0 each call streams the whole layer; with sparse_max_ids >= 12 (the default, None
+    here, is 512) the same calls are sparse on the stream (the routed experts only, exact in their
+    rows; the pool learns from them)."""
     from types import SimpleNamespace
 
     from mmap_offload.vllm_backend.options import MmapOptions
@@ -532,7 +533,11 @@ def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, spars
     prefetched = []
     pf = SimpleNamespace(claim=lambda layer: (bufs[layer], None), start_prefetch=prefetched.append,
                          layer_after=lambda layer, n: LAYERS[(LAYERS.index(layer) + n) % len(LAYERS)])
-    opts = MmapOptions(layer_stream_fraction=0.5, sparse_max_ids=sparse_max_ids, hybrid_parts=2)
+    opts = MmapOptions(layer_stream_fraction=0.5, hybrid_parts=2)
+    if sparse_max_ids is not None:
+        opts.sparse_max_ids = sparse_max_ids
+    else:  # the default serves decode up to batch 64 at top-8 sparse (H200, session 13: options.py)
+        assert opts.sparse_max_ids == 512
     off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=c, engine=eng, targets=targets,
                           tp_size=1, _transforms={}, prefetcher=pf, _layer_tensors=lambda t: whole[t.layer])
     nbytes = sum(s.nbytes for s in c.expert_specs)
@@ -552,12 +557,12 @@ def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, spars
                 wk, out = res.route(t, w, ids, None)
                 calls += 1
                 assert wk is w and torch.equal(out, ids)  # ids index the layer's buffer as they are
-                if sparse_max_ids:
+                if opts.sparse_max_ids:
                     for e in set(ids.flatten().tolist()):  # every routed expert in its row, exact
                         assert expert_matches(c, t.layer, e, bufs[t.layer], e), (t.layer, e)
         res._async_settle()
         m = res.metrics
-        if sparse_max_ids:
+        if opts.sparse_max_ids:
             assert m["sparse_async_calls"] == calls and m["layer_calls"] == 0 and not prefetched
             assert res.ec.metrics["admitted"] > 0  # the pool learns from sparse calls
         else:

@@ -101,20 +101,23 @@ CHILD = textwrap.dedent(
         result["warm"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 1}})
         # expert cache: 3 slots per layer for 4 experts (decode batch 1 routes 2: fetched, evicted),
         # prefill is expected to route more than 3 of 4 (layer_stream_fraction 0.75): whole layers
+        # (sparse_max_ids 0: the threshold alone decides; by default calls of up to 512 ids are sparse)
         from mmap_offload.cache_reader import open_cache
         c = open_cache(cache, tp_rank=0, tp_size=1)
         slot_gib = len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30  # one slot per layer
         c.close()
         result["experts"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
-            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75}})
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75,
+            "sparse_max_ids": 0}})
         # 2 slots per layer, batch of 3: more routed experts than slots: only those rows of the
         # layer buffer are filled (hits from the pool, misses from the cache)
         result["sparse"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 1.0}})
         # the same pool, where layer_stream_fraction 0.5 (2 of 4 experts) would stream whole layers at
-        # every decode step of the batch of 3: sparse_max_ids serves those calls sparse on the stream
+        # every decode step of the batch of 3: sparse_max_ids (its default, 512 ids) serves those calls
+        # sparse on the stream
         result["sparse_ids"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
-            "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 0.5, "sparse_max_ids": 64}})
+            "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 0.5}})
         # hybrid: decode misses split between host compute (torch on the mapped bf16 rows) and copies
         result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
@@ -123,8 +126,9 @@ CHILD = textwrap.dedent(
         import numpy as np
         from mmap_offload.traces import write_csv
         trace = write_csv(np.array([[[[1, 3]]] * 2]), Path(cache).parent / "trace.csv", comment="experts 1, 3")
+        # (sparse_max_ids 0: prefill's calls stream whole layers, so the pool's own misses count the fetches)
         result["trace"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
-            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "routing_trace": str(trace)}})
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "routing_trace": str(trace), "sparse_max_ids": 0}})
     out.write_text(json.dumps(result))
     '''
 )

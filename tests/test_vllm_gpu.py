@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,18 @@ def _native_waits(pid: int, log_path: Path) -> None:
         stack = " <- ".join(ln.split("]", 1)[-1].strip() for ln in read("stack").splitlines()[:6])
         lines.append(f"tid {task.name} {read('comm')!r} state {state} wchan {read('wchan')} syscall {read('syscall')} "
                      f"stack {stack}")
+    # is the device busy meanwhile (a kernel of ours spinning on a flag no fill sets would hold it at
+    # 100%, and a driver call that waits for the device idle would then never return)? Sessions 12
+    # and 13 saw the main thread in gc.collect(), in the driver's free ioctl (state R), for 150 s
+    if shutil.which("nvidia-smi"):
+        for _ in range(3):
+            try:
+                q = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,clocks.sm",
+                                    "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
+                lines.append(f"nvidia-smi {time.strftime('%H:%M:%S')}: {q.strip()}")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                lines.append(f"nvidia-smi: {e}")
+            time.sleep(0.5)
     if shutil.which("gdb"):  # user-space frames of every thread, where the machine has gdb
         try:
             bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"],

@@ -155,7 +155,7 @@ def main() -> int:
         c.close()
         if not only or "mmap_experts" in only:
             results["cases"]["mmap_experts"] = run("mmap_experts", offload_backend="mmap", additional_config={
-                "mmap_offload": {**mm, "expert_cache_gib": gib}})
+                "mmap_offload": {**mm, "expert_cache_gib": gib, "sparse_max_ids": 0}})  # prefill: the threshold
     except BaseException as e:  # noqa: BLE001
         results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
     print("mmap_experts", json.dumps(results["cases"].get("mmap_experts"))[:800], flush=True)

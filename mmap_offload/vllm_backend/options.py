@@ -69,12 +69,14 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
-    # decode calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream
-    # (the routed experts only: hits copied from the pool on the device, misses through the staging)
-    # even where layer_stream_fraction would stream the whole layer (batch 64: 512 ids, where every
-    # expert of the layer was copied; session 12: 0.512x uva). 0: that threshold alone decides, and
-    # sparse calls stop at 256 ids. Not yet measured on a GPU
-    sparse_max_ids: int = 0
+    # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
+    # routed experts only: hits copied from the pool on the device, misses through the staging) even
+    # where layer_stream_fraction would stream the whole layer. 512 = decode batch 64 at top-8: the
+    # H200 in real vLLM (session 13) served it at 482.9 tok/s sparse against 307.2 whole layers and
+    # 329.3 for mmap-layer (uniform; skewed 465.9 / 311.0 / 332.8); at bench_moe's shapes (64 experts)
+    # batch 8's 64 ids would otherwise stream every layer whole (0.29x uva). 0: the threshold alone
+    # decides, and sparse calls stop at 256 ids. Prefill (2k tokens: 16k ids) still streams whole layers
+    sparse_max_ids: int = 512
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
     routing_trace: str | None = None
 
