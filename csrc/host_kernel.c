@@ -237,8 +237,8 @@ static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_
 #if MO_X86
 /* ------------------------------------------------------------------ AVX-512 */
 /* Build-time knobs (-D): prefetch the tile PF_DIST ahead into PF_HINT. Session 13, the H200's Intel host
-   (16 cores, scripts/host_kernel_sweep.sh): into L2 (T1) beat L1 (T0) at every shape, thread count and M
-   tried (M = 1, 16 threads: user 57.0 vs 53.3 GB/s, mixtral 71.2 vs 66.0; 8 threads 42.8 vs 36.7);
+   (16 cores, scripts/host_kernel_sweep.sh): into L2 (T1) beat L1 (T0) at M = 1 for both shapes and 8 and
+   16 threads, by 6-17% (16 threads: user 57.0 vs 53.3 GB/s, mixtral 71.2 vs 66.0), and at M = 3 in 3 of 4;
    2 or 4 tiles ahead were 9-40% slower. The 2-core AMD build box: T1 within its noise (-5% to +16%). */
 #ifndef PF_DIST
 #define PF_DIST 1
