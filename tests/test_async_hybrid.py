@@ -350,6 +350,49 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
         eng.close()
 
 
+def test_hybrid_small_calls_send_misses_of_calls_that_fit_the_pool_to_the_host(tmp_path):
+    """Option hybrid_small_calls: a call whose ids fit the pool (1 token x 3 ids, 3 slots: decode batch
+    1) takes the hybrid sparse form on the stream instead of the async expert step, so its misses
+    that are not admitted can be computed on the host; the output (kernel over the layer buffer plus
+    the host's rows) equals every pair from the cache. Without the option the same calls never reach
+    the host (test above)."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.options import MmapOptions
+    from mmap_offload.vllm_backend.residency import Residency
+
+    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=7)
+    for layer in LAYERS:
+        cache.check_experts_once(layer, list(range(E)))
+    eng = _ordered_engine()
+    bufs = {l: _buffer(cache) for l in LAYERS}
+    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
+    opts = MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0, hybrid_small_calls=True)
+    off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets,
+                          tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer: (bufs[layer], None)))
+    nbytes = sum(s.nbytes for s in cache.expert_specs)
+    res = Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes)
+    try:
+        assert res.hybrid_small and res.async_fits == SLOTS
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        for step in _calls(12, 1, seed=13):
+            for t in targets:
+                ids, w, x = step[t.index]
+                ids, w = ids[:, :SLOTS], w[:, :SLOTS]
+                for b in bufs[t.layer].values():
+                    b.zero_()
+                wk, ik = res.route(t, w, ids, x)
+                out = res.add_host(t, _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16))
+                want = _moe(x, ids, w, refs[t.layer])
+                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+        s = res.summary()
+        assert s["hybrid_async_calls"] == 12 * len(LAYERS) and s["async_calls"] == 0, s
+        assert s["async_host_experts"] > 0 and s["host_host_experts"] == 0, s  # on the stream, not the Python path
+    finally:
+        res.close()
+        eng.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel):

@@ -69,6 +69,13 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
+    # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
+    # so that their misses not admitted into the pool can go to the host kernel instead of the link.
+    # False (default): they take the async expert step, copying every miss: on the H200 (PCIe Gen5,
+    # ~38 GB/s through the staging) the host kernel is no faster than the copy. On a slower link (the
+    # user's PCIe Gen4, ~25 GB/s, against 40-60 GB/s of host compute) computing misses on the host
+    # should shorten batch 1's step; not measured on a GPU yet (CPU-tested)
+    hybrid_small_calls: bool = False
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
     # where layer_stream_fraction would stream the whole layer. 512 = decode batch 64 at top-8: the

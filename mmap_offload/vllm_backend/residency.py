@@ -122,6 +122,8 @@ class Residency:
                 and self.host.kind == "w4a16"):
             self._hy_sources = {}
         self._hy_collect: int | None = None  # the target index whose host rows the stream still owes
+        # calls whose ids fit the pool take the hybrid sparse form too (option hybrid_small_calls)
+        self.hybrid_small = self._hy_sources is not None and opts.hybrid_small_calls
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
         # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads,
@@ -250,14 +252,18 @@ class Residency:
             else:
                 t1 = time.perf_counter()
                 hybrid = self.host is not None and x is not None and n <= self.host.MAX_TOKENS
-                if hybrid and self._hy_sources is not None and n * k <= self.async_fits:
+                if hybrid and self._hy_sources is not None and n * k <= self.async_fits and not self.hybrid_small:
                     # with hybrid on the stream, a call whose ids fit the pool takes the async step
                     # without the host: its step is the launching thread's, which the Python hybrid
                     # path lengthens (H200, batch 1: 39.3 / 29.2 against 18.2 / 19.5 ms per step, session 11)
                     hybrid = False
-                out = used = inputs = None  # inputs, hybrid: the step's ids, weights and activations on the host
-                if (hybrid and self._hy_sources is not None and self.async_fits < n * k <= self.async_step.cap
-                        and (got := self._async_hybrid_mode(t, topk_ids, topk_weights, x)) is not None):
+                out = used = inputs = got = None  # inputs, hybrid: the step's ids, weights and activations on the host
+                if (hybrid and self._hy_sources is not None and n * k <= self.async_step.cap
+                        and (self.hybrid_small or self.async_fits < n * k)):
+                    got = self._async_hybrid_mode(t, topk_ids, topk_weights, x)
+                    if got is None and n * k <= self.async_fits:
+                        hybrid = False  # a call that fits the pool, declined: the expert step, as without the option
+                if got is not None:
                     topk_weights, out = got
                 elif self.async_step is not None and not hybrid and n * k <= self.async_fits:
                     out = self._async_mode(t, topk_ids)
