@@ -295,26 +295,32 @@ def test_hybrid_declines_what_it_cannot_take(cache, kernel):
         ea.close()
 
 
-def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypatch):
-    """The vLLM backend's wiring (Residency.route -> AsyncStep.run_hybrid, patch 4b's add_host ->
-    collect) on the CPU with a stand-in offloader: the returned weights and ids over the layer buffer,
-    plus the host's rows, equal every pair from the cache."""
+def _hybrid_residency(tmp_path, seed: int, **options):
+    """The vLLM backend's Residency over a Marlin cache (every expert checked) with a stand-in
+    offloader, hybrid with 2 host threads, SLOTS slots per layer: (res, engine, cache, bufs, targets)."""
     from types import SimpleNamespace
 
     from mmap_offload.vllm_backend.options import MmapOptions
     from mmap_offload.vllm_backend.residency import Residency
 
-    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=5)
+    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=seed)
     for layer in LAYERS:
         cache.check_experts_once(layer, list(range(E)))
     eng = _ordered_engine()
     bufs = {l: _buffer(cache) for l in LAYERS}
     targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
-    off = SimpleNamespace(options=MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0), device=torch.device("cpu"), cache=cache,
-                          engine=eng, targets=targets, tp_size=1, _transforms={},
-                          prefetcher=SimpleNamespace(claim=lambda layer: (bufs[layer], None)))
+    opts = MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0, **options)
+    off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets,
+                          tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer: (bufs[layer], None)))
     nbytes = sum(s.nbytes for s in cache.expert_specs)
-    res = Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes)
+    return Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes), eng, cache, bufs, targets
+
+
+def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypatch):
+    """The vLLM backend's wiring (Residency.route -> AsyncStep.run_hybrid, patch 4b's add_host ->
+    collect) on the CPU with a stand-in offloader: the returned weights and ids over the layer buffer,
+    plus the host's rows, equal every pair from the cache."""
+    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=5)
     try:
         assert res.async_step is not None and res._hy_sources is not None, res.async_off
         refs = {l: _cache_tensors(cache, l) for l in LAYERS}
@@ -356,22 +362,7 @@ def test_hybrid_small_calls_send_misses_of_calls_that_fit_the_pool_to_the_host(t
     that are not admitted can be computed on the host; the output (kernel over the layer buffer plus
     the host's rows) equals every pair from the cache. Without the option the same calls never reach
     the host (test above)."""
-    from types import SimpleNamespace
-
-    from mmap_offload.vllm_backend.options import MmapOptions
-    from mmap_offload.vllm_backend.residency import Residency
-
-    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=7)
-    for layer in LAYERS:
-        cache.check_experts_once(layer, list(range(E)))
-    eng = _ordered_engine()
-    bufs = {l: _buffer(cache) for l in LAYERS}
-    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
-    opts = MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0, hybrid_small_calls=True)
-    off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets,
-                          tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer: (bufs[layer], None)))
-    nbytes = sum(s.nbytes for s in cache.expert_specs)
-    res = Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes)
+    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=7, hybrid_small_calls=True)
     try:
         assert res.hybrid_small and res.async_fits == SLOTS
         refs = {l: _cache_tensors(cache, l) for l in LAYERS}
