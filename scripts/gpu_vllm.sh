@@ -6,9 +6,8 @@
 # Steps (STEPS, comma-separated, run in this order; default "tests,oom,bench"):
 #   tests  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py     limit TESTS_TIMEOUT (480 s)
 #          (TP=2 left out unless TESTS_ARGS says otherwise: it has its own step; MMO_GPU_QUANTS=w4a16
-#          runs one quantization's child only, ~half the time, but both W4A16-only runs of sessions
-#          12-13 hung in vLLM's gc.collect() while every run with bf16 first passed: GPU_RUNS.md
-#          session 13; a fresh machine's first W4A16 child also compiles the Marlin kernels: > 100 s)
+#          runs one quantization's child only, ~half the time; MMO_CHILD_HANG_S bounds each case, and
+#          a W4A16 child alone on a fresh machine spends ~100 s of its first case compiling kernels)
 #   tp2    the TP=2 test alone (two GPUs: nvidia-h200-x2), limit TP2_TIMEOUT (540 s); its three cases
 #          each start vLLM at TP=2 (session 6: > 180 s for the first, Triton JIT included), so it
 #          takes a device call of its own; every process logs to $OUT/vllm_gpu_tp2.log

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("vllm")
 
 CHILD = Path(__file__).with_name("vllm_gpu_child.py")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_runner import run_child  # noqa: E402
 
 
 # MMO_GPU_QUANTS=w4a16 runs one child only (-k cannot: "w4a16" is also in a test's name, session 11)
@@ -36,73 +35,21 @@ def run(request, tmp_path_factory):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     keep = os.environ.get("OUT")
     # the child's output goes to a file ($OUT/vllm_gpu_<quant>.log when set): a run cut short by
-    # the caller's time limit still shows how far each case got; a hang dumps every thread's
-    # stack after MMO_CHILD_HANG_S seconds (vllm_gpu_child.py) and ends the child
+    # the caller's time limit still shows how far each case got; a case that runs MMO_CHILD_HANG_S
+    # seconds dumps every thread's stack and ends the child (tests/child_runner.py)
     log_path = Path(keep, f"vllm_gpu_{quant}.log") if keep else work / "child.log"
     env.setdefault("MMO_CHILD_HANG_S", "400")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(CHILD), quant, str(work), str(out)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
-        # faulthandler shows Python frames only: 3 s before it fires, each thread's system call and
-        # kernel wait go to the log too (session 12: a W4A16 child hung inside gc.collect at load)
-        timer = threading.Timer(max(1.0, float(env["MMO_CHILD_HANG_S"]) - 3), _native_waits, (proc.pid, log_path))
-        timer.daemon = True
-        timer.start()
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        finally:
-            timer.cancel()
-    text = log_path.read_text(errors="replace")
+    res = run_child([sys.executable, str(CHILD), quant, str(work), str(out)], env, work, out, log_path,
+                    hang_s=float(env["MMO_CHILD_HANG_S"]), what=f"vLLM GPU child ({quant})")
     if keep and out.exists():
         Path(keep, f"vllm_gpu_{quant}.json").write_text(out.read_text())
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"vLLM GPU child ({quant}) failed with {proc.returncode}:\n{text[-8000:]}")
-    res = json.loads(out.read_text())
-    for case, r in res["cases"].items():
-        if "error" in r:
-            pytest.fail(f"{quant} {case}: {r['error']}\n{r.get('tb', '')}")
     return res
 
 
-def _native_waits(pid: int, log_path: Path) -> None:
-    """Append every thread's name, state, system call (number and arguments: 202 futex, 16 ioctl, 7
-    poll) and kernel stack of process ``pid`` to ``log_path``: where a hung child waits below Python."""
-    lines = [f"==== native waits of pid {pid}"]
-    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
-        def read(name: str) -> str:
-            try:
-                return (task / name).read_text(errors="replace").strip()
-            except OSError as e:
-                return f"({e.strerror})"
-        stat = read("stat")
-        state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
-        stack = " <- ".join(ln.split("]", 1)[-1].strip() for ln in read("stack").splitlines()[:6])
-        lines.append(f"tid {task.name} {read('comm')!r} state {state} wchan {read('wchan')} syscall {read('syscall')} "
-                     f"stack {stack}")
-    # is the device busy meanwhile (a kernel of ours spinning on a flag no fill sets would hold it at
-    # 100%, and a driver call that waits for the device idle would then never return)? Sessions 12
-    # and 13 saw the main thread in gc.collect(), in the driver's free ioctl (state R), for 150 s
-    if shutil.which("nvidia-smi"):
-        for _ in range(3):
-            try:
-                q = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,clocks.sm",
-                                    "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
-                lines.append(f"nvidia-smi {time.strftime('%H:%M:%S')}: {q.strip()}")
-            except (OSError, subprocess.TimeoutExpired) as e:
-                lines.append(f"nvidia-smi: {e}")
-            time.sleep(0.5)
-    if shutil.which("gdb"):  # user-space frames of every thread, where the machine has gdb
-        try:
-            bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"],
-                                capture_output=True, text=True, timeout=60).stdout
-            lines += [ln for ln in bt.splitlines() if ln.startswith(("Thread", "#"))]
-        except (OSError, subprocess.TimeoutExpired) as e:
-            lines.append(f"gdb: {e}")
-    with open(log_path, "a") as f:
-        f.write("\n".join(lines) + "\n")
+def test_child_ran_every_case(run):
+    """The child ended by itself (rc 0) after its last case; the tests below read the cases it ran
+    and fail one by one for those it did not."""
+    assert run["returncode"] == 0 and run.get("complete"), run["cases"].why[-8000:]
 
 
 def test_mmap_tokens_equal_no_offload_and_uva(run):

@@ -17,7 +17,10 @@ QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy
     mmap_hybrid_sparse  mmap_sparse with hybrid: W4A16 sparse calls on the stream send part of
                  their misses to the host kernel (AsyncStep.run_hybrid); bf16 takes the Python path
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
-(pinned bytes, residency counters), the MoE kernel class, time to ready.
+(pinned bytes, residency counters), the MoE kernel class, time to ready. OUT.json is rewritten after
+every case ("complete": false until the last), so a child cut short still reports the cases it ran.
+MMO_CHILD_HANG_S: a case (its load included) that runs longer dumps every thread's stack and ends the
+child; the clock restarts at each case (tests/child_runner.py, which says why).
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ SHAPES = dict(arch="mixtral", num_layers=4, num_experts=8, hidden=512, intermedi
 
 def main() -> int:
     quant, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    if os.environ.get("MMO_CHILD_HANG_S"):  # a hung case: every thread's stack, then exit
-        import faulthandler
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap, child_runner
+    from child_runner import CaseClock, save_results
 
-        faulthandler.dump_traceback_later(float(os.environ["MMO_CHILD_HANG_S"]), exit=True)
+    clock = CaseClock(work, float(os.environ.get("MMO_CHILD_HANG_S") or 0))
+    clock.start("setup")  # imports, the checkpoint
     only = set(filter(None, os.environ.get("MMO_CHILD_CASES", "").split(",")))  # run just these (debugging)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap
     import torch
     import vllm.model_executor.model_loader.weight_utils as wu
     from vllm import LLM, SamplingParams
@@ -78,9 +81,13 @@ def main() -> int:
     expert_bytes = None
     common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
                   gpu_memory_utilization=0.3, seed=0, attention_config={"backend": "TRITON_ATTN"})
-    results: dict = {"quant": quant, "cases": {}}
+    results: dict = {"quant": quant, "cases": {}, "complete": False}
+
+    def save() -> None:  # the cases so far (a child cut short keeps them)
+        save_results(out, results)
 
     def run(case: str, **kw) -> dict:
+        clock.start(case)
         for k in counts:
             counts[k] = 0
         t0 = time.perf_counter()
@@ -147,6 +154,7 @@ def main() -> int:
         except BaseException as e:  # noqa: BLE001 - record and go on: the test names the case
             results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
         print(case, json.dumps(results["cases"][case])[:800], flush=True)
+        save()
     try:  # 6 slots per layer: sized from the cache's own record size
         from mmap_offload.cache_reader import open_cache
 
@@ -159,6 +167,7 @@ def main() -> int:
     except BaseException as e:  # noqa: BLE001
         results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
     print("mmap_experts", json.dumps(results["cases"].get("mmap_experts"))[:800], flush=True)
+    save()
     # misses on the host too, the Python path (hybrid_stream would take these calls, whose ids fit the
     # pool, on the async step without the host)
     for case, extra in (("mmap_hybrid", {"expert_cache_gib": gib, "hybrid": True, "hybrid_stream": False}),
@@ -174,7 +183,10 @@ def main() -> int:
         except BaseException as e:  # noqa: BLE001
             results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
         print(case, json.dumps(results["cases"][case])[:800], flush=True)
-    out.write_text(json.dumps(results, indent=1, default=str))
+        save()
+    results["complete"] = True
+    save()
+    clock.stop()
     return 0
 
 
