@@ -81,10 +81,7 @@ def main() -> int:
     expert_bytes = None
     common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
                   gpu_memory_utilization=0.3, seed=0, attention_config={"backend": "TRITON_ATTN"})
-    results: dict = {"quant": quant, "cases": {}, "complete": False}
-
-    def save() -> None:  # the cases so far (a child cut short keeps them)
-        save_results(out, results)
+    results: dict = {"quant": quant, "cases": {}, "complete": False}  # saved after each case
 
     def run(case: str, **kw) -> dict:
         clock.start(case)
@@ -154,38 +151,39 @@ def main() -> int:
         except BaseException as e:  # noqa: BLE001 - record and go on: the test names the case
             results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
         print(case, json.dumps(results["cases"][case])[:800], flush=True)
-        save()
-    try:  # 6 slots per layer: sized from the cache's own record size
+        save_results(out, results)
+    gib = no_cache = None
+    try:  # 6 slots per layer: sized from the cache's own record size (mmap_cold built it)
         from mmap_offload.cache_reader import open_cache
 
         c = open_cache(cache, tp_rank=0, tp_size=1)
         gib = 6 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
         c.close()
-        if not only or "mmap_experts" in only:
-            results["cases"]["mmap_experts"] = run("mmap_experts", offload_backend="mmap", additional_config={
-                "mmap_offload": {**mm, "expert_cache_gib": gib, "sparse_max_ids": 0}})  # prefill: the threshold
-    except BaseException as e:  # noqa: BLE001
-        results["cases"]["mmap_experts"] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
-    print("mmap_experts", json.dumps(results["cases"].get("mmap_experts"))[:800], flush=True)
-    save()
-    # misses on the host too, the Python path (hybrid_stream would take these calls, whose ids fit the
-    # pool, on the async step without the host)
-    for case, extra in (("mmap_hybrid", {"expert_cache_gib": gib, "hybrid": True, "hybrid_stream": False}),
-                        ("mmap_auto", {"expert_cache_gib": None}),  # the default pool size
-                        # 2 slots per layer, 4 ids per decode call: sparse calls, decided on the stream
-                        ("mmap_sparse", {"expert_cache_gib": gib / 3, "layer_stream_fraction": 1.0}),
-                        ("mmap_hybrid_sparse", {"expert_cache_gib": gib / 3, "layer_stream_fraction": 1.0,
-                                                "hybrid": True})):
+    except BaseException as e:  # noqa: BLE001 - each case below that runs records it
+        no_cache = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
+    g = gib or 0.0
+    pool_cases = (("mmap_experts", {"expert_cache_gib": g, "sparse_max_ids": 0}),  # prefill: the threshold
+                  # misses on the host too, the Python path (hybrid_stream would take these calls, whose ids
+                  # fit the pool, on the async step without the host)
+                  ("mmap_hybrid", {"expert_cache_gib": g, "hybrid": True, "hybrid_stream": False}),
+                  ("mmap_auto", {"expert_cache_gib": None}),  # the default pool size
+                  # 2 slots per layer, 4 ids per decode call: sparse calls, decided on the stream
+                  ("mmap_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0}),
+                  ("mmap_hybrid_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0, "hybrid": True}))
+    for case, extra in pool_cases:
         if only and case not in only:
             continue
-        try:
-            results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}})
-        except BaseException as e:  # noqa: BLE001
-            results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
+        if no_cache is not None:
+            results["cases"][case] = no_cache
+        else:
+            try:
+                results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}})
+            except BaseException as e:  # noqa: BLE001
+                results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
         print(case, json.dumps(results["cases"][case])[:800], flush=True)
-        save()
+        save_results(out, results)
     results["complete"] = True
-    save()
+    save_results(out, results)
     clock.stop()
     return 0
 
