@@ -25,6 +25,10 @@ the weight delivery differs between variants, each given the same VRAM budget fo
     host-only      every routed expert computed on the host (llama.cpp --cpu-moe / KTransformers), no
                    expert weights in VRAM; prefill skipped unless --host-prefill
 
+mmap-cache and mmap-hybrid here are the library's synchronous Python paths: the vLLM backend has since
+moved to deciding each layer on the stream (async_step.py, host jobs started from its callbacks), which
+``bench_vllm.py --shapes harness`` measures at these shapes in real vLLM (BENCHMARKS.md, session 13).
+
 Routing: synthetic traces (uniform, skewed), or ``--trace FILE`` (CSV ``step,layer,expert ids[,weights]``,
 traces.read_csv) replayed: step and layer modulo the file's, its rows tiled over the batch. The hybrid
 variant prints its calibrated rates, the crossover (tokens per step -> host / copied misses) and a
@@ -1261,7 +1265,9 @@ def write_report(out: Path, meta: dict, rows: list[dict], variants: list[dict]) 
             f"{gib(r['pinned_bytes'])} | {gib(r['vram_weight_bytes'])} | {gib(r['peak_rss_bytes'])} | "
             f"{gib(r.get('anon_shmem_bytes', 0))} | {r['time_to_ready_s']:.2f} |"
         )
-    lines += ["", "| bar | value | need | ok |", "| --- | ---: | ---: | --- |"]
+    lines += ["", "mmap-cache and mmap-hybrid are the library's synchronous Python paths; the vLLM backend's path (the "
+              "step on the stream) at these shapes: `bench_vllm.py --shapes harness`.", "",
+              "| bar | value | need | ok |", "| --- | ---: | ---: | --- |"]
     for b in bar_rows:
         v = "n/a" if b["value"] is None else f"{b['value']:.2f}"
         lines.append(f"| {b['bar']} | {v} | {b['need'] if b['need'] is not None else ''} | {b.get('ok', '')} |")
