@@ -701,7 +701,8 @@ def plot(res: dict, path: Path) -> str | None:
         wls = [w for w in res["workloads"] if any(x["routing"] == routing and x["workload"] == w for x in res["rows"])]
         width = 0.8 / max(len(cfgs), 1)
         for i, c in enumerate(cfgs):
-            ys = [(_find(res["rows"], c, routing, w) or {}).get("x_uva") or float("nan") for w in wls]
+            # the mean of the configuration's runs, as the bars read it
+            ys = [_runs_ratio(res["rows"], c, routing, w)[0] or float("nan") for w in wls]
             xs = [j + i * width for j in range(len(wls))]
             ax.bar(xs, ys, width, label=c)
             for x, y in zip(xs, ys):
@@ -715,7 +716,7 @@ def plot(res: dict, path: Path) -> str | None:
 
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-        ax.set_ylabel("tokens/s / uva's")
+        ax.set_ylabel("tokens/s / uva's (mean of runs)")
         ax.set_title(f"{routing} routing" + (" (trace)" if routing == "skewed" else " (model's router)"))
         ax.legend(fontsize=8)
     fig.suptitle(f"real vLLM {res['env'].get('vllm', '')}: {res['shapes_text']}, B = {_g(res['budget_bytes'])} GiB", fontsize=9)
