@@ -482,6 +482,20 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 8
             for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
         }
+#ifdef DIAG_LOADS_ONLY
+        /* diagnostic build only (scripts/host_kernel_sweep.sh): the same loads, prefetches and schedule,
+           one XOR per word instead of the arithmetic; the results are wrong. It tells whether the loop's
+           rate is bound by its reads or by its arithmetic. */
+#pragma GCC unroll 8
+        for (int lb = 0; lb < LB; lb++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
+            acc[lb][0][0] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(acc[lb][0][0]), wv));
+        }
+        (void)xk;
+        (void)mask;
+        (void)magic;
+        continue;
+#endif
 #pragma GCC unroll 8
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));

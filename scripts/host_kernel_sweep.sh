@@ -12,7 +12,8 @@
 # threads, M, and % of DRAM): two files, so a device call returns them all.
 # Knobs of csrc/host_kernel.c: PF_DIST (tiles the software prefetch runs ahead, 1), PF_HINT
 # (_MM_HINT_T1, the default since session 13, or _MM_HINT_T0 ...), SEG_MAX (tiles per segment at most, 16), SEG_TM (tiles x rows, 128),
-# BF_MB (rows per register pass, 8). BENCHMARKS.md "Host compute" says which were tried where.
+# BF_MB (rows per register pass, 8); DIAG_LOADS_ONLY (a diagnostic: the same reads without the arithmetic,
+# WRONG results: how much of the rate the arithmetic costs). BENCHMARKS.md "Host compute" says which were tried where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
