@@ -60,6 +60,20 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's vector and matrix extensions that bear on the kernel's next paths (AVX-512 subsets,
+    AVX-VNNI, AMX tiles), from the first processor's flags; [] where they cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = line.split(":", 1)[1].split()
+                    return sorted(x for x in have if x.startswith(("avx512", "amx", "avx_vnni")))
+    except OSError:
+        pass
+    return []
+
+
 def timed(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter) -> float:
     """Median seconds of one call of ``fn`` (after one warm-up call) by ``clock``, timing for about
     ``seconds`` of wall time."""
@@ -157,11 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
     ms = [int(m) for m in a.m.split(",")]
     shapes = [parse_shape(s) for s in a.shapes.split(",")]
     gen = torch.Generator().manual_seed(0)
-    info = {"cpu": cpu_model(), "cores": cores, "isas": available_isas(), "library": library_status("mo_host"),
+    info = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": cores, "isas": available_isas(),
+            "library": library_status("mo_host"),
             "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "group": GROUP,
             "timer": a.timer,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"# {info['cpu']}, {cores} CPUs, host kernel paths {info['isas']}, {info['library']}")
+    print(f"# CPU flags: {' '.join(info['cpu_flags']) or '-'}")
 
     pool_bytes = int(a.pool_gb * 1e9)
     dram_buf = torch.ones(max(1, pool_bytes // 4), dtype=torch.float32)
