@@ -535,9 +535,13 @@ def _runs_ratio(rows, config, routing, workload) -> tuple[float | None, list[flo
     return (round(sum(got) / len(got), 3) if got else None), got
 
 
-def _bar(name: str, rows, config, routing, workload, need: float) -> dict:
+def _bar(name: str, rows, config, routing, workload, need: float | None) -> dict:
+    """One bar (``need`` None: a row for information, met "info")."""
     v, runs = _runs_ratio(rows, config, routing, workload)
-    out = {"bar": name, "value": v, "need": f">= {need}", "met": None if v is None else v >= need}
+    if need is None:
+        out = {"bar": name, "value": v, "need": "-", "met": "info"}
+    else:
+        out = {"bar": name, "value": v, "need": f">= {need}", "met": None if v is None else v >= need}
     if len(runs) > 1:
         out["runs"] = runs
     return out
@@ -550,10 +554,10 @@ def bars(rows: list[dict], prefill_name: str) -> list[dict]:
     for b in (1, 8):
         out.append(_bar(f"decode-{b} skewed: mmap-cache / uva", rows, "mmap-cache", "skewed", f"decode-{b}",
                         BARS["decode_skewed"]))
-        v, runs = _runs_ratio(rows, "noff", "skewed", f"decode-{b}")
-        if v is not None:  # the ceiling of this run: every expert in VRAM, nothing moved
-            out.append({"bar": f"decode-{b} skewed: noff / uva (ceiling of this run, information)",
-                        "value": v, "need": "-", "met": "info", **({"runs": runs} if len(runs) > 1 else {})})
+        ceiling = _bar(f"decode-{b} skewed: noff / uva (ceiling of this run, information)", rows, "noff", "skewed",
+                       f"decode-{b}", None)
+        if ceiling["value"] is not None:  # the ceiling of this run: every expert in VRAM, nothing moved
+            out.append(ceiling)
     for cfg in ("mmap-cache", "mmap-layer"):
         out.append(_bar(f"{prefill_name} uniform: {cfg} / uva", rows, cfg, "uniform", prefill_name, BARS["prefill"]))
     for routing, need in (("uniform", 1.0), ("skewed", 1.5)):  # issue 15's bars for host compute
