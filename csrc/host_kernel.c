@@ -47,7 +47,7 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 #define MO_HOST_ABI 2
 
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -71,6 +71,9 @@ int mo_host_isa_available(int isa) {
     __builtin_cpu_init();
     if (isa == ISA_AVX512BF16) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
                                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    if (isa == ISA_AVX512VNNI) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512vnni") &&
+                                      __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw") &&
+                                      __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                                   __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -451,6 +454,7 @@ T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, cons
    into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
 #define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
 
+
 /* Lines and rows per register pass of the bf16 blocks: 2 * LB * MB accumulators. */
 #ifndef BF_MB
 #define BF_MB 8 /* rows per register pass (2 LB MB accumulators: 16 at MB = 8) */
@@ -467,7 +471,11 @@ static inline int bf_lines(int mb, int width) {
 T512BF static inline __attribute__((always_inline)) void
 blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs,
          __m512 *T, const float *scv, const int LB, const int MB, const int NS) {
+#ifdef MANT_LO
+    const __m512i mask = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x3F803F80);
+#else
     const __m512i mask = _mm512_set1_epi32(0x00780078), magic = _mm512_set1_epi32(0x3F803F80);
+#endif
     __m512 acc[8][2][8]; /* [LB][g][MB] used */
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
@@ -502,8 +510,13 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 /* nibble pairs t = 2g + h of both g (one x vector serves both): few live registers at MB = 8 */
+#ifdef MANT_LO
+                __m512i v0 = h == 0 ? wv : _mm512_srli_epi32(wv, 4);
+                __m512i v1 = _mm512_srli_epi32(wv, 8 + 4 * h);
+#else
                 __m512i v0 = h == 0 ? _mm512_slli_epi32(wv, 3) : _mm512_srli_epi32(wv, 1);
                 __m512i v1 = _mm512_srli_epi32(wv, 8 * 1 + 4 * h - 3);
+#endif
                 __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v0, mask, magic, 0xEA); /* (v & mask) | magic */
                 __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(v1, mask, magic, 0xEA);
 #pragma GCC unroll 8
@@ -517,7 +530,11 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
             }
         }
     }
+#ifdef MANT_LO
+    const __m512 c16 = _mm512_set1_ps(128.f), c24 = _mm512_set1_ps(136.f);
+#else
     const __m512 c16 = _mm512_set1_ps(16.f), c24 = _mm512_set1_ps(24.f);
+#endif
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
@@ -604,6 +621,170 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
                     lb = bf_lines(mb, b1 - b);
                     run512bf(mb, lb, NS, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
                               xs + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
+}
+
+/* ------------------------------------------------------------------ AVX-512 VNNI + VBMI (integer dot products) */
+/* The same tiles with vpdpbusd (4 u8 x s8 products per 32-bit lane). The four nibbles of one column in a
+   word (g fixed: t = 2g + h + 4l, k = 8h + 2a + l) are one lane's four bytes after one vpmultishiftqb
+   (bytes at bit offsets 0, 4, 16, 20 of each dword for g = 0; 8, 12, 24, 28 for g = 1) and one AND with
+   0x0F: two shuffles, two ANDs and two dot products per 64-byte line and x part, where the bf16 path
+   needs eight shift / ternary ops and four dot products. x is not bf16 here but 16-bit fixed point, per
+   row and k block (<= 128, within one scale group): q = round(x * 32639 / max|x|), stored as two signed
+   bytes hi = (q + 128) >> 8 and lo = q - 256 hi, each with its own accumulator; the block's integer sum
+   256 acc_hi + acc_lo - 8 sum q is exact (< 2^24), then scaled by s_w * max|x| / 32639. Error per x
+   element <= max|x| / 65278 (x in bf16 rounds at 2^-9 of itself); the fp32 intermediate of phase 2
+   the same way. */
+#define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+#define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
+
+/* acc += u8 a . s8 b as one instruction on the accumulator's register: GCC 12's intrinsic copies the
+   accumulator to a fresh register and back around each dot product and spills the copies (measured:
+   user shape in L3, one thread, the build box's Zen 4: 26.9 -> 28.1 GB/s at M = 1, 7.2 -> 12.0 at M = 3). */
+T512VN static inline __m512i dot_u8s8(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+    return acc;
+}
+
+/* Lines per pass for MB <= 3 rows: 4 * LB * MB int32 accumulators (hi, lo; g = 0, 1) <= 24. */
+static inline int vn_lines(int mb, int width) {
+    int lb = mb == 1 ? 4 : 2;
+    while (lb > width) lb >>= 1;
+    return lb;
+}
+
+/* LB consecutive lines x MB rows over the block's nkt k-tiles (rows in order, as blk512bf); xe: [kt][hi,
+   lo][M] byte vectors; xq: [M] per-lane sums of q; sx: [M] x scales. T += s_w sx (256 hi + lo - 8 xq). */
+T512VN static inline __attribute__((always_inline)) void
+blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M,
+         const __m512i *xq, const float *sx, __m512 *T, const float *scv, const int LB, const int MB) {
+    const __m512i c0 = _mm512_set1_epi64(0x3430242014100400LL), c1 = _mm512_set1_epi64(0x3C382C281C180C08LL);
+    const __m512i m15 = _mm512_set1_epi8(15);
+    __m512i acc[24]; /* [LB][g][MB][hi, lo]: LB * MB <= 6 */
+#pragma GCC unroll 24
+    for (int i = 0; i < 4 * LB * MB; i++) acc[i] = _mm512_setzero_si512();
+    for (int kt = 0; kt < nkt; kt++) {
+        const uint32_t *wk = wb + kt * stride;
+        const __m512i *xk = xe + kt * 2 * M;
+        if (pf) {
+#pragma GCC unroll 4
+            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
+        }
+#pragma GCC unroll 4
+        for (int lb = 0; lb < LB; lb++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
+            __m512i w0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(c0, wv), m15);
+            __m512i w1 = _mm512_and_si512(_mm512_multishift_epi64_epi8(c1, wv), m15);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; m++)
+#pragma GCC unroll 2
+                for (int p = 0; p < 2; p++) {
+                    __m512i xv = _mm512_load_si512((const void *)(xk + p * M + m));
+                    acc[((lb * 2 + 0) * MB + m) * 2 + p] = dot_u8s8(acc[((lb * 2 + 0) * MB + m) * 2 + p], w0, xv);
+                    acc[((lb * 2 + 1) * MB + m) * 2 + p] = dot_u8s8(acc[((lb * 2 + 1) * MB + m) * 2 + p], w1, xv);
+                }
+        }
+    }
+#pragma GCC unroll 4
+    for (int lb = 0; lb < LB; lb++)
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++) {
+            __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; m++) {
+                const __m512i *a = acc + ((lb * 2 + g) * MB + m) * 2;
+                __m512i r = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[0], 8), a[1]), _mm512_slli_epi32(xq[m], 3));
+                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(_mm512_mul_ps(sv, _mm512_set1_ps(sx[m])),
+                                                          _mm512_cvtepi32_ps(r), T[(lb * 2 + g) * M + m]);
+            }
+        }
+}
+
+#define MO_VN_CASES(F) F(1, 4) F(1, 2) F(1, 1) F(2, 2) F(2, 1) F(3, 2) F(3, 1)
+
+T512VN static void run512vn(int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                            const __m512i *xe, int M, const __m512i *xq, const float *sx, __m512 *T, const float *scv) {
+#define F(MBV, LBV)                                                                                            \
+    if (mb == MBV && lb == LBV) { blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV); return; }
+    MO_VN_CASES(F)
+#undef F
+}
+
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
+T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+                            float *scratch) {
+    const int M = X->M;
+    const int64_t NT = A->N / 64, stride = NT * 128;
+    __m512i *xe = (__m512i *)scratch;       /* [8 kt][hi, lo][M] */
+    float *sx = (float *)(xe + 16 * M);     /* [M] (within xe's 32 M vectors) */
+    __m512i *xq = xe + 32 * M;              /* [M] */
+    __m512 *T = (__m512 *)(xq + M);         /* [C][8 b][2 g][M] */
+    float *scv = (float *)(T + 16 * M * C); /* [C][64] */
+    const int BK = block_k(A);
+    const int nb = (M + 2) / 3, MB = (M + nb - 1) / nb; /* rows per pass <= 3 (measured: 4 is slower) */
+    __m512i idx; /* byte 4p + e of a lane p = 4a + j: x of k = 2a + (0, 8, 1, 9)[e] */
+    {
+        uint8_t v[64];
+        static const int ke[4] = {0, 8, 1, 9};
+        for (int p = 0; p < 16; p++)
+            for (int e = 0; e < 4; e++) v[4 * p + e] = (uint8_t)(2 * (p >> 2) + ke[e]);
+        idx = _mm512_loadu_si512((const void *)v);
+    }
+    const __m512i ones = _mm512_set1_epi8(1), c128 = _mm512_set1_epi32(128);
+    for (int i = 0; i < C; i++)
+        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
+    sperm_t S;
+    make_sperm(A->grouped, &S);
+    prefetch_head(A, nt0, b0, b1);
+    int64_t cur = -1;
+    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
+        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
+        const int nkt = (int)((k1 - k0) / 16);
+        const int64_t grp = k0 / A->gs;
+        if (grp != cur) {
+            for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, &S, scv + 64 * i);
+            cur = grp;
+        }
+        for (int m = 0; m < M; m++) {
+            __m512 mx = _mm512_setzero_ps();
+            __mmask16 nan = 0; /* vmaxps drops a NaN operand: counted apart */
+            for (int kt = 0; kt < nkt; kt++) {
+                __m512 ax = _mm512_abs_ps(load16_512(X->xrow[m], k0 + 16 * kt, X->xdt));
+                nan |= _mm512_cmp_ps_mask(ax, ax, _CMP_UNORD_Q);
+                mx = _mm512_max_ps(mx, ax);
+            }
+            const float amax = nan ? NAN : _mm512_reduce_max_ps(mx);
+            /* a NaN or inf in x gives a NaN or inf scale, so the output is not finite either (not garbage) */
+            const float inv = amax > 0.f && amax <= 3.0e38f ? VN_QMAX / amax : 0.f;
+            sx[m] = amax > 0.f && amax <= 3.0e38f ? amax / VN_QMAX : (amax == 0.f ? 0.f : amax * 2.f);
+            const __m512 vinv = _mm512_set1_ps(inv);
+            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+            for (int kt = 0; kt < nkt; kt++) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_512(X->xrow[m], k0 + 16 * kt, X->xdt), vinv));
+                __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
+                __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+                __m512i eh = _mm512_permutexvar_epi8(idx, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(hi)));
+                __m512i el = _mm512_permutexvar_epi8(idx, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(lo)));
+                _mm512_store_si512((void *)(xe + (kt * 2 + 0) * M + m), eh);
+                _mm512_store_si512((void *)(xe + (kt * 2 + 1) * M + m), el);
+                sh = _mm512_dpbusd_epi32(sh, ones, eh);
+                sl = _mm512_dpbusd_epi32(sl, ones, el);
+            }
+            xq[m] = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+        }
+        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
+        for (int i = 0; i < C; i++) {
+            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int mb = M - m0 < MB ? M - m0 : MB;
+                for (int b = b0, lb; b < b1; b += lb) {
+                    lb = vn_lines(mb, b1 - b);
+                    run512vn(mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
+                             xq + m0, sx + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
                 }
             }
         }
@@ -759,6 +940,7 @@ static void seg_plain(const mat_t *A, int64_t nt0, int C, int b0, int b1, const 
 
 static seg_fn pick_seg(int isa) {
 #if MO_X86
+    if (isa == ISA_AVX512VNNI) return seg512vn;
     if (isa == ISA_AVX512BF16) return seg512bf;
     if (isa == ISA_AVX512) return seg512;
     if (isa == ISA_AVX2) return seg256;

@@ -445,3 +445,32 @@ def test_close_waits_for_a_started_call():
     call = k.experts_mlp_start(x, _jobs_of(experts, x, 128), got)
     k.close()
     assert torch.equal(got, want) and call.wait().seconds is not None
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_a_nan_row_stays_in_its_row(isa):
+    """A NaN in one row of x makes that row's output NaN (not finite garbage: the integer path's
+    per-block x scale must carry it) and leaves the other rows as they were."""
+    cache, weights = expert(256, 128, 64)
+    k = kernel(2, isa)
+    x = rand_x(3, 256, torch.bfloat16, seed=11)
+    x[1, 77] = float("nan")
+    y = k.expert_mlp(x, *args(cache), group=64)
+    assert torch.isnan(y[1]).all()
+    keep = torch.tensor([0, 2])
+    assert_close(y[keep], ref_mlp(x[keep], weights), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_activation_outliers(isa):
+    """LLM activations carry a few channels ~100x the rest; the avx512vnni path scales x per row and k block
+    by its largest value (16-bit fixed point), so the small values lose bits there: still within the bf16
+    tolerance, at every M the kernel's passes split differently."""
+    cache, weights = expert(384, 256, 128)
+    k = kernel(3, isa)
+    for m in (1, 2, 3, 4, 7):
+        x = rand_x(m, 384, torch.float32, seed=20 + m)
+        x[:, ::97] *= 100.0
+        x = x.to(torch.bfloat16)
+        y = k.expert_mlp(x, *args(cache), group=128)
+        assert_close(y, ref_mlp(x, weights), torch.bfloat16)
