@@ -636,9 +636,9 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
    needs eight shift / ternary ops and four dot products. x is not bf16 here but 16-bit fixed point, per
    row and k block (<= 128, within one scale group): q = round(x * 32639 / max|x|), stored as two signed
    bytes hi = (q + 128) >> 8 and lo = q - 256 hi, each with its own accumulator; the block's integer sum
-   256 acc_hi + acc_lo - 8 sum q is exact (< 2^24), then scaled by s_w * max|x| / 32639. Error per x
-   element <= max|x| / 65278 (x in bf16 rounds at 2^-9 of itself); the fp32 intermediate of phase 2
-   the same way. */
+   256 acc_hi + acc_lo - 8 sum q is exact in int32, converted to fp32 once per block and scaled by
+   s_w max|x| / 32639. Error per x element <= max|x| / 65278 (x in bf16 rounds at 2^-9 of itself); the
+   fp32 intermediate of phase 2 the same way. */
 #define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 #define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
 
