@@ -7,7 +7,9 @@
 #   VARIANTS="base|-DPF_DIST=2|-DPF_DIST=4|-DSEG_MAX=32" ARGS="--shapes user --threads 8,all --m 1" \
 #     OUT=sweep bash scripts/host_kernel_sweep.sh
 #
-# VARIANTS: "|"-separated flag sets ("base" = none); ARGS: bench_host_kernel.py's arguments; OUT: a folder
+# VARIANTS: "|"-separated flag sets ("base" = none; a word isa=NAME is not a flag but the kernel path the variant
+# measures, bench_host_kernel.py --isa NAME: "isa=avx512bf16|isa=avx512vnni" compares two paths of one build);
+# ARGS: bench_host_kernel.py's arguments; OUT: a folder
 # for sweep.json (each variant's flags and bench JSON) and sweep.md (a table: GB/s per variant, shape,
 # threads, M, and % of DRAM): two files, so a device call returns them all.
 # Knobs of csrc/host_kernel.c: PF_DIST (tiles the software prefetch runs ahead, 1), PF_HINT
@@ -27,17 +29,24 @@ build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 i=0
 IFS='|' read -r -a sets <<<"$VARIANTS"
-for flags in "${sets[@]}"; do
+for variant in "${sets[@]}"; do
   i=$((i + 1))
-  [ "$flags" = "base" ] && flags=""
+  flags="" isa=""
+  for word in $variant; do
+    case "$word" in
+      base) ;;
+      isa=*) isa="--isa ${word#isa=}" ;;
+      *) flags="$flags $word" ;;
+    esac
+  done
   lib="$build/mo_host_$i.so"
   # shellcheck disable=SC2086  # the flags are words
   "$CC" -O3 -shared -fPIC $flags -o "$lib" csrc/host_kernel.c -lpthread -lm
-  echo "== variant $i: ${flags:-base}"
+  echo "== variant $i: $variant"
   # shellcheck disable=SC2086
   MMAP_OFFLOAD_NATIVE_MO_HOST="$lib" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" benchmarks/bench_host_kernel.py $ARGS --out "$build/variant_$i.json" | grep -v "^#" || true
-  echo "${flags:-base}" >"$build/variant_$i.flags"
+    "$PY" benchmarks/bench_host_kernel.py $ARGS $isa --out "$build/variant_$i.json" | grep -v "^#" || true
+  echo "$variant" >"$build/variant_$i.flags"
 done
 "$PY" - "$build" "$OUT" <<'EOF'
 import json, sys
