@@ -471,11 +471,7 @@ static inline int bf_lines(int mb, int width) {
 T512BF static inline __attribute__((always_inline)) void
 blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs,
          __m512 *T, const float *scv, const int LB, const int MB, const int NS) {
-#ifdef MANT_LO
-    const __m512i mask = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x3F803F80);
-#else
     const __m512i mask = _mm512_set1_epi32(0x00780078), magic = _mm512_set1_epi32(0x3F803F80);
-#endif
     __m512 acc[8][2][8]; /* [LB][g][MB] used */
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
@@ -510,13 +506,8 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 /* nibble pairs t = 2g + h of both g (one x vector serves both): few live registers at MB = 8 */
-#ifdef MANT_LO
-                __m512i v0 = h == 0 ? wv : _mm512_srli_epi32(wv, 4);
-                __m512i v1 = _mm512_srli_epi32(wv, 8 + 4 * h);
-#else
                 __m512i v0 = h == 0 ? _mm512_slli_epi32(wv, 3) : _mm512_srli_epi32(wv, 1);
                 __m512i v1 = _mm512_srli_epi32(wv, 8 * 1 + 4 * h - 3);
-#endif
                 __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v0, mask, magic, 0xEA); /* (v & mask) | magic */
                 __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(v1, mask, magic, 0xEA);
 #pragma GCC unroll 8
@@ -530,11 +521,7 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
             }
         }
     }
-#ifdef MANT_LO
-    const __m512 c16 = _mm512_set1_ps(128.f), c24 = _mm512_set1_ps(136.f);
-#else
     const __m512 c16 = _mm512_set1_ps(16.f), c24 = _mm512_set1_ps(24.f);
-#endif
 #pragma GCC unroll 8
     for (int lb = 0; lb < LB; lb++)
 #pragma GCC unroll 2
