@@ -2,6 +2,7 @@
 
     python benchmarks/bench_host_kernel.py --out host.json                  # the default run (both shapes)
     python benchmarks/bench_host_kernel.py --shapes 1024x2048 --pool-gb 0.2 --threads 1,2   # a smoke run
+    python benchmarks/bench_host_kernel.py --isa all --no-torch --shapes user --threads 1,all   # paths side by side
 
 For each shape (``mixtral``: H 4096, I 14336 per expert; ``user``: H 5120, I_r 768; or ``HxI``) and each
 thread count (1, 2, 4, 8, all = the CPUs this process may use) it measures, in the same run:
@@ -18,7 +19,9 @@ GB/s counts the 4-bit weight bytes of the experts computed (3 * H * I / 2 per ex
 per second, median of the timed calls (``--timer thread``: by the calling thread's CPU time, for 1-thread
 runs on a machine shared with other jobs, where elapsed time counts their time slices too). Bars (issue 15):
 host >= 80% of dram at M = 1 with all cores; host > torch at every M. Prints a table; ``--out`` writes JSON
-(inputs, machine, every row).
+(inputs, machine, every row). ``--isa`` takes one path, a comma-separated list or ``all`` (every path this CPU
+has): the paths are then measured back to back at each (threads, M), a row each; the bars are the first
+path's.
 """
 
 from __future__ import annotations
@@ -72,6 +75,21 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
     except OSError:
         pass
     return []
+
+
+def parse_isas(spec: str, available: list[str]) -> list[str]:
+    """``--isa``'s paths in order: ``auto`` (the kernel's own choice, the first available), ``all`` (every
+    available path, fastest first) or names; a name the CPU lacks is an error naming the ones it has."""
+    out: list[str] = []
+    for name in (p.strip().lower() for p in spec.split(",") if p.strip()):
+        got = available[:1] if name == "auto" else available if name == "all" else [name]
+        for isa in got:
+            if isa not in available:
+                raise SystemExit(f"bench_host_kernel: this CPU has no {isa!r} kernel path (it has: "
+                                 f"{', '.join(available)}); pass --isa auto, all or one of those")
+            if isa not in out:
+                out.append(isa)
+    return out or available[:1]
 
 
 def timed(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter) -> float:
@@ -154,7 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--experts-per-call", type=int, default=0,
                     help="experts per experts_mlp call (0: enough for >= 32 MB per call, at most 8)")
     ap.add_argument("--seconds", type=float, default=0.5, help="timing per measurement")
-    ap.add_argument("--isa", default="auto", help="host kernel path: auto, avx512, avx2, plain")
+    ap.add_argument("--isa", default="auto",
+                    help="host kernel path(s): auto, all, or names (avx512vnni, avx512bf16, avx512, avx2, plain), "
+                         "comma-separated; the bars are the first one's")
     ap.add_argument("--no-torch", action="store_true", help="skip torch's int4 kernel")
     ap.add_argument("--timer", choices=("wall", "thread"), default="wall",
                     help="wall: elapsed time; thread: CPU time of the calling thread (1-thread rows only, where "
@@ -169,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--timer thread measures the calling thread only: use it with --threads 1")
     clock = time.thread_time if a.timer == "thread" else time.perf_counter
     ms = [int(m) for m in a.m.split(",")]
+    isas = parse_isas(a.isa, available_isas())
     shapes = [parse_shape(s) for s in a.shapes.split(",")]
     gen = torch.Generator().manual_seed(0)
     info = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": cores, "isas": available_isas(),
@@ -187,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# dram read ({t} threads): {dram[t] / 1e9:.1f} GB/s")
 
     rows = []
-    hdr = (f"{'shape':>10} {'thr':>4} {'M':>3} {'host GB/s':>10} {'torch GB/s':>10} {'dram GB/s':>9} "
+    hdr = (f"{'shape':>10} {'isa':>10} {'thr':>4} {'M':>3} {'host GB/s':>10} {'torch GB/s':>10} {'dram GB/s':>9} "
            f"{'host/dram':>9} {'host/torch':>10}")
     print(hdr)
     for name, h, i in shapes:
@@ -197,36 +218,38 @@ def main(argv: list[str] | None = None) -> dict:
         host_pool = HostPool(h, i, count, gen)
         torch_pool = None if a.no_torch else TorchPool(h, i, count, gen)
         for t in threads:
-            k = HostKernel(threads=t, isa=a.isa)
+            kernels = [HostKernel(threads=t, isa=isa) for isa in isas]
             torch.set_num_threads(t)
             for m in ms:
                 x = torch.randn(m, h, generator=gen).to(torch.bfloat16) * 0.1
                 out = torch.zeros(m, h, dtype=torch.bfloat16)
                 rows_t = torch.arange(m)
                 w = torch.full((m,), 0.125)
-
-                def host_call():
-                    k.experts_mlp(x, [(rows_t, *e, GROUP, w) for e in host_pool.take(per_call)], out)
-
-                host = per_call * eb / timed(host_call, a.seconds, clock=clock)
                 tor = None
                 if torch_pool is not None:
                     tout = torch.zeros(m, h, dtype=torch.bfloat16)
                     tor = per_call * eb / timed(lambda: torch_pool.run(x, per_call, tout), a.seconds, clock=clock)
-                row = {"shape": name, "hidden": h, "inter": i, "threads": t, "m": m, "isa": k.isa,
-                       "experts_per_call": per_call, "host_gbs": host / 1e9,
-                       "torch_gbs": None if tor is None else tor / 1e9, "dram_gbs": dram[t] / 1e9,
-                       "host_over_dram": host / dram[t], "host_over_torch": None if tor is None else host / tor}
-                rows.append(row)
-                tt = "-" if tor is None else f"{tor / 1e9:10.1f}"
-                ht = "-" if tor is None else f"{host / tor:9.2f}x"
-                print(f"{name:>10} {t:>4} {m:>3} {host / 1e9:10.1f} {tt:>10} {dram[t] / 1e9:9.1f} "
-                      f"{100 * host / dram[t]:8.0f}% {ht:>10}", flush=True)
-            k.close()
+                for k in kernels:
+
+                    def host_call(k=k):
+                        k.experts_mlp(x, [(rows_t, *e, GROUP, w) for e in host_pool.take(per_call)], out)
+
+                    host = per_call * eb / timed(host_call, a.seconds, clock=clock)
+                    row = {"shape": name, "hidden": h, "inter": i, "threads": t, "m": m, "isa": k.isa,
+                           "experts_per_call": per_call, "host_gbs": host / 1e9,
+                           "torch_gbs": None if tor is None else tor / 1e9, "dram_gbs": dram[t] / 1e9,
+                           "host_over_dram": host / dram[t], "host_over_torch": None if tor is None else host / tor}
+                    rows.append(row)
+                    tt = "-" if tor is None else f"{tor / 1e9:10.1f}"
+                    ht = "-" if tor is None else f"{host / tor:9.2f}x"
+                    print(f"{name:>10} {k.isa:>10} {t:>4} {m:>3} {host / 1e9:10.1f} {tt:>10} {dram[t] / 1e9:9.1f} "
+                          f"{100 * host / dram[t]:8.0f}% {ht:>10}", flush=True)
+            for k in kernels:
+                k.close()
         del host_pool, torch_pool
     bars = {}
     for name, h, i in shapes:
-        sel = [r for r in rows if r["shape"] == name]
+        sel = [r for r in rows if r["shape"] == name and r["isa"] == rows[0]["isa"]]
         top = max(r["threads"] for r in sel)
         m1 = [r for r in sel if r["threads"] == top and r["m"] == 1]
         bars[name] = {

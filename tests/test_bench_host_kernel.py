@@ -18,3 +18,16 @@ def test_cpu_flags_lists_the_vector_and_matrix_extensions(tmp_path):
     assert bench_host_kernel.cpu_flags(str(info)) == ["amx_bf16", "amx_tile", "avx512_bf16", "avx512bw", "avx512f",
                                                      "avx_vnni"]
     assert bench_host_kernel.cpu_flags(str(tmp_path / "missing")) == []
+
+
+def test_isa_lists_keep_order_and_name_what_the_cpu_has():
+    have = ["avx512vnni", "avx512bf16", "avx2", "plain"]
+    assert bench_host_kernel.parse_isas("auto", have) == ["avx512vnni"]
+    assert bench_host_kernel.parse_isas("all", have) == have
+    assert bench_host_kernel.parse_isas("avx512bf16,auto,avx512bf16", have) == ["avx512bf16", "avx512vnni"]
+    try:
+        bench_host_kernel.parse_isas("avx512", have)
+    except SystemExit as e:
+        assert "no 'avx512' kernel path" in str(e) and "avx512vnni, avx512bf16, avx2, plain" in str(e)
+    else:
+        raise AssertionError("a path the CPU lacks was accepted")
