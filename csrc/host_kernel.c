@@ -261,6 +261,7 @@ static inline void prefetch_head(const mat_t *A, int64_t nt0, int b0, int b1) {
    the next one of the block, else one of the next block; NULL after the last. */
 static inline const uint32_t *next_tile(const mat_t *A, const uint32_t *row0, int i, int C, int64_t k1, int nkt) {
     const int64_t stride = A->N / 64 * 128;
+    if (PF_DIST <= 0) return NULL; /* -DPF_DIST=0: no software prefetch (the hardware's alone) */
     if (i + PF_DIST < C) return row0 + 128 * (i + PF_DIST);
     return k1 < A->K ? row0 + nkt * stride + 128 * (i + PF_DIST - C) : NULL;
 }
