@@ -21,17 +21,18 @@ fine), never copied; the C call releases the GIL.
 Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2; the
 ``avx512bf16`` path feeds it to the dot products as hi + lo bf16, ~16 significant bits), one rounding to
 x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding). The
-``avx512vnni`` path takes x (and the intermediate) as 16-bit fixed point per row and k block of <= 128:
-its error per element is at most 1/65278 of the block's largest |x|, about bf16's own rounding of x at
-values 1/128 of that largest; integer sums are exact, then scaled in fp32. Both meet the tests' bf16
-tolerance (rtol 2^-8, atol 2^-12 of the largest output), outlier channels included.
+``avx512vnni`` and ``avx2`` paths take x (and the intermediate) as 16-bit fixed point per row and k block
+of <= 128: the error per element is at most 1/65278 of the block's largest |x|, about bf16's own
+rounding of x at values 1/128 of that largest; integer sums are exact, then scaled in fp32. Every path
+meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest output), outlier channels included.
 
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
 this object's; its workers spin briefly after a call, then sleep. ISA paths, fastest first:
 ``avx512vnni`` (AVX-512 VNNI + VBMI, vpdpbusd: one column's four nibbles of a word are one lane's four
 bytes after one vpmultishiftqb, x as two signed bytes; half the shuffling work of the bf16 path),
 ``avx512bf16`` (AVX-512 with vdpbf16ps: two nibbles per dot-product lane, exact bf16 products; x that
-is not bf16 is split into two bf16 parts), ``avx512`` and ``avx2`` (fp32 FMA per nibble), ``plain`` (C).
+is not bf16 is split into two bf16 parts), ``avx512`` (fp32 FMA per nibble), ``avx2`` (the avx512vnni
+scheme with vpmaddubsw: x in the same 16-bit fixed point), ``plain`` (C).
 ``auto`` takes the first the CPU has (the order is measured on the build box's Zen 4; docs/BENCHMARKS.md,
 "Host compute", session 15); ``MMAP_OFFLOAD_HOST_ISA=avx512vnni|avx512bf16|avx512|avx2|plain`` (or
 ``isa=``) forces one, and a forced one the CPU lacks raises UnsupportedError.
