@@ -306,6 +306,28 @@ T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, c
                                                              raw[S->src1[i]]));
 }
 
+/* A segment's start (the AVX-512 paths share it): the accumulators of lines [b0, b1) of its C tiles zeroed,
+   the scale permutation made, its first rows prefetched. */
+T512 static inline void seg_start512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int M, __m512 *T, sperm_t *S) {
+    for (int i = 0; i < C; i++)
+        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
+    make_sperm(A->grouped, S);
+    prefetch_head(A, nt0, b0, b1);
+}
+
+/* The k block at k0 (<= BK k, one scale group at most): *k1 its end; the segment's scales reloaded when it
+   starts a new group (*cur: the group loaded). Returns its k tiles. */
+T512 static inline int block_start512(const mat_t *A, int64_t nt0, int C, int64_t k0, int BK, int64_t *k1,
+                                      int64_t *cur, const sperm_t *S, float *scv) {
+    *k1 = k0 + BK < A->K ? k0 + BK : A->K;
+    const int64_t grp = k0 / A->gs;
+    if (grp != *cur) {
+        for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, S, scv + 64 * i);
+        *cur = grp;
+    }
+    return (int)((*k1 - k0) / 16);
+}
+
 /* The tile's accumulators to ytile (once per tile, after its last k block; the AVX-512 paths share it):
    lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a. */
 T512 static inline void store_tile512(const __m512 *T, int M, int b0, int b1, float *ytile) {
@@ -404,20 +426,11 @@ T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, cons
         for (int p = 0; p < 16; p++) v[p] = 2 * (p >> 2) + l + 8 * h;
         idx[lh] = _mm512_loadu_si512((const void *)v);
     }
-    for (int i = 0; i < C; i++)
-        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
     sperm_t S;
-    make_sperm(A->grouped, &S);
-    prefetch_head(A, nt0, b0, b1);
+    seg_start512(A, nt0, C, b0, b1, M, T, &S);
     int64_t cur = -1;
-    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
-        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
-        const int nkt = (int)((k1 - k0) / 16);
-        const int64_t grp = k0 / A->gs;
-        if (grp != cur) {
-            for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, &S, scv + 64 * i);
-            cur = grp;
-        }
+    for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
+        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, &S, scv);
         for (int m = 0; m < M; m++) {
             __m512 s = _mm512_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -566,20 +579,11 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
         idx[h] = _mm512_loadu_si512((const void *)v);
     }
     const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80);
-    for (int i = 0; i < C; i++)
-        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
     sperm_t S;
-    make_sperm(A->grouped, &S);
-    prefetch_head(A, nt0, b0, b1);
+    seg_start512(A, nt0, C, b0, b1, M, T, &S);
     int64_t cur = -1;
-    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
-        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
-        const int nkt = (int)((k1 - k0) / 16);
-        const int64_t grp = k0 / A->gs;
-        if (grp != cur) {
-            for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, &S, scv + 64 * i);
-            cur = grp;
-        }
+    for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
+        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, &S, scv);
         for (int m = 0; m < M; m++) {
             __m512 s = _mm512_setzero_ps();
             for (int kt = 0; kt < nkt; kt++) {
@@ -723,20 +727,11 @@ T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
         idx = _mm512_loadu_si512((const void *)v);
     }
     const __m512i ones = _mm512_set1_epi8(1), c128 = _mm512_set1_epi32(128);
-    for (int i = 0; i < C; i++)
-        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
     sperm_t S;
-    make_sperm(A->grouped, &S);
-    prefetch_head(A, nt0, b0, b1);
+    seg_start512(A, nt0, C, b0, b1, M, T, &S);
     int64_t cur = -1;
-    for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
-        const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
-        const int nkt = (int)((k1 - k0) / 16);
-        const int64_t grp = k0 / A->gs;
-        if (grp != cur) {
-            for (int i = 0; i < C; i++) seg_scales512(A, nt0 + i, grp, &S, scv + 64 * i);
-            cur = grp;
-        }
+    for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
+        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, &S, scv);
         for (int m = 0; m < M; m++) {
             __m512 mx = _mm512_setzero_ps();
             __mmask16 nan = 0; /* vmaxps drops a NaN operand: counted apart */
