@@ -634,6 +634,15 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
 #define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 #define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
 
+/* The fixed-point scale of a block whose largest |x| is amax (NaN if it holds a NaN): *sx = amax / VN_QMAX,
+   returns VN_QMAX / amax. A zero block: both 0. A NaN, or amax > 3e38 (inf): *sx NaN or inf and q = 0, so the outputs are
+   not finite either (never finite garbage). */
+static inline float q16_scale(float amax, float *sx) {
+    const int ok = amax > 0.f && amax <= 3.0e38f;
+    *sx = ok ? amax / VN_QMAX : (amax == 0.f ? 0.f : amax * 2.f);
+    return ok ? VN_QMAX / amax : 0.f;
+}
+
 /* acc += u8 a . s8 b as one instruction on the accumulator's register: GCC 12's intrinsic copies the
    accumulator to a fresh register and back around each dot product and spills the copies (measured:
    user shape in L3, one thread, the build box's Zen 4: 26.9 -> 28.1 GB/s at M = 1, 7.2 -> 12.0 at M = 3). */
@@ -741,9 +750,7 @@ T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
                 mx = _mm512_max_ps(mx, ax);
             }
             const float amax = nan ? NAN : _mm512_reduce_max_ps(mx);
-            /* a NaN or inf in x gives a NaN or inf scale, so the output is not finite either (not garbage) */
-            const float inv = amax > 0.f && amax <= 3.0e38f ? VN_QMAX / amax : 0.f;
-            sx[m] = amax > 0.f && amax <= 3.0e38f ? amax / VN_QMAX : (amax == 0.f ? 0.f : amax * 2.f);
+            const float inv = q16_scale(amax, &sx[m]);
             const __m512 vinv = _mm512_set1_ps(inv);
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
             for (int kt = 0; kt < nkt; kt++) {
@@ -879,8 +886,7 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, con
                 amax = v > amax ? v : amax;
             }
             if (nan) amax = NAN;
-            const float inv = amax > 0.f && amax <= 3.0e38f ? VN_QMAX / amax : 0.f;
-            sx[m] = amax > 0.f && amax <= 3.0e38f ? amax / VN_QMAX : (amax == 0.f ? 0.f : amax * 2.f);
+            const float inv = q16_scale(amax, &sx[m]);
             const __m256 vinv = _mm256_set1_ps(inv);
             __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {sh[0], sh[0]};
             for (int kt = 0; kt < nkt; kt++) {
