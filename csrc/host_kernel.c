@@ -635,8 +635,8 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
 #define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
 
 /* The fixed-point scale of a block whose largest |x| is amax (NaN if it holds a NaN): *sx = amax / VN_QMAX,
-   returns VN_QMAX / amax. A zero block: both 0. A NaN, or amax > 3e38 (inf): *sx NaN or inf and q = 0, so the outputs are
-   not finite either (never finite garbage). */
+   returns VN_QMAX / amax. A zero block: both 0. A NaN, or amax > 3e38 (inf): *sx NaN or inf and q = 0, so
+   the outputs are not finite either (never finite garbage). */
 static inline float q16_scale(float amax, float *sx) {
     const int ok = amax > 0.f && amax <= 3.0e38f;
     *sx = ok ? amax / VN_QMAX : (amax == 0.f ? 0.f : amax * 2.f);
