@@ -634,13 +634,16 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
 #define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 #define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
 
-/* The fixed-point scale of a block whose largest |x| is amax (NaN if it holds a NaN): *sx = amax / VN_QMAX,
-   returns VN_QMAX / amax. A zero block: both 0. A NaN, or amax > 3e38 (inf): *sx NaN or inf and q = 0, so
-   the outputs are not finite either (never finite garbage). */
-static inline float q16_scale(float amax, float *sx) {
+/* The fixed-point scale of a block whose largest |x| is amax (NaN if it holds a NaN): q = x * *pre * inv
+   with inv returned, *sx = amax / VN_QMAX. Below 2^-60, *pre = 2^64 (exact) keeps VN_QMAX / amax finite
+   (it overflows below ~1e-34; such blocks occur in the SiLU * up intermediate of tiny rows). A zero block:
+   inv and *sx 0. A NaN, or amax > 3e38 (inf): *sx NaN or inf and q = 0, so the outputs are not finite
+   either (never finite garbage). */
+static inline float q16_scale(float amax, float *sx, float *pre) {
     const int ok = amax > 0.f && amax <= 3.0e38f;
+    *pre = amax < 0x1p-60f ? 0x1p64f : 1.f;
     *sx = ok ? amax / VN_QMAX : (amax == 0.f ? 0.f : amax * 2.f);
-    return ok ? VN_QMAX / amax : 0.f;
+    return ok ? VN_QMAX / (amax * *pre) : 0.f;
 }
 
 /* acc += u8 a . s8 b as one instruction on the accumulator's register: GCC 12's intrinsic copies the
@@ -699,8 +702,9 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
             for (int m = 0; m < MB; m++) {
                 const __m512i *a = acc + ((lb * 2 + g) * MB + m) * 2;
                 __m512i r = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[0], 8), a[1]), _mm512_slli_epi32(xq[m], 3));
-                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(_mm512_mul_ps(sv, _mm512_set1_ps(sx[m])),
-                                                          _mm512_cvtepi32_ps(r), T[(lb * 2 + g) * M + m]);
+                /* sx r first: sx alone may be denormal (tiny blocks), sv sx more so */
+                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(sx[m])),
+                                                          T[(lb * 2 + g) * M + m]);
             }
         }
 }
@@ -750,11 +754,12 @@ T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
                 mx = _mm512_max_ps(mx, ax);
             }
             const float amax = nan ? NAN : _mm512_reduce_max_ps(mx);
-            const float inv = q16_scale(amax, &sx[m]);
-            const __m512 vinv = _mm512_set1_ps(inv);
+            float pre;
+            const __m512 vinv = _mm512_set1_ps(q16_scale(amax, &sx[m], &pre)), vpre = _mm512_set1_ps(pre);
             __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
             for (int kt = 0; kt < nkt; kt++) {
-                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_512(X->xrow[m], k0 + 16 * kt, X->xdt), vinv));
+                __m512i q = _mm512_cvtps_epi32(
+                    _mm512_mul_ps(_mm512_mul_ps(load16_512(X->xrow[m], k0 + 16 * kt, X->xdt), vpre), vinv));
                 __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
                 __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
                 __m512i eh = _mm512_permutexvar_epi8(idx, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(hi)));
@@ -839,7 +844,7 @@ blk256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const _
             __m256i hi = _mm256_madd_epi16(acc[g][m][0], ones), lo = _mm256_madd_epi16(acc[g][m][1], ones);
             __m256i r = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo), _mm256_slli_epi32(xq[c * M + m], 3));
             __m256 *Tp = T + g * M + m;
-            *Tp = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(sx[m])), _mm256_cvtepi32_ps(r), *Tp);
+            *Tp = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(sx[m])), *Tp); /* as blk512vn */
         }
     }
 }
@@ -886,14 +891,15 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, con
                 amax = v > amax ? v : amax;
             }
             if (nan) amax = NAN;
-            const float inv = q16_scale(amax, &sx[m]);
-            const __m256 vinv = _mm256_set1_ps(inv);
+            float pre;
+            const __m256 vinv = _mm256_set1_ps(q16_scale(amax, &sx[m], &pre)), vpre = _mm256_set1_ps(pre);
             __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {sh[0], sh[0]};
             for (int kt = 0; kt < nkt; kt++) {
                 int32_t q[16];
                 for (int half = 0; half < 2; half++)
                     _mm256_storeu_si256((__m256i *)(q + 8 * half),
-                                        _mm256_cvtps_epi32(_mm256_mul_ps(load8_256(X->xrow[m], k0 + 16 * kt + 8 * half, X->xdt), vinv)));
+                                        _mm256_cvtps_epi32(_mm256_mul_ps(
+                                            _mm256_mul_ps(load8_256(X->xrow[m], k0 + 16 * kt + 8 * half, X->xdt), vpre), vinv)));
                 int8_t hb8[16], lb8[16];
                 for (int k = 0; k < 16; k++) {
                     const int hi = (q[k] + 128) >> 8;
