@@ -47,7 +47,7 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 #define MO_HOST_ABI 2
 
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4 };
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -71,9 +71,9 @@ int mo_host_isa_available(int isa) {
     __builtin_cpu_init();
     if (isa == ISA_AVX512BF16) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
                                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-    if (isa == ISA_AVX512VNNI) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512vnni") &&
-                                      __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw") &&
-                                      __builtin_cpu_supports("avx512vl");
+    if (isa == ISA_AVX512VNNI) return mo_host_isa_available(ISA_AVX512VNNI_NOVBMI) && __builtin_cpu_supports("avx512vbmi");
+    if (isa == ISA_AVX512VNNI_NOVBMI) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512vnni") &&
+                                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                                   __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -620,7 +620,7 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
 
-/* ------------------------------------------------------------------ AVX-512 VNNI + VBMI (integer dot products) */
+/* ------------------------------------------------------------------ AVX-512 VNNI (integer dot products), with or without VBMI */
 /* The same tiles with vpdpbusd (4 u8 x s8 products per 32-bit lane). The four nibbles of one column in a
    word (g fixed: t = 2g + h + 4l, k = 8h + 2a + l) are one lane's four bytes after one vpmultishiftqb
    (bytes at bit offsets 0, 4, 16, 20 of each dword for g = 0; 8, 12, 24, 28 for g = 1) and one AND with
@@ -630,8 +630,11 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
    bytes hi = (q + 128) >> 8 and lo = q - 256 hi, each with its own accumulator; the block's integer sum
    256 acc_hi + acc_lo - 8 sum q is exact in int32, converted to fp32 once per block and scaled by
    s_w max|x| / 32639. Error per x element <= max|x| / 65278 (x in bf16 rounds at 2^-9 of itself); the
-   fp32 intermediate of phase 2 the same way. */
-#define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+   fp32 intermediate of phase 2 the same way. Without VBMI (Cascade / Cooper Lake: path avx512vnni-novbmi)
+   a shift, a ternary-logic select and an AND per g take the shuffle's place (and two shifts for g = 1).
+   Both variants are compiled without the VBMI target (the shuffle is inline asm, used only where the CPU
+   has it), so one body serves both. */
+#define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
 
 /* The fixed-point scale of a block whose largest |x| is amax (NaN if it holds a NaN): q = x * *pre * inv
@@ -654,6 +657,22 @@ T512VN static inline __m512i dot_u8s8(__m512i acc, __m512i a, __m512i b) {
     return acc;
 }
 
+/* Column g's four nibbles of each dword of w in its four bytes (k = 2a, 2a + 8, 2a + 1, 2a + 9). VB: with
+   VBMI's vpmultishiftqb (bytes at bit offsets 0, 4, 16, 20, or 8, 12, 24, 28), else (w & 0x000F000F) |
+   (w << 4 & 0x0F000F00) for g = 0 and the same of w >> 8 for g = 1, as one select and one AND. */
+T512VN static inline __attribute__((always_inline)) __m512i nibbles_vn(__m512i w, const int g, const int VB) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    if (VB) {
+        const __m512i ctl = g ? _mm512_set1_epi64(0x3C382C281C180C08LL) : _mm512_set1_epi64(0x3430242014100400LL);
+        __m512i r;
+        __asm__("vpmultishiftqb %2, %1, %0" : "=v"(r) : "v"(ctl), "vm"(w));
+        return _mm512_and_si512(r, m15);
+    }
+    const __m512i lo = g ? _mm512_srli_epi32(w, 8) : w, hi = g ? _mm512_srli_epi32(w, 4) : _mm512_slli_epi32(w, 4);
+    /* 0xE4 = c ? a : b: lo's bits where 0x000F000F, hi's elsewhere; the AND keeps the low nibbles */
+    return _mm512_and_si512(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi32(0x000F000F), 0xE4), m15);
+}
+
 /* Lines per pass for MB <= 3 rows: 4 * LB * MB int32 accumulators (hi, lo; g = 0, 1) <= 24. */
 static inline int vn_lines(int mb, int width) {
     int lb = mb == 1 ? 4 : 2;
@@ -665,9 +684,7 @@ static inline int vn_lines(int mb, int width) {
    lo][M] byte vectors; xq: [M] per-lane sums of q; sx: [M] x scales. T += s_w sx (256 hi + lo - 8 xq). */
 T512VN static inline __attribute__((always_inline)) void
 blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M,
-         const __m512i *xq, const float *sx, __m512 *T, const float *scv, const int LB, const int MB) {
-    const __m512i c0 = _mm512_set1_epi64(0x3430242014100400LL), c1 = _mm512_set1_epi64(0x3C382C281C180C08LL);
-    const __m512i m15 = _mm512_set1_epi8(15);
+         const __m512i *xq, const float *sx, __m512 *T, const float *scv, const int LB, const int MB, const int VB) {
     __m512i acc[24]; /* [LB][g][MB][hi, lo]: LB * MB <= 6 */
 #pragma GCC unroll 24
     for (int i = 0; i < 4 * LB * MB; i++) acc[i] = _mm512_setzero_si512();
@@ -681,8 +698,7 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 4
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
-            __m512i w0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(c0, wv), m15);
-            __m512i w1 = _mm512_and_si512(_mm512_multishift_epi64_epi8(c1, wv), m15);
+            __m512i w0 = nibbles_vn(wv, 0, VB), w1 = nibbles_vn(wv, 1, VB);
 #pragma GCC unroll 4
             for (int m = 0; m < MB; m++)
 #pragma GCC unroll 2
@@ -711,17 +727,21 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 
 #define MO_VN_CASES(F) F(1, 4) F(1, 2) F(1, 1) F(2, 2) F(2, 1) F(3, 2) F(3, 1)
 
-T512VN static void run512vn(int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+T512VN static void run512vn(int vb, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
                             const __m512i *xe, int M, const __m512i *xq, const float *sx, __m512 *T, const float *scv) {
 #define F(MBV, LBV)                                                                                            \
-    if (mb == MBV && lb == LBV) { blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV); return; }
+    if (mb == MBV && lb == LBV) {                                                                              \
+        if (vb) blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 1);                             \
+        else blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 0);                                \
+        return;                                                                                                \
+    }
     MO_VN_CASES(F)
 #undef F
 }
 
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
-T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
-                            float *scratch) {
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1); vb: VBMI. */
+T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+                             float *scratch, int vb) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
     __m512i *xe = (__m512i *)scratch;       /* [8 kt][hi, lo][M] */
@@ -731,7 +751,7 @@ T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
     float *scv = (float *)(T + 16 * M * C); /* [C][64] */
     const int BK = block_k(A);
     const int nb = (M + 2) / 3, MB = (M + nb - 1) / nb; /* rows per pass <= 3 (measured: 4 is slower) */
-    __m512i idx; /* byte 4p + e of a lane p = 4a + j: x of k = 2a + (0, 8, 1, 9)[e] */
+    __m512i idx; /* byte 4j + e of 128-bit lane a (lane p = 4a + j): x of k = 2a + (0, 8, 1, 9)[e]; vpshufb */
     {
         uint8_t v[64];
         static const int ke[4] = {0, 8, 1, 9};
@@ -762,8 +782,9 @@ T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
                     _mm512_mul_ps(_mm512_mul_ps(load16_512(X->xrow[m], k0 + 16 * kt, X->xdt), vpre), vinv));
                 __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
                 __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
-                __m512i eh = _mm512_permutexvar_epi8(idx, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(hi)));
-                __m512i el = _mm512_permutexvar_epi8(idx, _mm512_castsi128_si512(_mm512_cvtepi32_epi8(lo)));
+                /* the block's 16 bytes in every 128-bit lane, then each lane picks its a's */
+                __m512i eh = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(hi)), idx);
+                __m512i el = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(lo)), idx);
                 _mm512_store_si512((void *)(xe + (kt * 2 + 0) * M + m), eh);
                 _mm512_store_si512((void *)(xe + (kt * 2 + 1) * M + m), el);
                 sh = _mm512_dpbusd_epi32(sh, ones, eh);
@@ -778,13 +799,20 @@ T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
                 const int mb = M - m0 < MB ? M - m0 : MB;
                 for (int b = b0, lb; b < b1; b += lb) {
                     lb = vn_lines(mb, b1 - b);
-                    run512vn(mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
+                    run512vn(vb, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
                              xq + m0, sx + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
                 }
             }
         }
     }
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
+}
+
+T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
+    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 1);
+}
+T512VN static void seg512vs(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
+    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 0);
 }
 
 /* ------------------------------------------------------------------ AVX2 (+FMA, F16C): integer dot products */
@@ -960,6 +988,7 @@ static void seg_plain(const mat_t *A, int64_t nt0, int C, int b0, int b1, const 
 static seg_fn pick_seg(int isa) {
 #if MO_X86
     if (isa == ISA_AVX512VNNI) return seg512vn;
+    if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vs;
     if (isa == ISA_AVX512BF16) return seg512bf;
     if (isa == ISA_AVX512) return seg512;
     if (isa == ISA_AVX2) return seg256i;

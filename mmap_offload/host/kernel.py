@@ -1,6 +1,6 @@
 """W4A16 expert MLPs on the host, straight from the Marlin words of the cache (csrc/host_kernel.c).
 
-    k = HostKernel(threads=0, isa="auto")     # its own pthread pool; isa auto|avx512vnni|avx512bf16|avx512|avx2|plain
+    k = HostKernel(threads=0, isa="auto")     # its own pthread pool; isa auto or a path (ISAS, below)
     y = k.expert_mlp(x, w13, s13, w2, s2, group=128)            # [M, H] = down(silu(gate(x)) * up(x))
     k.expert_mlp(x, w13, s13, w2, s2, group=128, out=y, accumulate_weight=0.3)   # y += 0.3 * ...
     k.experts_mlp(x, [(rows, w13, s13, w2, s2, group, weights), ...], out)       # one call per layer
@@ -21,21 +21,24 @@ fine), never copied; the C call releases the GIL.
 Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2; the
 ``avx512bf16`` path feeds it to the dot products as hi + lo bf16, ~16 significant bits), one rounding to
 x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding). The
-``avx512vnni`` and ``avx2`` paths take x (and the intermediate) as 16-bit fixed point per row and k block
-of <= 128: the error per element is at most 1/65278 of the block's largest |x|, about bf16's own
-rounding of x at values 1/128 of that largest; integer sums are exact, then scaled in fp32. Every path
-meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest output), outlier channels included.
+integer paths (``avx512vnni``, ``avx512vnni-novbmi``, ``avx2``) take x (and the intermediate) as 16-bit
+fixed point per row and k block of <= 128: the error per element is at most 1/65278 of the block's
+largest |x|, about bf16's own rounding of x at values 1/128 of that largest; integer sums are exact, then
+scaled in fp32. Every path meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest
+output), outlier channels included.
 
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
 this object's; its workers spin briefly after a call, then sleep. ISA paths, fastest first:
 ``avx512vnni`` (AVX-512 VNNI + VBMI, vpdpbusd: one column's four nibbles of a word are one lane's four
 bytes after one vpmultishiftqb, x as two signed bytes; half the shuffling work of the bf16 path),
+``avx512vnni-novbmi`` (the same without VBMI, a shift, a select and an AND in the shuffle's place:
+Cascade Lake, Cooper Lake),
 ``avx512bf16`` (AVX-512 with vdpbf16ps: two nibbles per dot-product lane, exact bf16 products; x that
 is not bf16 is split into two bf16 parts), ``avx512`` (fp32 FMA per nibble), ``avx2`` (the avx512vnni
 scheme with vpmaddubsw: x in the same 16-bit fixed point), ``plain`` (C).
 ``auto`` takes the first the CPU has (the order is measured on the build box's Zen 4; docs/BENCHMARKS.md,
-"Host compute", session 15); ``MMAP_OFFLOAD_HOST_ISA=avx512vnni|avx512bf16|avx512|avx2|plain`` (or
-``isa=``) forces one, and a forced one the CPU lacks raises UnsupportedError.
+"Host compute", session 15); ``MMAP_OFFLOAD_HOST_ISA=<path>`` (or ``isa=``) forces one, and a forced one
+the CPU lacks raises UnsupportedError.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ from ..errors import UnsupportedError
 
 __all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
-ISAS = ("avx512vnni", "avx512bf16", "avx512", "avx2", "plain")  # fastest first (build box, BENCHMARKS.md)
-_ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4}
+# fastest first (the build box; BENCHMARKS.md "Host compute", session 15)
+ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bf16", "avx512", "avx2", "plain")
+_ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4, "avx512vnni-novbmi": 5}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 
@@ -138,7 +142,7 @@ class HostKernel:
             want = available_isas()[0]
         elif want not in _ISA_CODE:
             raise UnsupportedError(f"unknown host kernel ISA {want!r}",
-                                   "use auto, avx512vnni, avx512bf16, avx512, avx2 or plain (isa= or MMAP_OFFLOAD_HOST_ISA)")
+                                   f"use auto or one of {', '.join(ISAS)} (isa= or MMAP_OFFLOAD_HOST_ISA)")
         elif not lib.mo_host_isa_available(_ISA_CODE[want]):
             raise UnsupportedError(f"the host kernel's {want} path needs CPU features this CPU lacks "
                                    f"(it has: {', '.join(available_isas())})",
