@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"# dram read ({t} threads): {dram[t] / 1e9:.1f} GB/s")
 
     rows = []
-    hdr = (f"{'shape':>10} {'isa':>10} {'thr':>4} {'M':>3} {'host GB/s':>10} {'torch GB/s':>10} {'dram GB/s':>9} "
+    hdr = (f"{'shape':>10} {'isa':>17} {'thr':>4} {'M':>3} {'host GB/s':>10} {'torch GB/s':>10} {'dram GB/s':>9} "
            f"{'host/dram':>9} {'host/torch':>10}")
     print(hdr)
     for name, h, i in shapes:
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
                     rows.append(row)
                     tt = "-" if tor is None else f"{tor / 1e9:10.1f}"
                     ht = "-" if tor is None else f"{host / tor:9.2f}x"
-                    print(f"{name:>10} {k.isa:>10} {t:>4} {m:>3} {host / 1e9:10.1f} {tt:>10} {dram[t] / 1e9:9.1f} "
+                    print(f"{name:>10} {k.isa:>17} {t:>4} {m:>3} {host / 1e9:10.1f} {tt:>10} {dram[t] / 1e9:9.1f} "
                           f"{100 * host / dram[t]:8.0f}% {ht:>10}", flush=True)
             for k in kernels:
                 k.close()
