@@ -47,7 +47,8 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 #define MO_HOST_ABI 2
 
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5 };
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5,
+       ISA_AVX512BW = 6 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -72,8 +73,9 @@ int mo_host_isa_available(int isa) {
     if (isa == ISA_AVX512BF16) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
                                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX512VNNI) return mo_host_isa_available(ISA_AVX512VNNI_NOVBMI) && __builtin_cpu_supports("avx512vbmi");
-    if (isa == ISA_AVX512VNNI_NOVBMI) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512vnni") &&
-                                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    if (isa == ISA_AVX512VNNI_NOVBMI) return mo_host_isa_available(ISA_AVX512BW) && __builtin_cpu_supports("avx512vnni");
+    if (isa == ISA_AVX512BW) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bw") &&
+                                    __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
                                   __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -632,9 +634,11 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
    s_w max|x| / 32639. Error per x element <= max|x| / 65278 (x in bf16 rounds at 2^-9 of itself); the
    fp32 intermediate of phase 2 the same way. Without VBMI (Cascade / Cooper Lake: path avx512vnni-novbmi)
    a shift, a ternary-logic select and an AND per g take the shuffle's place (and two shifts for g = 1).
-   Both variants are compiled without the VBMI target (the shuffle is inline asm, used only where the CPU
-   has it), so one body serves both. */
-#define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+   Without VNNI either (Skylake-SP: path avx512bw) vpmaddubsw + a 16-bit add take vpdpbusd's place, summed
+   in 16 bits over the block's <= 8 k tiles (<= 30720) and widened once per block (as the avx2 path). One
+   body serves the three, compiled for AVX-512BW alone: the VBMI shuffle and the VNNI dot product are
+   inline asm, run only where the CPU has them. */
+#define T512VN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define VN_QMAX 32639.f /* q = 256 hi + lo with hi, lo in [-128, 127] */
 
 /* The fixed-point scale of a block whose largest |x| is amax (NaN if it holds a NaN): q = x * *pre * inv
@@ -655,6 +659,11 @@ static inline float q16_scale(float amax, float *sx, float *pre) {
 T512VN static inline __m512i dot_u8s8(__m512i acc, __m512i a, __m512i b) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
     return acc;
+}
+
+/* acc += u8 a . s8 b in 16-bit lanes, a pair of products each (no VNNI) */
+T512VN static inline __m512i dot_u8s8_16(__m512i acc, __m512i a, __m512i b) {
+    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(a, b));
 }
 
 /* Column g's four nibbles of each dword of w in its four bytes (k = 2a, 2a + 8, 2a + 1, 2a + 9). VB: with
@@ -684,7 +693,8 @@ static inline int vn_lines(int mb, int width) {
    lo][M] byte vectors; xq: [M] per-lane sums of q; sx: [M] x scales. T += s_w sx (256 hi + lo - 8 xq). */
 T512VN static inline __attribute__((always_inline)) void
 blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M,
-         const __m512i *xq, const float *sx, __m512 *T, const float *scv, const int LB, const int MB, const int VB) {
+         const __m512i *xq, const float *sx, __m512 *T, const float *scv, const int LB, const int MB, const int VB,
+         const int VNNI) {
     __m512i acc[24]; /* [LB][g][MB][hi, lo]: LB * MB <= 6 */
 #pragma GCC unroll 24
     for (int i = 0; i < 4 * LB * MB; i++) acc[i] = _mm512_setzero_si512();
@@ -704,8 +714,9 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 2
                 for (int p = 0; p < 2; p++) {
                     __m512i xv = _mm512_load_si512((const void *)(xk + p * M + m));
-                    acc[((lb * 2 + 0) * MB + m) * 2 + p] = dot_u8s8(acc[((lb * 2 + 0) * MB + m) * 2 + p], w0, xv);
-                    acc[((lb * 2 + 1) * MB + m) * 2 + p] = dot_u8s8(acc[((lb * 2 + 1) * MB + m) * 2 + p], w1, xv);
+                    __m512i *a0 = acc + ((lb * 2 + 0) * MB + m) * 2 + p, *a1 = acc + ((lb * 2 + 1) * MB + m) * 2 + p;
+                    *a0 = VNNI ? dot_u8s8(*a0, w0, xv) : dot_u8s8_16(*a0, w0, xv);
+                    *a1 = VNNI ? dot_u8s8(*a1, w1, xv) : dot_u8s8_16(*a1, w1, xv);
                 }
         }
     }
@@ -716,8 +727,9 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
             __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
 #pragma GCC unroll 4
             for (int m = 0; m < MB; m++) {
-                const __m512i *a = acc + ((lb * 2 + g) * MB + m) * 2;
-                __m512i r = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[0], 8), a[1]), _mm512_slli_epi32(xq[m], 3));
+                const __m512i *a = acc + ((lb * 2 + g) * MB + m) * 2, ones = _mm512_set1_epi16(1);
+                const __m512i ahi = VNNI ? a[0] : _mm512_madd_epi16(a[0], ones), alo = VNNI ? a[1] : _mm512_madd_epi16(a[1], ones);
+                __m512i r = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ahi, 8), alo), _mm512_slli_epi32(xq[m], 3));
                 /* sx r first: sx alone may be denormal (tiny blocks), sv sx more so */
                 T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(sx[m])),
                                                           T[(lb * 2 + g) * M + m]);
@@ -727,21 +739,24 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 
 #define MO_VN_CASES(F) F(1, 4) F(1, 2) F(1, 1) F(2, 2) F(2, 1) F(3, 2) F(3, 1)
 
-T512VN static void run512vn(int vb, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+/* kind: 2 = VBMI + VNNI, 1 = VNNI, 0 = neither */
+T512VN static void run512vn(int kind, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
                             const __m512i *xe, int M, const __m512i *xq, const float *sx, __m512 *T, const float *scv) {
 #define F(MBV, LBV)                                                                                            \
     if (mb == MBV && lb == LBV) {                                                                              \
-        if (vb) blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 1);                             \
-        else blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 0);                                \
+        if (kind == 2) blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 1, 1);                   \
+        else if (kind == 1) blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 0, 1);              \
+        else blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 0, 0);                             \
         return;                                                                                                \
     }
     MO_VN_CASES(F)
 #undef F
 }
 
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1); vb: VBMI. */
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1); kind: as
+   run512vn. */
 T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
-                             float *scratch, int vb) {
+                             float *scratch, int kind) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
     __m512i *xe = (__m512i *)scratch;       /* [8 kt][hi, lo][M] */
@@ -759,7 +774,7 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
             for (int e = 0; e < 4; e++) v[4 * p + e] = (uint8_t)(2 * (p >> 2) + ke[e]);
         idx = _mm512_loadu_si512((const void *)v);
     }
-    const __m512i ones = _mm512_set1_epi8(1), c128 = _mm512_set1_epi32(128);
+    const __m512i ones = _mm512_set1_epi8(1), ones16 = _mm512_set1_epi16(1), c128 = _mm512_set1_epi32(128);
     sperm_t S;
     seg_start512(A, nt0, C, b0, b1, M, T, &S);
     int64_t cur = -1;
@@ -787,8 +802,8 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
                 __m512i el = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm512_cvtepi32_epi8(lo)), idx);
                 _mm512_store_si512((void *)(xe + (kt * 2 + 0) * M + m), eh);
                 _mm512_store_si512((void *)(xe + (kt * 2 + 1) * M + m), el);
-                sh = _mm512_dpbusd_epi32(sh, ones, eh);
-                sl = _mm512_dpbusd_epi32(sl, ones, el);
+                sh = _mm512_add_epi32(sh, _mm512_madd_epi16(_mm512_maddubs_epi16(ones, eh), ones16));
+                sl = _mm512_add_epi32(sl, _mm512_madd_epi16(_mm512_maddubs_epi16(ones, el), ones16));
             }
             xq[m] = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
         }
@@ -799,7 +814,7 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
                 const int mb = M - m0 < MB ? M - m0 : MB;
                 for (int b = b0, lb; b < b1; b += lb) {
                     lb = vn_lines(mb, b1 - b);
-                    run512vn(vb, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
+                    run512vn(kind, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
                              xq + m0, sx + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
                 }
             }
@@ -809,9 +824,12 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
 }
 
 T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
-    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 1);
+    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 2);
 }
 T512VN static void seg512vs(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
+    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 1);
+}
+T512VN static void seg512bw(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
     seg512vn_(A, nt0, C, b0, b1, X, y, scr, 0);
 }
 
@@ -989,6 +1007,7 @@ static seg_fn pick_seg(int isa) {
 #if MO_X86
     if (isa == ISA_AVX512VNNI) return seg512vn;
     if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vs;
+    if (isa == ISA_AVX512BW) return seg512bw;
     if (isa == ISA_AVX512BF16) return seg512bf;
     if (isa == ISA_AVX512) return seg512;
     if (isa == ISA_AVX2) return seg256i;
