@@ -682,7 +682,7 @@ T512VN static inline __attribute__((always_inline)) __m512i nibbles_vn(__m512i w
     return _mm512_and_si512(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi32(0x000F000F), 0xE4), m15);
 }
 
-/* Lines per pass for MB <= 3 rows: 4 * LB * MB int32 accumulators (hi, lo; g = 0, 1) <= 24. */
+/* Lines per pass for MB <= 3 rows: 4 * LB * MB accumulators (hi, lo; g = 0, 1) <= 24. */
 static inline int vn_lines(int mb, int width) {
     int lb = mb == 1 ? 4 : 2;
     while (lb > width) lb >>= 1;
