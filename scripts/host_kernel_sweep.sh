@@ -12,7 +12,7 @@
 # ARGS: bench_host_kernel.py's arguments; OUT: a folder
 # for sweep.json (each variant's flags and bench JSON) and sweep.md (a table: GB/s per variant, shape,
 # threads, M, and % of DRAM): two files, so a device call returns them all.
-# Knobs of csrc/host_kernel.c: PF_DIST (tiles the software prefetch runs ahead, 1), PF_HINT
+# Knobs of csrc/host_kernel.c: PF_DIST (tiles the software prefetch runs ahead, 1; 0: none), PF_HINT
 # (_MM_HINT_T1, the default since session 13, or _MM_HINT_T0 ...), SEG_MAX (tiles per segment at most, 16), SEG_TM (tiles x rows, 128),
 # BF_MB (rows per register pass, 8); DIAG_LOADS_ONLY (a diagnostic: the same reads without the arithmetic,
 # WRONG results: how much of the rate the arithmetic costs). BENCHMARKS.md "Host compute" says which were tried where.
