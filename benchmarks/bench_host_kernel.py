@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmap_offload.host.kernel import HostKernel, available_isas  # noqa: E402
+from mmap_offload.host.kernel import ISAS, HostKernel, available_isas  # noqa: E402
 from mmap_offload.native import library_status  # noqa: E402
 
 SHAPES = {"mixtral": (4096, 14336), "user": (5120, 768)}
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="experts per experts_mlp call (0: enough for >= 32 MB per call, at most 8)")
     ap.add_argument("--seconds", type=float, default=0.5, help="timing per measurement")
     ap.add_argument("--isa", default="auto",
-                    help="host kernel path(s): auto, all, or names (avx512vnni, avx512bf16, avx512, avx2, plain), "
-                         "comma-separated; the bars are the first one's")
+                    help=f"host kernel path(s): auto, all, or names ({', '.join(ISAS)}), comma-separated; "
+                         "the bars are the first one's")
     ap.add_argument("--no-torch", action="store_true", help="skip torch's int4 kernel")
     ap.add_argument("--timer", choices=("wall", "thread"), default="wall",
                     help="wall: elapsed time; thread: CPU time of the calling thread (1-thread rows only, where "
