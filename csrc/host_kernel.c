@@ -268,6 +268,34 @@ static inline const uint32_t *next_tile(const mat_t *A, const uint32_t *row0, in
     return k1 < A->K ? row0 + nkt * stride + 128 * (i + PF_DIST - C) : NULL;
 }
 
+/* One register pass of an AVX-512 path (run512, run512bf, run512vn): v is the path's own variant (x parts,
+   CPU kind); xe and xs (the expanded x and its sums) start at the pass's first row, sx (x scales of the
+   integer paths, else NULL) too; T: the pass's accumulators; all vectors 64 bytes. */
+typedef void (*pass512_fn)(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                           const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv);
+
+/* The passes of one k block [k0, k1) (nkt k tiles) over a segment's C tiles, shared by the AVX-512 paths:
+   per tile, rows in passes of MB, lines in passes of lines(mb, lines left); the first row pass prefetches
+   the tile read next (next_tile). */
+static void tiles512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int64_t k0, int64_t k1, int nkt, int M,
+                     int MB, int (*lines)(int, int), pass512_fn pass, int v, const void *xe, const void *xs,
+                     const float *sx, void *T, const float *scv) {
+    const int64_t stride = A->N / 64 * 128;
+    const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
+    for (int i = 0; i < C; i++) {
+        const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB;
+            for (int b = b0, lb; b < b1; b += lb) {
+                lb = lines(mb, b1 - b);
+                pass(v, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt,
+                     (const char *)xe + 64 * (size_t)m0, M, (const char *)xs + 64 * (size_t)m0, sx ? sx + m0 : NULL,
+                     (char *)T + 64 * ((size_t)i * 16 * M + (size_t)b * 2 * M + m0), scv + 64 * i + b * 8);
+            }
+        }
+    }
+}
+
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
@@ -404,8 +432,10 @@ static inline int lines_per_pass(int mb, int width) {
     F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
     F(7, 1) F(8, 1)
 
-T512 static void run512(int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                        const __m512 *xe, int M, const __m512 *xs, __m512 *T, const float *scv) {
+T512 static void run512(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                        const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv) {
+    (void)v;
+    (void)sx;
 #define F(MBV, LBV)                                                                                            \
     if (mb == MBV && lb == LBV) { blk512(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV); return; }
     MO_BLK_CASES(F)
@@ -415,7 +445,6 @@ T512 static void run512(int mb, int lb, const uint32_t *wb, const uint32_t *pf, 
 /* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
 T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scratch) {
     const int M = X->M;
-    const int64_t NT = A->N / 64, stride = NT * 128;
     __m512 *xe = (__m512 *)scratch;         /* [8 kt][4 lh][M] */
     __m512 *xs = xe + 32 * M;               /* [M] */
     __m512 *T = xs + M;                     /* [C][8 b][2 g][M] */
@@ -445,18 +474,7 @@ T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, cons
             }
             xs[m] = s;
         }
-        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
-        for (int i = 0; i < C; i++) {
-            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                const int mb = M - m0 < MB ? M - m0 : MB;
-                for (int b = b0, lb; b < b1; b += lb) {
-                    lb = lines_per_pass(mb, b1 - b);
-                    run512(mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M, xs + m0,
-                           T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
-                }
-            }
-        }
+        tiles512(A, nt0, C, b0, b1, k0, k1, nkt, M, MB, lines_per_pass, run512, 0, xe, xs, NULL, T, scv);
     }
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
@@ -470,16 +488,11 @@ T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, cons
    into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
 #define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
 
-
-/* Lines and rows per register pass of the bf16 blocks: 2 * LB * MB accumulators. */
+/* Rows per register pass of the bf16 blocks (lines per pass: lines_per_pass, as the fp32 path): 2 * LB * MB
+   accumulators. */
 #ifndef BF_MB
 #define BF_MB 8 /* rows per register pass (2 LB MB accumulators: 16 at MB = 8) */
 #endif
-static inline int bf_lines(int mb, int width) {
-    int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
-    while (lb > width) lb >>= 1; /* a power of two within the lines left */
-    return lb;
-}
 
 /* LB consecutive lines (b .. b + LB - 1) x MB rows over the block's nkt k-tiles, k-tile rows read in order
    (LB * 64 contiguous bytes each); one accumulator per (line, g, row). pf (or NULL): the same lines of the
@@ -551,8 +564,11 @@ blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
         }
 }
 
-T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                            const __m512i *xe, int M, const __m512 *xs, __m512 *T, const float *scv) {
+/* v: x parts (NS) */
+T512BF static void run512bf(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                            const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv) {
+    const int ns = v;
+    (void)sx;
 #define F(MBV, LBV)                                                                                            \
     if (mb == MBV && lb == LBV) {                                                                              \
         if (ns == 1) blk512bf(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 1);                            \
@@ -567,7 +583,6 @@ T512BF static void run512bf(int mb, int lb, int ns, const uint32_t *wb, const ui
 T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
                             float *scratch) {
     const int M = X->M, NS = X->xdt == DT_BF16 ? 1 : 2;
-    const int64_t NT = A->N / 64, stride = NT * 128;
     __m512i *xe = (__m512i *)scratch;     /* [8 kt][2 h][NS][M] */
     __m512 *xs = (__m512 *)(xe + 32 * M); /* [M] */
     __m512 *T = xs + M;                   /* [C][8 b][2 g][M] */
@@ -606,18 +621,7 @@ T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, 
             }
             xs[m] = s;
         }
-        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
-        for (int i = 0; i < C; i++) {
-            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                const int mb = M - m0 < MB ? M - m0 : MB;
-                for (int b = b0, lb; b < b1; b += lb) {
-                    lb = bf_lines(mb, b1 - b);
-                    run512bf(mb, lb, NS, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
-                              xs + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
-                }
-            }
-        }
+        tiles512(A, nt0, C, b0, b1, k0, k1, nkt, M, MB, lines_per_pass, run512bf, NS, xe, xs, NULL, T, scv);
     }
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
@@ -739,9 +743,11 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 
 #define MO_VN_CASES(F) F(1, 4) F(1, 2) F(1, 1) F(2, 2) F(2, 1) F(3, 2) F(3, 1)
 
-/* kind: 2 = VBMI + VNNI, 1 = VNNI, 0 = neither */
-T512VN static void run512vn(int kind, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                            const __m512i *xe, int M, const __m512i *xq, const float *sx, __m512 *T, const float *scv) {
+/* v: the CPU's kind, 2 = VBMI + VNNI, 1 = VNNI, 0 = neither; xs: the rows' sums of q */
+T512VN static void run512vn(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                            const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv) {
+    const int kind = v;
+    const __m512i *xq = xs;
 #define F(MBV, LBV)                                                                                            \
     if (mb == MBV && lb == LBV) {                                                                              \
         if (kind == 2) blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 1, 1);                   \
@@ -758,7 +764,6 @@ T512VN static void run512vn(int kind, int mb, int lb, const uint32_t *wb, const 
 T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
                              float *scratch, int kind) {
     const int M = X->M;
-    const int64_t NT = A->N / 64, stride = NT * 128;
     __m512i *xe = (__m512i *)scratch;       /* [8 kt][hi, lo][M] */
     float *sx = (float *)(xe + 16 * M);     /* [M] (within xe's 32 M vectors) */
     __m512i *xq = xe + 32 * M;              /* [M] */
@@ -807,18 +812,7 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
             }
             xq[m] = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
         }
-        const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
-        for (int i = 0; i < C; i++) {
-            const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                const int mb = M - m0 < MB ? M - m0 : MB;
-                for (int b = b0, lb; b < b1; b += lb) {
-                    lb = vn_lines(mb, b1 - b);
-                    run512vn(kind, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
-                             xq + m0, sx + m0, T + i * 16 * M + b * 2 * M + m0, scv + 64 * i + b * 8);
-                }
-            }
-        }
+        tiles512(A, nt0, C, b0, b1, k0, k1, nkt, M, MB, vn_lines, run512vn, kind, xe, xq, sx, T, scv);
     }
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
