@@ -481,7 +481,8 @@ def test_tiny_rows_keep_their_relative_accuracy(isa):
     """A row of x at 1e-20 (its SiLU * up intermediate near 1e-36, where the integer paths' fixed-point
     scale 32639 / max|x| overflows fp32 unless pre-scaled) is as right, relative to its own size, as an
     ordinary row beside it. Not avx512bf16: vdpbf16ps reads denormal bf16 as 0, and the lo part of such an
-    intermediate is denormal (0.8% off there; that path runs only where VBMI is missing: Cooper Lake)."""
+    intermediate is denormal (0.8% off there; auto takes that path on no known CPU: every one with BF16 has
+    VNNI)."""
     cache, weights = expert(256, 128, 64)
     k = kernel(2, isa)
     x = rand_x(2, 256, torch.float32, seed=13)
