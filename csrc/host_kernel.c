@@ -47,8 +47,8 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 #define MO_HOST_ABI 2
 
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5,
-       ISA_AVX512BW = 6 };
+/* 2 was the fp32 AVX-512 path, removed in session 15 (avx512bw ahead of it at every M measured) */
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5, ISA_AVX512BW = 6 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -67,17 +67,21 @@ typedef struct {
 
 int mo_host_abi(void) { return MO_HOST_ABI; }
 
+#if MO_X86
+/* What every AVX-512 path needs (its x loads and scale handling use AVX2, FMA and F16C too). */
+static int cpu_avx512(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#endif
+
 int mo_host_isa_available(int isa) {
 #if MO_X86
     __builtin_cpu_init();
-    if (isa == ISA_AVX512BF16) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
-                                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    if (isa == ISA_AVX512BF16) return cpu_avx512() && __builtin_cpu_supports("avx512bf16");
     if (isa == ISA_AVX512VNNI) return mo_host_isa_available(ISA_AVX512VNNI_NOVBMI) && __builtin_cpu_supports("avx512vbmi");
     if (isa == ISA_AVX512VNNI_NOVBMI) return mo_host_isa_available(ISA_AVX512BW) && __builtin_cpu_supports("avx512vnni");
-    if (isa == ISA_AVX512BW) return mo_host_isa_available(ISA_AVX512) && __builtin_cpu_supports("avx512bw") &&
-                                    __builtin_cpu_supports("avx512vl");
-    if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                                  __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX512BW) return cpu_avx512();
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                 __builtin_cpu_supports("f16c");
 #endif
@@ -268,7 +272,7 @@ static inline const uint32_t *next_tile(const mat_t *A, const uint32_t *row0, in
     return k1 < A->K ? row0 + nkt * stride + 128 * (i + PF_DIST - C) : NULL;
 }
 
-/* One register pass of an AVX-512 path (run512, run512bf, run512vn): v is the path's own variant (x parts,
+/* One register pass of an AVX-512 path (run512bf, run512vn): v is the path's own variant (x parts,
    CPU kind); xe and xs (the expanded x and its sums) start at the pass's first row, sx (x scales of the
    integer paths, else NULL) too; T: the pass's accumulators; all vectors 64 bytes. */
 typedef void (*pass512_fn)(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
@@ -373,54 +377,6 @@ T512 static inline void store_tile512(const __m512 *T, int M, int b0, int b1, fl
             }
 }
 
-/* LB consecutive lines x MB rows over the block's nkt k-tiles (rows read in order), fp32 FMA per nibble:
-   one accumulator per (line, g, row), LB * MB <= 8; then T += s (acc - 8 xs). */
-T512 static inline __attribute__((always_inline)) void
-blk512(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512 *xe, int M, const __m512 *xs,
-       __m512 *T, const float *scv, const int LB, const int MB) {
-    __m512 acc[8][2][8]; /* [LB][g][MB] used */
-#pragma GCC unroll 8
-    for (int lb = 0; lb < LB; lb++)
-#pragma GCC unroll 2
-        for (int g = 0; g < 2; g++)
-#pragma GCC unroll 8
-            for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_setzero_ps();
-    const __m512i mask = _mm512_set1_epi32(0x00780000), one = _mm512_set1_epi32(0x3F800000);
-    for (int kt = 0; kt < nkt; kt++) {
-        const uint32_t *wk = wb + kt * stride;
-        const __m512 *xk = xe + kt * 4 * M;
-        if (pf) {
-#pragma GCC unroll 8
-            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
-        }
-#pragma GCC unroll 8
-        for (int lb = 0; lb < LB; lb++) {
-            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
-#pragma GCC unroll 8
-            for (int t = 0; t < 8; t++) {
-                const int l = t >> 2, g = (t >> 1) & 1, h = t & 1, lh = 2 * h + l;
-                /* nibble t to mantissa bits 19..22 of 1.0f: f = 1 + u/16, exact (one shift, one ternary op) */
-                __m512i v = t < 5 ? _mm512_slli_epi32(wv, 19 - 4 * t) : _mm512_srli_epi32(wv, 4 * t - 19);
-                __m512 f = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, mask, one, 0xEA)); /* (v & mask) | one */
-#pragma GCC unroll 8
-                for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_fmadd_ps(f, xk[lh * M + m], acc[lb][g][m]);
-            }
-        }
-    }
-    const __m512 c16 = _mm512_set1_ps(16.f), c24 = _mm512_set1_ps(24.f);
-#pragma GCC unroll 8
-    for (int lb = 0; lb < LB; lb++)
-#pragma GCC unroll 2
-        for (int g = 0; g < 2; g++) {
-            __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
-#pragma GCC unroll 8
-            for (int m = 0; m < MB; m++) { /* sum x (u - 8) = 16 sum x (1 + u/16) - 24 sum x */
-                __m512 r = _mm512_fmsub_ps(c16, acc[lb][g][m], _mm512_mul_ps(c24, xs[m]));
-                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, r, T[(lb * 2 + g) * M + m]);
-            }
-        }
-}
-
 /* Lines per pass for MB rows (LB * MB <= 12: 2 * LB * MB accumulators), at most the unit's width. */
 static inline int lines_per_pass(int mb, int width) {
     int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
@@ -432,53 +388,6 @@ static inline int lines_per_pass(int mb, int width) {
     F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
     F(7, 1) F(8, 1)
 
-T512 static void run512(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                        const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv) {
-    (void)v;
-    (void)sx;
-#define F(MBV, LBV)                                                                                            \
-    if (mb == MBV && lb == LBV) { blk512(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV); return; }
-    MO_BLK_CASES(F)
-#undef F
-}
-
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
-T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scratch) {
-    const int M = X->M;
-    __m512 *xe = (__m512 *)scratch;         /* [8 kt][4 lh][M] */
-    __m512 *xs = xe + 32 * M;               /* [M] */
-    __m512 *T = xs + M;                     /* [C][8 b][2 g][M] */
-    float *scv = (float *)(T + 16 * M * C); /* [C][64] */
-    const int BK = block_k(A);
-    const int nb = (M + 3) / 4, MB = (M + nb - 1) / nb;
-    __m512i idx[4];
-    for (int lh = 0; lh < 4; lh++) {
-        int l = lh & 1, h = lh >> 1, v[16];
-        for (int p = 0; p < 16; p++) v[p] = 2 * (p >> 2) + l + 8 * h;
-        idx[lh] = _mm512_loadu_si512((const void *)v);
-    }
-    sperm_t S;
-    seg_start512(A, nt0, C, b0, b1, M, T, &S);
-    int64_t cur = -1;
-    for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
-        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, &S, scv);
-        for (int m = 0; m < M; m++) {
-            __m512 s = _mm512_setzero_ps();
-            for (int kt = 0; kt < nkt; kt++) {
-                __m512 xv = load16_512(X->xrow[m], k0 + 16 * kt, X->xdt);
-                for (int lh = 0; lh < 4; lh++) {
-                    __m512 e = _mm512_permutexvar_ps(idx[lh], xv);
-                    xe[(kt * 4 + lh) * M + m] = e;
-                    s = _mm512_add_ps(s, e);
-                }
-            }
-            xs[m] = s;
-        }
-        tiles512(A, nt0, C, b0, b1, k0, k1, nkt, M, MB, lines_per_pass, run512, 0, xe, xs, NULL, T, scv);
-    }
-    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
-}
-
 /* ------------------------------------------------------------------ AVX-512 + BF16 dot products */
 /* The same tiles with vdpbf16ps: a 32-bit lane of a word shifted so that nibbles t and t + 4 (same g, h;
    l = 0, 1: consecutive k) sit in bits 3..6 and 19..22, OR 0x3F80 gives two bf16 values 1 + u/16, exact;
@@ -488,8 +397,7 @@ T512 static void seg512(const mat_t *A, int64_t nt0, int C, int b0, int b1, cons
    into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
 #define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
 
-/* Rows per register pass of the bf16 blocks (lines per pass: lines_per_pass, as the fp32 path): 2 * LB * MB
-   accumulators. */
+/* Rows per register pass of the bf16 blocks (lines per pass: lines_per_pass): 2 * LB * MB accumulators. */
 #ifndef BF_MB
 #define BF_MB 8 /* rows per register pass (2 LB MB accumulators: 16 at MB = 8) */
 #endif
@@ -1003,7 +911,6 @@ static seg_fn pick_seg(int isa) {
     if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vs;
     if (isa == ISA_AVX512BW) return seg512bw;
     if (isa == ISA_AVX512BF16) return seg512bf;
-    if (isa == ISA_AVX512) return seg512;
     if (isa == ISA_AVX2) return seg256i;
 #endif
     (void)isa;

@@ -35,8 +35,9 @@ bytes after one vpmultishiftqb, x as two signed bytes; half the shuffling work o
 Cascade Lake, Cooper Lake),
 ``avx512bf16`` (AVX-512 with vdpbf16ps: two nibbles per dot-product lane, exact bf16 products; x that
 is not bf16 is split into two bf16 parts), ``avx512bw`` (the integer scheme without VNNI: vpmaddubsw
-and 16-bit sums per block; Skylake-SP), ``avx512`` (fp32 FMA per nibble), ``avx2`` (the avx512bw scheme
-at 256 bits), ``plain`` (C).
+and 16-bit sums per block; Skylake-SP), ``avx2`` (the avx512bw scheme at 256 bits), ``plain`` (C). (An
+fp32 FMA path for AVX-512, ``avx512``, was removed in session 15: ``avx512bw`` is at or ahead of it at
+every M.)
 ``auto`` takes the first the CPU has (the order is measured on the build box's Zen 4; docs/BENCHMARKS.md,
 "Host compute", session 15); ``MMAP_OFFLOAD_HOST_ISA=<path>`` (or ``isa=``) forces one, and a forced one
 the CPU lacks raises UnsupportedError.
@@ -58,9 +59,8 @@ from ..errors import UnsupportedError
 __all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
 # fastest first (the build box; BENCHMARKS.md "Host compute", session 15)
-ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bf16", "avx512bw", "avx512", "avx2", "plain")
-_ISA_CODE = {"plain": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4, "avx512vnni-novbmi": 5,
-             "avx512bw": 6}
+ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bf16", "avx512bw", "avx2", "plain")
+_ISA_CODE = {"plain": 0, "avx2": 1, "avx512bf16": 3, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 
