@@ -725,10 +725,12 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
 }
 
+/* The three integer AVX-512 paths as seg_fn: avx512vnni, avx512vnni-novbmi, avx512bw. */
 T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
     seg512vn_(A, nt0, C, b0, b1, X, y, scr, 2);
 }
-T512VN static void seg512vs(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
+T512VN static void seg512vn_novbmi(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+                                   float *scr) {
     seg512vn_(A, nt0, C, b0, b1, X, y, scr, 1);
 }
 T512VN static void seg512bw(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
@@ -908,7 +910,7 @@ static void seg_plain(const mat_t *A, int64_t nt0, int C, int b0, int b1, const 
 static seg_fn pick_seg(int isa) {
 #if MO_X86
     if (isa == ISA_AVX512VNNI) return seg512vn;
-    if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vs;
+    if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vn_novbmi;
     if (isa == ISA_AVX512BW) return seg512bw;
     if (isa == ISA_AVX512BF16) return seg512bf;
     if (isa == ISA_AVX2) return seg256i;
