@@ -14,15 +14,14 @@ nibble into two vectors (g = 0, 1), and the four lanes a of one column are summe
 at the end. The uint4b8 offset folds into a per-block sum of x: sum_k x_k (u_k - 8) s = s (sum_k x_k
 u_k - 8 sum_k x_k).
 
-Work: w13 is one Marlin matrix with N = 2I (gate tiles 0..I/64-1, up tiles after them). Phase 1 slots
-are (job, gate/up tile pair, quarter of the 8 lines b); phase 2 slots (output tile of H, quarter). A
-thread takes a contiguous range of slots at a time (guided: a 1/threads share of what is left, so long
-runs first and short ones to balance the end) and computes it as segments of adjacent tiles: k blocks
-outer, the segment's tiles inner, so each k-tile row is read as one contiguous run (the hardware's
-stream prefetchers follow it; the next tile is prefetched in software) and x is expanded once per block
-for the whole segment. Phase 1: gate and up segments, then silu(gate) * up into the job's fp32
-intermediate. Phase 2 starts once every phase-1 slot is done (a count, not a barrier of threads). Phase 2: every job's w2 for the range's columns, weight * y summed into an fp32
-accumulator per out row, rounded once into out. The pool's threads are this library's (vLLM workers run
+Work: w13 is one Marlin matrix with N = 2I (gate tiles 0..I/64-1, up tiles after them). Units are
+(job, k chunk, column range): phase 1 of w13 (ranges of gate/up tile pairs), phase 2 of w2 (ranges of
+output tiles); threads take them one at a time from one counter (the MLP task, below, says why K is split).
+A unit computes its range as segments of adjacent tiles: k blocks outer, the segment's tiles inner, so
+each k-tile row is read as one contiguous run (the next tile is prefetched in software) and x is expanded
+once per block for the whole segment. The last chunk of a (job, range) sums the chunks' partials: phase
+1 then writes silu(gate) * up into the job's fp32 intermediate, phase 2 weights every job's rows into an
+fp32 accumulator per out row, rounded once into out. The pool's threads are this library's (vLLM workers run
 with OMP_NUM_THREADS=1); the calling thread is worker 0.
 */
 
@@ -47,8 +46,9 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 #define MO_HOST_ABI 2
 
-/* 2 was the fp32 AVX-512 path, removed in session 15 (avx512bw ahead of it at every M measured) */
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512BF16 = 3, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5, ISA_AVX512BW = 6 };
+/* 2 was the fp32 AVX-512 path, removed in session 15 (avx512bw ahead of it at every M measured); 3 the
+   AVX-512 BF16 path, removed in session 16 (avx512vnni ahead of it everywhere on the H200's host) */
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5, ISA_AVX512BW = 6 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -78,7 +78,6 @@ static int cpu_avx512(void) {
 int mo_host_isa_available(int isa) {
 #if MO_X86
     __builtin_cpu_init();
-    if (isa == ISA_AVX512BF16) return cpu_avx512() && __builtin_cpu_supports("avx512bf16");
     if (isa == ISA_AVX512VNNI) return mo_host_isa_available(ISA_AVX512VNNI_NOVBMI) && __builtin_cpu_supports("avx512vbmi");
     if (isa == ISA_AVX512VNNI_NOVBMI) return mo_host_isa_available(ISA_AVX512BW) && __builtin_cpu_supports("avx512vnni");
     if (isa == ISA_AVX512BW) return cpu_avx512();
@@ -272,7 +271,7 @@ static inline const uint32_t *next_tile(const mat_t *A, const uint32_t *row0, in
     return k1 < A->K ? row0 + nkt * stride + 128 * (i + PF_DIST - C) : NULL;
 }
 
-/* One register pass of an AVX-512 path (run512bf, run512vn): v is the path's own variant (x parts,
+/* One register pass of an AVX-512 path (run512vn): v is the path's own variant (
    CPU kind); xe and xs (the expanded x and its sums) start at the pass's first row, sx (x scales of the
    integer paths, else NULL) too; T: the pass's accumulators; all vectors 64 bytes. */
 typedef void (*pass512_fn)(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
@@ -340,13 +339,21 @@ T512 static inline void seg_scales512(const mat_t *A, int64_t nt, int64_t grp, c
                                                              raw[S->src1[i]]));
 }
 
+/* The two scale permutations (channelwise, grouped), made once (mo_host_create). */
+static sperm_t SPERM[2];
+static pthread_once_t sperm_once = PTHREAD_ONCE_INIT;
+static void make_sperms(void) {
+    make_sperm(0, &SPERM[0]);
+    make_sperm(1, &SPERM[1]);
+}
+
 /* A segment's start (the AVX-512 paths share it): the accumulators of lines [b0, b1) of its C tiles zeroed,
-   the scale permutation made, its first rows prefetched. */
-T512 static inline void seg_start512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int M, __m512 *T, sperm_t *S) {
+   its first rows prefetched; returns the matrix's scale permutation. */
+T512 static inline const sperm_t *seg_start512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int M, __m512 *T) {
     for (int i = 0; i < C; i++)
         for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
-    make_sperm(A->grouped, S);
     prefetch_head(A, nt0, b0, b1);
+    return &SPERM[A->grouped ? 1 : 0];
 }
 
 /* The k block at k0 (<= BK k, one scale group at most): *k1 its end; the segment's scales reloaded when it
@@ -377,169 +384,13 @@ T512 static inline void store_tile512(const __m512 *T, int M, int b0, int b1, fl
             }
 }
 
-/* Lines per pass for MB rows (LB * MB <= 12: 2 * LB * MB accumulators), at most the unit's width. */
-static inline int lines_per_pass(int mb, int width) {
-    int lb = mb == 1 ? 8 : (mb <= 3 ? 4 : (mb == 4 ? 2 : 1));
-    while (lb > width) lb >>= 1; /* a power of two within the lines left */
-    return lb;
-}
-
-#define MO_BLK_CASES(F)                                                                                        \
-    F(1, 8) F(1, 4) F(1, 2) F(1, 1) F(2, 4) F(2, 2) F(2, 1) F(3, 4) F(3, 2) F(3, 1) F(4, 2) F(4, 1) F(5, 1) F(6, 1)      \
-    F(7, 1) F(8, 1)
-
-/* ------------------------------------------------------------------ AVX-512 + BF16 dot products */
-/* The same tiles with vdpbf16ps: a 32-bit lane of a word shifted so that nibbles t and t + 4 (same g, h;
-   l = 0, 1: consecutive k) sit in bits 3..6 and 19..22, OR 0x3F80 gives two bf16 values 1 + u/16, exact;
-   the x pair (k, k + 1) is one 32-bit lane of bf16 x. So one shift, one ternary-logic op and one dot
-   product per pair of nibbles: sum_k x_k (1 + u_k/16) = sx + (1/16) sum_k x_k u_k, and
-   sum_k x_k (u_k - 8) = 16 acc - 24 sx. x that is not bf16 (fp16 rows, the fp32 intermediate) is split
-   into hi + lo bf16 parts (NS = 2): fp16 values exactly, fp32 ones to ~16 significant bits. */
-#define T512BF __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")))
-
-/* Rows per register pass of the bf16 blocks (lines per pass: lines_per_pass): 2 * LB * MB accumulators. */
-#ifndef BF_MB
-#define BF_MB 8 /* rows per register pass (2 LB MB accumulators: 16 at MB = 8) */
-#endif
-
-/* LB consecutive lines (b .. b + LB - 1) x MB rows over the block's nkt k-tiles, k-tile rows read in order
-   (LB * 64 contiguous bytes each); one accumulator per (line, g, row). pf (or NULL): the same lines of the
-   tile read next, prefetched one row per row read (hardware prefetchers do not cross to the next run). */
-T512BF static inline __attribute__((always_inline)) void
-blk512bf(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M, const __m512 *xs,
-         __m512 *T, const float *scv, const int LB, const int MB, const int NS) {
-    const __m512i mask = _mm512_set1_epi32(0x00780078), magic = _mm512_set1_epi32(0x3F803F80);
-    __m512 acc[8][2][8]; /* [LB][g][MB] used */
-#pragma GCC unroll 8
-    for (int lb = 0; lb < LB; lb++)
-#pragma GCC unroll 2
-        for (int g = 0; g < 2; g++)
-#pragma GCC unroll 8
-            for (int m = 0; m < MB; m++) acc[lb][g][m] = _mm512_setzero_ps();
-    for (int kt = 0; kt < nkt; kt++) {
-        const uint32_t *wk = wb + kt * stride;
-        const __m512i *xk = xe + kt * 2 * NS * M;
-        if (pf) {
-#pragma GCC unroll 8
-            for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
-        }
-#ifdef DIAG_LOADS_ONLY
-        /* diagnostic build only (scripts/host_kernel_sweep.sh): the same loads, prefetches and schedule,
-           one XOR per word instead of the arithmetic; the results are wrong. It tells whether the loop's
-           rate is bound by its reads or by its arithmetic. */
-#pragma GCC unroll 8
-        for (int lb = 0; lb < LB; lb++) {
-            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
-            acc[lb][0][0] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(acc[lb][0][0]), wv));
-        }
-        (void)xk;
-        (void)mask;
-        (void)magic;
-        continue;
-#endif
-#pragma GCC unroll 8
-        for (int lb = 0; lb < LB; lb++) {
-            __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                /* nibble pairs t = 2g + h of both g (one x vector serves both): few live registers at MB = 8 */
-                __m512i v0 = h == 0 ? _mm512_slli_epi32(wv, 3) : _mm512_srli_epi32(wv, 1);
-                __m512i v1 = _mm512_srli_epi32(wv, 8 * 1 + 4 * h - 3);
-                __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v0, mask, magic, 0xEA); /* (v & mask) | magic */
-                __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(v1, mask, magic, 0xEA);
-#pragma GCC unroll 8
-                for (int m = 0; m < MB; m++)
-#pragma GCC unroll 2
-                    for (int p = 0; p < NS; p++) {
-                        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xk + (h * NS + p) * M + m));
-                        acc[lb][0][m] = _mm512_dpbf16_ps(acc[lb][0][m], w0, xv);
-                        acc[lb][1][m] = _mm512_dpbf16_ps(acc[lb][1][m], w1, xv);
-                    }
-            }
-        }
-    }
-    const __m512 c16 = _mm512_set1_ps(16.f), c24 = _mm512_set1_ps(24.f);
-#pragma GCC unroll 8
-    for (int lb = 0; lb < LB; lb++)
-#pragma GCC unroll 2
-        for (int g = 0; g < 2; g++) {
-            __m512 sv = _mm512_broadcast_f32x4(_mm_loadu_ps(scv + (lb * 2 + g) * 4));
-#pragma GCC unroll 8
-            for (int m = 0; m < MB; m++) {
-                __m512 r = _mm512_fmsub_ps(c16, acc[lb][g][m], _mm512_mul_ps(c24, xs[m]));
-                T[(lb * 2 + g) * M + m] = _mm512_fmadd_ps(sv, r, T[(lb * 2 + g) * M + m]);
-            }
-        }
-}
-
-/* v: x parts (NS) */
-T512BF static void run512bf(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                            const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv) {
-    const int ns = v;
-    (void)sx;
-#define F(MBV, LBV)                                                                                            \
-    if (mb == MBV && lb == LBV) {                                                                              \
-        if (ns == 1) blk512bf(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 1);                            \
-        else blk512bf(wb, pf, stride, nkt, xe, M, xs, T, scv, LBV, MBV, 2);                                    \
-        return;                                                                                                \
-    }
-    MO_BLK_CASES(F)
-#undef F
-}
-
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
-T512BF static void seg512bf(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
-                            float *scratch) {
-    const int M = X->M, NS = X->xdt == DT_BF16 ? 1 : 2;
-    __m512i *xe = (__m512i *)scratch;     /* [8 kt][2 h][NS][M] */
-    __m512 *xs = (__m512 *)(xe + 32 * M); /* [M] */
-    __m512 *T = xs + M;                   /* [C][8 b][2 g][M] */
-    float *scv = (float *)(T + 16 * M * C); /* [C][64] */
-    const int BK = block_k(A);
-    const int nb = (M + BF_MB - 1) / BF_MB, MB = (M + nb - 1) / nb;
-    __m512i idx[2];
-    for (int h = 0; h < 2; h++) {
-        int v[16];
-        for (int p = 0; p < 16; p++) v[p] = 4 * h + (p >> 2);
-        idx[h] = _mm512_loadu_si512((const void *)v);
-    }
-    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80);
-    sperm_t S;
-    seg_start512(A, nt0, C, b0, b1, M, T, &S);
-    int64_t cur = -1;
-    for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
-        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, &S, scv);
-        for (int m = 0; m < M; m++) {
-            __m512 s = _mm512_setzero_ps();
-            for (int kt = 0; kt < nkt; kt++) {
-                __m512 xf = load16_512(X->xrow[m], k0 + 16 * kt, X->xdt);
-                __m256bh hi = _mm512_cvtneps_pbh(xf);
-                __m512i parts[2];
-                parts[0] = _mm512_castsi256_si512((__m256i)hi);
-                if (NS == 2) {
-                    __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
-                    parts[1] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(xf, back)));
-                }
-                for (int h = 0; h < 2; h++)
-                    for (int p = 0; p < NS; p++) {
-                        __m512i e = _mm512_permutexvar_epi32(idx[h], parts[p]);
-                        xe[((kt * 2 + h) * NS + p) * M + m] = e;
-                        s = _mm512_dpbf16_ps(s, (__m512bh)e, ones);
-                    }
-            }
-            xs[m] = s;
-        }
-        tiles512(A, nt0, C, b0, b1, k0, k1, nkt, M, MB, lines_per_pass, run512bf, NS, xe, xs, NULL, T, scv);
-    }
-    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
-}
-
 /* ------------------------------------------------------------------ AVX-512 VNNI (integer dot products), with or without VBMI */
 /* The same tiles with vpdpbusd (4 u8 x s8 products per 32-bit lane). The four nibbles of one column in a
    word (g fixed: t = 2g + h + 4l, k = 8h + 2a + l) are one lane's four bytes after one vpmultishiftqb
    (bytes at bit offsets 0, 4, 16, 20 of each dword for g = 0; 8, 12, 24, 28 for g = 1) and one AND with
-   0x0F: two shuffles, two ANDs and two dot products per 64-byte line and x part, where the bf16 path
-   needs eight shift / ternary ops and four dot products. x is not bf16 here but 16-bit fixed point, per
+   0x0F: two shuffles, two ANDs and two dot products per 64-byte line and x part, where the bf16 path (vdpbf16ps,
+   removed in session 16: slower on the H200's Intel host at every shape, thread count and M measured) needed
+   eight shift / ternary ops and four dot products. x is not bf16 here but 16-bit fixed point, per
    row and k block (<= 128, within one scale group): q = round(x * 32639 / max|x|), stored as two signed
    bytes hi = (q + 128) >> 8 and lo = q - 256 hi, each with its own accumulator; the block's integer sum
    256 acc_hi + acc_lo - 8 sum q is exact in int32, converted to fp32 once per block and scaled by
@@ -601,7 +452,8 @@ static inline int vn_lines(int mb, int width) {
     return lb;
 }
 
-/* LB consecutive lines x MB rows over the block's nkt k-tiles (rows in order, as blk512bf); xe: [kt][hi,
+/* LB consecutive lines x MB rows over the block's nkt k-tiles (k-tile rows in order, LB * 64 contiguous bytes
+   each; pf (or NULL): the same lines of the tile read next, prefetched one row per row read); xe: [kt][hi,
    lo][M] byte vectors; xq: [M] per-lane sums of q; sx: [M] x scales. T += s_w sx (256 hi + lo - 8 xq). */
 T512VN static inline __attribute__((always_inline)) void
 blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m512i *xe, int M,
@@ -617,6 +469,16 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 #pragma GCC unroll 4
             for (int lb = 0; lb < LB; lb++) _mm_prefetch((const char *)(pf + kt * stride + 16 * lb), PF_HINT);
         }
+#ifdef DIAG_LOADS_ONLY
+        /* diagnostic build only (scripts/host_kernel_sweep.sh): the same loads, prefetches and schedule,
+           one XOR per word instead of the arithmetic; the results are wrong. It tells whether the loop's
+           rate is bound by its reads or by its arithmetic. */
+#pragma GCC unroll 4
+        for (int lb = 0; lb < LB; lb++)
+            acc[lb] = _mm512_xor_si512(acc[lb], _mm512_loadu_si512((const void *)(wk + 16 * lb)));
+        (void)xk;
+        continue;
+#endif
 #pragma GCC unroll 4
         for (int lb = 0; lb < LB; lb++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wk + 16 * lb));
@@ -688,11 +550,10 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
         idx = _mm512_loadu_si512((const void *)v);
     }
     const __m512i ones = _mm512_set1_epi8(1), ones16 = _mm512_set1_epi16(1), c128 = _mm512_set1_epi32(128);
-    sperm_t S;
-    seg_start512(A, nt0, C, b0, b1, M, T, &S);
+    const sperm_t *S = seg_start512(A, nt0, C, b0, b1, M, T);
     int64_t cur = -1;
     for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
-        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, &S, scv);
+        const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, S, scv);
         for (int m = 0; m < M; m++) {
             __m512 mx = _mm512_setzero_ps();
             __mmask16 nan = 0; /* vmaxps drops a NaN operand: counted apart */
@@ -912,7 +773,6 @@ static seg_fn pick_seg(int isa) {
     if (isa == ISA_AVX512VNNI) return seg512vn;
     if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vn_novbmi;
     if (isa == ISA_AVX512BW) return seg512bw;
-    if (isa == ISA_AVX512BF16) return seg512bf;
     if (isa == ISA_AVX2) return seg256i;
 #endif
     (void)isa;
@@ -965,6 +825,8 @@ struct pool {
     size_t acc_n;
     float *inter;                /* the jobs' fp32 intermediates */
     size_t inter_n;
+    float *part;                 /* the units' partial sums per (job, k chunk) */
+    size_t part_n;
     unsigned char *mark;
     size_t mark_n;
     int64_t *uniq;
@@ -1007,6 +869,9 @@ void *mo_host_create(int nthreads) {
     pool_t *P = calloc(1, sizeof *P);
     if (!P) return NULL;
     P->nthreads = nthreads;
+#if MO_X86
+    pthread_once(&sperm_once, make_sperms);
+#endif
     pthread_mutex_init(&P->mu, NULL);
     pthread_cond_init(&P->cv, NULL);
     pthread_mutex_init(&P->call_mu, NULL);
@@ -1046,6 +911,7 @@ void mo_host_destroy(void *h) {
     free(P->threads);
     free(P->acc);
     free(P->inter);
+    free(P->part);
     free(P->mark);
     free(P->uniq);
     free(P);
@@ -1107,11 +973,42 @@ static int grow(void **p, size_t *have, size_t need, size_t elem) {
 
 /* ------------------------------------------------------------------ the MLP task */
 
-/* Work is a sequence of slots, a quarter of a tile (2 of its 8 lines) each: phase 1 (job, gate/up pair,
-   quarter) in that order, phase 2 (output tile of H, quarter). A thread takes a contiguous range of slots
-   at a time, a share of what is left (guided: long runs first, short ones to balance the end), and
-   computes it as segments of adjacent tiles (seg_fn): contiguous bytes of every k-tile row. */
-#define QUARTERS 4
+/* Work is a list of units: phase 1 (w13) units of every job, then phase 2 (w2) units, each in job order.
+   A unit is (job, k chunk, column range) of one matrix: the chunk's k-tile rows over the range's tiles
+   (phase 1: gate/up tile pairs; phase 2: tiles of H), at most RANGE_TILES of them, so a unit reads runs of
+   up to 8 KiB of consecutive rows, and a whole row where the matrix is narrow (the user's w13: 12 pairs, the
+   rows of a chunk one contiguous stream). Splitting K, not only N, is what keeps the units long for small
+   experts: with N split alone, 16 threads cut one such expert's w13 into quarter-tile strips of 128-byte
+   runs over 320 rows. Session 16, the H200's host, 16 threads, M = 1, user shape, GB/s before -> after:
+   calls of 1 expert 28.5 -> 44.3, of 6 49.3 -> 60.5, of 24 52.2 -> 78.9; M = 3 (6 experts) 30.8 -> 53.2;
+   mixtral's shape 64.3 -> 79.2 (M = 1), 44.1 -> 70.6 (M = 3). A unit's sums over its chunk go to the (job, chunk) partial buffer; the unit that completes the last
+   chunk of a (job, range) sums the chunks in order (the result does not depend on which thread ran what),
+   then phase 1 applies silu(gate) * up into the job's fp32 intermediate and phase 2 weights and sums every
+   job's rows into an fp32 accumulator per out row, rounded once into out. A phase-2 unit of a job starts
+   once that job's phase 1 is complete (a count, not a barrier of threads). Threads take one unit at a
+   time from one counter. */
+#ifndef RANGE_TILES
+#define RANGE_TILES 16   /* tiles (phase 2) or gate/up pairs (phase 1) of a unit at most */
+#endif
+#ifndef UNITS_PER_THREAD
+#define UNITS_PER_THREAD 4 /* units per phase per thread aimed at (balance against per-unit costs) */
+#endif
+#define PART_CAP (1 << 22) /* floats of one job's partials per phase at most */
+#ifndef CHUNK_K
+#define CHUNK_K 256      /* k rows of a chunk per row of x, at least (plan_matrix) */
+#endif
+
+typedef struct {
+    int64_t nk, ku, nku;  /* k chunks; k per chunk step (whole blocks and scale groups); steps in K */
+    int64_t first;        /* its first unit */
+    int64_t part;         /* offset (floats) of its partials [nk][m][N] in pool->part */
+} plan_t;
+
+typedef struct {
+    plan_t p1, p2;
+    int64_t inter;        /* offset (floats) of its [m][I] intermediate in pool->inter */
+    int64_t ready;        /* phase-1 ranges completed (atomic) */
+} job_plan_t;
 
 typedef struct mlp_task_s {
     const mo_job_t *jobs;
@@ -1122,168 +1019,192 @@ typedef struct mlp_task_s {
     void *out;
     int mode;             /* 0: out[rows] = sum, 1: out[rows] += sum */
     seg_fn seg;
-    int64_t *inter_off;   /* per job: offset (floats) of its [m][I] intermediate in pool->inter */
-    int64_t *slots1_pre;  /* per job: its first phase-1 slot */
-    int64_t slots1, slots2;
+    job_plan_t *jp;       /* per job (malloc'd with the counters) */
+    int64_t *cnt1;        /* [njobs][nr1]: chunks done per (job, range) (atomics) */
+    int64_t *cnt2;        /* [nr2]: units done per range, all jobs (atomics) */
+    int64_t nr1, nr2;     /* column ranges of the phases (the same for every job) */
+    int64_t n1, n2;       /* units of the phases */
+    int64_t per_range2;   /* phase-2 units of one range (sum of the jobs' chunks) */
     int64_t nuniq;
-    int64_t next1, next2; /* slot counters (atomics) */
-    int64_t done1, done2; /* slots completed (atomics): phase 2 starts once done1 == slots1 */
+    int64_t next;         /* unit counter (atomic) */
+    int64_t done2;        /* phase-2 units completed, reductions included (atomic): the call ends at n2 */
     int nthreads;
     int maxm;
 } mlp_task;
 
-/* The next range [start, *end) of slots of this thread, or -1: a 1/nthreads share of what is left, whole
-   tiles where it is more than two. */
-static int64_t grab(int64_t *ctr, int64_t total, int nthreads, int64_t *end) {
-    int64_t cur = __atomic_load_n(ctr, __ATOMIC_RELAXED);
-    for (;;) {
-        if (cur >= total) return -1;
-        int64_t n = (total - cur) / nthreads;
-        if (n >= 2 * QUARTERS) n -= n % QUARTERS;
-        if (n < 1) n = 1;
-        if (__atomic_compare_exchange_n(ctr, &cur, cur + n, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            *end = cur + n < total ? cur + n : total;
-            return cur;
+/* k per chunk step of a matrix with K rows and scale groups of gs: whole blocks (block_k), and whole scale
+   groups where there are several (a chunk's scales start at its first group's row). */
+static int64_t chunk_k(int64_t K, int gs) {
+    const mat_t A = {NULL, NULL, K, 64, gs, 1, 0};
+    const int64_t bk = block_k(&A);
+    return gs < K && gs > bk ? gs : bk;
+}
+
+/* The k chunks of one job's matrix (K rows, N columns, m rows of x): chunks of >= CHUNK_K * m rows, so the
+   partial sums a chunk writes (4 m bytes per column) stay within ~3% of the weights it reads (K / 2 bytes
+   per column); at most PART_CAP floats of partials. A function of the matrix and m alone, not of the
+   threads or the other jobs: a job's sums, and so out's bytes, are the same for any thread count. */
+static void plan_matrix(plan_t *p, int64_t K, int64_t N, int gs, int64_t m) {
+    p->ku = chunk_k(K, gs);
+    p->nku = (K + p->ku - 1) / p->ku;
+    int64_t nk = K / (CHUNK_K * m), cap = PART_CAP / (m * N);
+    if (nk > p->nku) nk = p->nku;
+    if (nk > cap) nk = cap;
+    p->nk = nk < 1 ? 1 : nk;
+}
+
+/* A sub-matrix: rows [k0, k1) of A (its scales from k0's group on). */
+static inline mat_t sub_k(const uint32_t *w, const void *s, int sdt, int64_t K, int64_t N, int gs, int grouped,
+                          int64_t k0, int64_t k1) {
+    const int64_t srow = gs < K ? k0 / gs : 0, ssz = sdt == DT_FP32 ? 4 : 2;
+    mat_t A = {w + (k0 / 16) * (N / 64) * 128, (const char *)s + srow * N * ssz, k1 - k0, N, gs, grouped, sdt};
+    return A;
+}
+
+static inline void chunk_rows(const plan_t *p, int64_t K, int64_t c, int64_t *k0, int64_t *k1) {
+    *k0 = c * p->nku / p->nk * p->ku;
+    int64_t e = (c + 1) * p->nku / p->nk * p->ku;
+    *k1 = e < K ? e : K;
+}
+
+static inline void spin_until(const int64_t *v, int64_t want) {
+    for (int i = 0; __atomic_load_n(v, __ATOMIC_ACQUIRE) < want; i++) {
+        if (i < 4000) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+/* Phase-1 unit: job j, chunk c, gate/up pairs of range r. */
+static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y) {
+    const mo_job_t *J = &T->jobs[j];
+    job_plan_t *JP = &T->jp[j];
+    const int esz = T->xdt == DT_FP32 ? 4 : 2, M = (int)J->m, cmax = seg_tiles(M);
+    const int64_t pairs = T->I / 64, a0 = r * pairs / T->nr1, a1 = (r + 1) * pairs / T->nr1, N = 2 * T->I;
+    int64_t k0, k1;
+    chunk_rows(&JP->p1, T->H, c, &k0, &k1);
+    mat_t A = sub_k(J->w13, J->s13, J->sdtype, T->H, N, J->gs13, J->grouped13, k0, k1);
+    for (int64_t m = 0; m < M; m++) xrow[m] = (const char *)T->x + ((size_t)J->rows[m] * T->H + k0) * esz;
+    act_t X = {xrow, T->xdt, M};
+    float *part = P->part + JP->p1.part;
+    float *pc = part + (size_t)c * M * N;
+    for (int64_t c0 = a0; c0 < a1; c0 += cmax) {
+        const int C = (int)(a1 - c0 < cmax ? a1 - c0 : cmax);
+        for (int h = 0; h < 2; h++) { /* gate, up */
+            T->seg(&A, c0 + h * pairs, C, 0, 8, &X, y, scr);
+            for (int i = 0; i < C; i++)
+                for (int m = 0; m < M; m++)
+                    memcpy(pc + (size_t)m * N + (c0 + i + h * pairs) * 64, y + ((size_t)i * M + m) * 64, 64 * sizeof(float));
         }
     }
-}
-
-/* The first piece of slots [s, e) of one run of tiles (e <= the run's end, slot s at local index s - base):
-   tiles [*t0, *t1), lines [*b0, *b1). Returns the slots it covers. */
-static int64_t piece(int64_t s, int64_t e, int64_t base, int64_t *t0, int64_t *t1, int *b0, int *b1) {
-    int64_t local = s - base, t = local / QUARTERS;
-    int q = (int)(local % QUARTERS);
-    if (q || e - s < QUARTERS) { /* part of one tile */
-        int qe = e - s < QUARTERS - q ? q + (int)(e - s) : QUARTERS;
-        *t0 = t;
-        *t1 = t + 1;
-        *b0 = q * (8 / QUARTERS);
-        *b1 = qe * (8 / QUARTERS);
-        return qe - q;
-    }
-    *t0 = t;
-    *t1 = t + (e - s) / QUARTERS;
-    *b0 = 0;
-    *b1 = 8;
-    return (*t1 - t) * QUARTERS;
-}
-
-/* Phase 1 of job j for gate/up pairs [p0, p1), lines [b0, b1): silu(gate) * up into its intermediate. */
-static void phase1(pool_t *P, const mlp_task *T, int j, int64_t p0, int64_t p1, int b0, int b1, const void **xrow,
-                   float *scr, float *y0) {
-    const mo_job_t *J = &T->jobs[j];
-    const int esz = T->xdt == DT_FP32 ? 4 : 2, M = (int)J->m, cmax = seg_tiles(M);
-    float *y1 = y0 + (size_t)64 * M * cmax;
-    mat_t A = {J->w13, J->s13, T->H, 2 * T->I, J->gs13, J->grouped13, J->sdtype};
-    for (int64_t m = 0; m < M; m++) xrow[m] = (const char *)T->x + (size_t)J->rows[m] * T->H * esz;
-    act_t X = {xrow, T->xdt, M};
-    float *inter = P->inter + T->inter_off[j];
-    for (int64_t c0 = p0; c0 < p1; c0 += cmax) {
-        const int C = (int)(p1 - c0 < cmax ? p1 - c0 : cmax);
-        T->seg(&A, c0, C, b0, b1, &X, y0, scr);
-        T->seg(&A, c0 + T->I / 64, C, b0, b1, &X, y1, scr);
-        for (int i = 0; i < C; i++)
-            for (int m = 0; m < M; m++) {
-                const float *g = y0 + ((size_t)i * M + m) * 64, *u = y1 + ((size_t)i * M + m) * 64;
-                float *o = inter + (size_t)m * T->I + (c0 + i) * 64;
-                for (int b = b0; b < b1; b++)
-                    for (int q = 0; q < 8; q++) {
-                        int n = 8 * q + b;
-                        o[n] = g[n] / (1.f + expf(-g[n])) * u[n];
-                    }
+    if (__atomic_add_fetch(&T->cnt1[(int64_t)j * T->nr1 + r], 1, __ATOMIC_ACQ_REL) < JP->p1.nk) return;
+    /* the range's last chunk: silu(gate) * up of the chunks' sums, in chunk order */
+    float *inter = P->inter + JP->inter;
+    const int64_t nk = JP->p1.nk;
+    for (int m = 0; m < M; m++)
+        for (int64_t n0 = a0 * 64; n0 < a1 * 64; n0 += 64) {
+            float g[64], u[64];
+            memcpy(g, part + (size_t)m * N + n0, sizeof g);
+            memcpy(u, part + (size_t)m * N + T->I + n0, sizeof u);
+            for (int64_t q = 1; q < nk; q++) {
+                const float *pq = part + ((size_t)q * M + m) * N + n0;
+                for (int n = 0; n < 64; n++) g[n] += pq[n];
+                for (int n = 0; n < 64; n++) u[n] += pq[T->I + n];
             }
-    }
+            float *o = inter + (size_t)m * T->I + n0;
+            for (int n = 0; n < 64; n++) o[n] = g[n] / (1.f + expf(-g[n])) * u[n];
+        }
+    __atomic_add_fetch(&JP->ready, 1, __ATOMIC_ACQ_REL);
 }
 
-/* Phase 2 for output tiles [t0, t1), lines [b0, b1): every job's w2, weighted, summed per out row in fp32,
-   rounded once into out. */
-static void phase2(pool_t *P, const mlp_task *T, int64_t t0, int64_t t1, int b0, int b1, const void **xrow,
-                   float *scr, float *y0) {
-    const int cmax = seg_tiles(T->maxm);
+/* Phase-2 unit: job j, chunk c, tiles of H of range r; the range's last unit sums every job's rows. */
+static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y) {
+    const mo_job_t *J = &T->jobs[j];
+    job_plan_t *JP = &T->jp[j];
+    const int M = (int)J->m, cmax = seg_tiles(M);
+    const int64_t tiles = T->H / 64, t0 = r * tiles / T->nr2, t1 = (r + 1) * tiles / T->nr2, N = T->H;
+    spin_until(&JP->ready, T->nr1); /* this job's intermediate */
+    int64_t k0, k1;
+    chunk_rows(&JP->p2, T->I, c, &k0, &k1);
+    mat_t A = sub_k(J->w2, J->s2, J->sdtype, T->I, N, J->gs2, J->grouped2, k0, k1);
+    const float *inter = P->inter + JP->inter;
+    for (int m = 0; m < M; m++) xrow[m] = inter + (size_t)m * T->I + k0;
+    act_t X = {xrow, DT_FP32, M};
+    float *pc = P->part + JP->p2.part + (size_t)c * M * N;
     for (int64_t c0 = t0; c0 < t1; c0 += cmax) {
         const int C = (int)(t1 - c0 < cmax ? t1 - c0 : cmax);
-        for (int64_t i = 0; i < T->nuniq; i++) {
-            float *a = P->acc + (size_t)P->uniq[i] * T->H + c0 * 64;
-            for (int t = 0; t < C; t++)
-                for (int b = b0; b < b1; b++)
-                    for (int q = 0; q < 8; q++) a[64 * t + 8 * q + b] = 0.f;
-        }
-        for (int j = 0; j < T->njobs; j++) {
-            const mo_job_t *J = &T->jobs[j];
-            const int M = (int)J->m;
-            if (M == 0) continue;
-            mat_t A = {J->w2, J->s2, T->I, T->H, J->gs2, J->grouped2, J->sdtype};
-            const float *inter = P->inter + T->inter_off[j];
-            for (int m = 0; m < M; m++) xrow[m] = inter + (size_t)m * T->I;
-            act_t X = {xrow, DT_FP32, M};
-            T->seg(&A, c0, C, b0, b1, &X, y0, scr);
-            for (int m = 0; m < M; m++) {
-                float w = J->weights ? J->weights[m] : 1.f;
-                for (int t = 0; t < C; t++) {
-                    float *a = P->acc + (size_t)J->rows[m] * T->H + (c0 + t) * 64;
-                    const float *y = y0 + ((size_t)t * M + m) * 64;
-                    for (int b = b0; b < b1; b++)
-                        for (int q = 0; q < 8; q++) a[8 * q + b] += w * y[8 * q + b];
+        T->seg(&A, c0, C, 0, 8, &X, y, scr);
+        for (int i = 0; i < C; i++)
+            for (int m = 0; m < M; m++)
+                memcpy(pc + (size_t)m * N + (c0 + i) * 64, y + ((size_t)i * M + m) * 64, 64 * sizeof(float));
+    }
+    if (__atomic_add_fetch(&T->cnt2[r], 1, __ATOMIC_ACQ_REL) < T->per_range2) return;
+    /* the range's last unit: out rows = sum over jobs (in order) of weight * (sum of its chunks) */
+    const int64_t n0 = t0 * 64, n1 = t1 * 64;
+    for (int64_t i = 0; i < T->nuniq; i++) memset(P->acc + (size_t)P->uniq[i] * N + n0, 0, (size_t)(n1 - n0) * sizeof(float));
+    for (int jj = 0; jj < T->njobs; jj++) {
+        const mo_job_t *Jj = &T->jobs[jj];
+        const plan_t *p = &T->jp[jj].p2;
+        const int Mj = (int)Jj->m;
+        const float *part = P->part + p->part;
+        for (int m = 0; m < Mj; m++) {
+            const float w = Jj->weights ? Jj->weights[m] : 1.f;
+            float *a = P->acc + (size_t)Jj->rows[m] * N;
+            for (int64_t c0 = n0; c0 < n1; c0 += 64) {
+                float sum[64];
+                memcpy(sum, part + (size_t)m * N + c0, sizeof sum);
+                for (int64_t q = 1; q < p->nk; q++) {
+                    const float *pq = part + ((size_t)q * Mj + m) * N + c0;
+                    for (int n = 0; n < 64; n++) sum[n] += pq[n];
                 }
+                for (int n = 0; n < 64; n++) a[c0 + n] += w * sum[n];
             }
         }
-        for (int64_t i = 0; i < T->nuniq; i++) {
-            int64_t row = P->uniq[i];
-            for (int t = 0; t < C; t++) {
-                const float *a = P->acc + (size_t)row * T->H + (c0 + t) * 64;
-                int64_t base = row * T->H + (c0 + t) * 64;
-                for (int b = b0; b < b1; b++)
-                    for (int q = 0; q < 8; q++) {
-                        int n = 8 * q + b;
-                        float v = a[n];
-                        if (T->mode) v += load_scalar(T->out, base + n, T->xdt);
-                        store_scalar(T->out, base + n, T->xdt, v);
-                    }
-            }
+    }
+    for (int64_t i = 0; i < T->nuniq; i++) {
+        const int64_t row = P->uniq[i];
+        const float *a = P->acc + (size_t)row * N;
+        for (int64_t n = n0; n < n1; n++) {
+            float v = a[n];
+            if (T->mode) v += load_scalar(T->out, row * N + n, T->xdt);
+            store_scalar(T->out, row * N + n, T->xdt, v);
         }
+    }
+}
+
+/* The job whose units [first, first + count) hold unit u (jobs in order; jobs without rows own none). */
+static int find_job(const mlp_task *T, int j, int64_t u, int phase) {
+    for (;;) {
+        const plan_t *p = phase == 1 ? &T->jp[j].p1 : &T->jp[j].p2;
+        const int64_t nr = phase == 1 ? T->nr1 : T->nr2;
+        if (u < p->first && j > 0) { j--; continue; }
+        if (T->jobs[j].m == 0 || u >= p->first + p->nk * nr) { j++; continue; }
+        return j;
     }
 }
 
 static void mlp_run(pool_t *P, int tid, void *vp) {
     mlp_task *T = vp;
     float *scr = P->scratch[tid];
-    float *y0 = scr + scratch_floats(T->maxm) - ytiles_floats(T->maxm);
+    float *y = scr + scratch_floats(T->maxm) - ytiles_floats(T->maxm);
     const void *rowp[1024];
     const void **xrow = T->maxm <= 1024 ? rowp : NULL;
     if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
-    const int64_t pairs = T->I / 64;
-    int64_t s, e = 0;
-    /* phase 1: w13, silu(gate) * up */
-    int j = 0;
-    while ((s = grab(&T->next1, T->slots1, T->nthreads, &e)) >= 0) {
-        const int64_t got = e - s;
-        while (s < e) {
-            while (j > 0 && T->slots1_pre[j] > s) j--;
-            while (j + 1 < T->njobs && T->slots1_pre[j + 1] <= s) j++;
-            const int64_t base = T->slots1_pre[j], jend = base + pairs * QUARTERS;
-            int64_t p0, p1;
-            int b0, b1;
-            s += piece(s, e < jend ? e : jend, base, &p0, &p1, &b0, &b1);
-            phase1(P, T, j, p0, p1, b0, b1, xrow, scr, y0);
+    int j1 = 0, j2 = 0;
+    for (;;) {
+        const int64_t u = __atomic_fetch_add(&T->next, 1, __ATOMIC_RELAXED);
+        if (u >= T->n1 + T->n2) break;
+        if (u < T->n1) {
+            j1 = find_job(T, j1, u, 1);
+            const int64_t local = u - T->jp[j1].p1.first;
+            unit1(P, T, j1, local / T->nr1, local % T->nr1, xrow, scr, y);
+        } else {
+            const int64_t v = u - T->n1;
+            j2 = find_job(T, j2, v, 2);
+            const int64_t local = v - T->jp[j2].p2.first;
+            unit2(P, T, j2, local / T->nr2, local % T->nr2, xrow, scr, y);
+            if (__atomic_add_fetch(&T->done2, 1, __ATOMIC_ACQ_REL) == T->n2)
+                __atomic_store_n(&P->async_t1, now_ns(), __ATOMIC_RELEASE); /* the call's work ends here */
         }
-        __atomic_add_fetch(&T->done1, got, __ATOMIC_ACQ_REL);
-    }
-    /* phase 2 reads every job's intermediate: wait for the phase-1 slots still being computed */
-    for (int i = 0; __atomic_load_n(&T->done1, __ATOMIC_ACQUIRE) < T->slots1; i++) {
-        if (i < 4000) CPU_RELAX();
-        else sched_yield();
-    }
-    /* phase 2: w2 of every job for this range's columns, summed per out row, rounded once */
-    while ((s = grab(&T->next2, T->slots2, T->nthreads, &e)) >= 0) {
-        const int64_t got = e - s;
-        while (s < e) {
-            int64_t t0, t1;
-            int b0, b1;
-            s += piece(s, e, 0, &t0, &t1, &b0, &b1);
-            phase2(P, T, t0, t1, b0, b1, xrow, scr, y0);
-        }
-        if (__atomic_add_fetch(&T->done2, got, __ATOMIC_ACQ_REL) == T->slots2)
-            __atomic_store_n(&P->async_t1, now_ns(), __ATOMIC_RELEASE); /* the call's work ends here */
     }
     if (xrow != rowp) free(xrow);
 }
@@ -1291,7 +1212,7 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
    x: [x_rows, H] of xdt (bf16/fp16/fp32), out: the same shape and dtype. Returns 0, or -EINVAL /
    -ENOMEM / -ENOTSUP (isa not available). */
-/* Checks the arguments and fills *T (its inter_off malloc'd); the pool's buffers grown. 0, 1 (nothing
+/* Checks the arguments and fills *T (its jp malloc'd); the pool's buffers grown. 0, 1 (nothing
    to compute), or -EINVAL / -ENOMEM / -ENOTSUP. The caller holds the pool (busy). */
 static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, int64_t x_rows, int64_t H,
                        int64_t I, const mo_job_t *jobs, int njobs, void *out, int mode) {
@@ -1309,6 +1230,40 @@ static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, 
     }
     if (maxm == 0) return 1;
     if (maxm > (1 << 20)) return -EINVAL;
+    /* chunks of K per job (plan_matrix), then column ranges of <= RANGE_TILES, narrower where the units
+       would be fewer than the threads want (few k chunks: short K, large M, few jobs); ranges do not
+       change the sums */
+    const int64_t want = (int64_t)UNITS_PER_THREAD * P->nthreads, pairs = I / 64, tiles = H / 64;
+    int64_t nr1 = (pairs + RANGE_TILES - 1) / RANGE_TILES, nr2 = (tiles + RANGE_TILES - 1) / RANGE_TILES;
+    job_plan_t *jp = calloc((size_t)njobs, sizeof *jp);
+    if (!jp) return -ENOMEM;
+    int64_t n1 = 0, n2 = 0;
+    for (int j = 0; j < njobs; j++) {
+        if (!jobs[j].m) continue;
+        plan_matrix(&jp[j].p1, H, 2 * I, jobs[j].gs13, jobs[j].m);
+        plan_matrix(&jp[j].p2, I, H, jobs[j].gs2, jobs[j].m);
+        n1 += jp[j].p1.nk;
+        n2 += jp[j].p2.nk;
+    }
+    if (n1 * nr1 < want) nr1 = (want + n1 - 1) / n1 < pairs ? (want + n1 - 1) / n1 : pairs;
+    if (n2 * nr2 < want) nr2 = (want + n2 - 1) / n2 < tiles ? (want + n2 - 1) / n2 : tiles;
+    const int64_t per_range2 = n2;
+    n1 *= nr1;
+    n2 *= nr2;
+    int64_t part = 0, inter = 0, u1 = 0, u2 = 0;
+    for (int j = 0; j < njobs; j++) {
+        jp[j].inter = inter;
+        inter += jobs[j].m * I;
+        jp[j].p1.first = u1;
+        jp[j].p2.first = u2;
+        if (!jobs[j].m) continue;
+        u1 += jp[j].p1.nk * nr1;
+        u2 += jp[j].p2.nk * nr2;
+        jp[j].p1.part = part;
+        part += jp[j].p1.nk * jobs[j].m * 2 * I;
+        jp[j].p2.part = part;
+        part += jp[j].p2.nk * jobs[j].m * H;
+    }
     int rc = 0;
     size_t need = scratch_floats((int)maxm);
     if (P->scratch_n < need) {
@@ -1319,14 +1274,15 @@ static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, 
         }
         P->scratch_n = rc ? 0 : need;
     }
-    int64_t *inter_off = malloc(sizeof(int64_t) * (size_t)njobs * 2);
-    if (!inter_off) rc = -ENOMEM;
+    int64_t *cnt = calloc((size_t)(njobs * nr1 + nr2), sizeof(int64_t));
+    if (!cnt) rc = -ENOMEM;
     if (!rc && (grow((void **)&P->acc, &P->acc_n, (size_t)x_rows * H, sizeof(float)) ||
                 grow((void **)&P->inter, &P->inter_n, (size_t)tot_m * I, sizeof(float)) ||
+                grow((void **)&P->part, &P->part_n, (size_t)part, sizeof(float)) ||
                 grow((void **)&P->mark, &P->mark_n, (size_t)x_rows, 1) ||
                 grow((void **)&P->uniq, &P->uniq_n, (size_t)tot_m, sizeof(int64_t))))
         rc = -ENOMEM;
-    if (rc) { free(inter_off); return rc; }
+    if (rc) { free(jp); free(cnt); return rc; }
     memset(T, 0, sizeof *T);
     T->jobs = jobs;
     T->njobs = njobs;
@@ -1337,26 +1293,33 @@ static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, 
     T->out = out;
     T->mode = mode;
     T->seg = pick_seg(isa);
-    T->inter_off = inter_off;
-    T->slots1_pre = inter_off + njobs;
+    T->jp = jp;
+    T->cnt1 = cnt;
+    T->cnt2 = cnt + njobs * nr1;
+    T->nr1 = nr1;
+    T->nr2 = nr2;
+    T->n1 = n1;
+    T->n2 = n2;
+    T->per_range2 = per_range2;
     T->maxm = (int)maxm;
     T->nthreads = P->nthreads;
-    int64_t off = 0, nu = 0, s1 = 0;
+    int64_t nu = 0;
     memset(P->mark, 0, (size_t)x_rows);
-    for (int j = 0; j < njobs; j++) {
-        inter_off[j] = off;
-        off += jobs[j].m * I;
-        T->slots1_pre[j] = s1; /* jobs without rows: no slots (the job search skips them) */
-        if (jobs[j].m) s1 += (I / 64) * QUARTERS;
+    for (int j = 0; j < njobs; j++)
         for (int64_t m = 0; m < jobs[j].m; m++) {
             int64_t r = jobs[j].rows[m];
             if (!P->mark[r]) { P->mark[r] = 1; P->uniq[nu++] = r; }
         }
-    }
-    T->slots1 = s1;
-    T->slots2 = (H / 64) * QUARTERS;
     T->nuniq = nu;
     return 0;
+}
+
+/* The task's allocations (mlp_prepare's). */
+static void mlp_free(mlp_task *T) {
+    free(T->jp);
+    free(T->cnt1);
+    T->jp = NULL;
+    T->cnt1 = NULL;
 }
 
 static int pool_acquire(pool_t *P) { /* 0 once no call runs, or -EBUSY (a started call not waited for) */
@@ -1391,8 +1354,8 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
     rc = mlp_prepare(P, &T, isa, x, xdt, x_rows, H, I, jobs, njobs, out, mode);
     if (rc == 0) {
         pool_open(P, mlp_run, &T);
-        pool_finish(P, &T.done2, T.slots2);
-        free(T.inter_off);
+        pool_finish(P, &T.done2, T.n2);
+        mlp_free(&T);
     }
     pool_release(P);
     return rc < 0 ? rc : 0;
@@ -1437,9 +1400,8 @@ int mo_host_mlp_wait(void *h, int64_t *ns, int *ready) {
     mlp_task *T = P->async_task;
     int r = 1;
     if (!P->async_empty) {
-        r = pool_finish(P, &T->done2, T->slots2);
-        free(T->inter_off);
-        T->inter_off = NULL;
+        r = pool_finish(P, &T->done2, T->n2);
+        mlp_free(T);
     }
     int64_t end = __atomic_load_n(&P->async_t1, __ATOMIC_ACQUIRE);
     if (ns) *ns = (P->async_empty || end < P->async_t0) ? 0 : end - P->async_t0;

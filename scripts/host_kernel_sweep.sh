@@ -8,13 +8,16 @@
 #     OUT=sweep bash scripts/host_kernel_sweep.sh
 #
 # VARIANTS: "|"-separated flag sets ("base" = none; a word isa=NAME is not a flag but the kernel path the variant
-# measures, bench_host_kernel.py --isa NAME: "isa=avx512bf16|isa=avx512vnni" compares two paths of one build);
+# measures, bench_host_kernel.py --isa NAME: "isa=avx512vnni|isa=avx512bw" compares two paths of one build;
+# a word src=FILE builds that file instead of csrc/host_kernel.c: an earlier version, for a before/after in one run,
+# e.g. git show HEAD:csrc/host_kernel.c > before_host_kernel.c, then VARIANTS="src=before_host_kernel.c|base");
 # ARGS: bench_host_kernel.py's arguments; OUT: a folder
 # for sweep.json (each variant's flags and bench JSON) and sweep.md (a table: GB/s per variant, shape,
 # threads, M, and % of DRAM): two files, so a device call returns them all.
 # Knobs of csrc/host_kernel.c: PF_DIST (tiles the software prefetch runs ahead, 1; 0: none), PF_HINT
 # (_MM_HINT_T1, the default since session 13, or _MM_HINT_T0 ...), SEG_MAX (tiles per segment at most, 16), SEG_TM (tiles x rows, 128),
-# BF_MB (rows per register pass, 8); DIAG_LOADS_ONLY (a diagnostic: the same reads without the arithmetic,
+# CHUNK_K (k rows of a unit's chunk per row of x, at least: 256), RANGE_TILES (columns of a unit at most: 16),
+# UNITS_PER_THREAD (units per phase aimed at, 4); DIAG_LOADS_ONLY (a diagnostic: the same reads without the arithmetic,
 # WRONG results: how much of the rate the arithmetic costs). BENCHMARKS.md "Host compute" says which were tried where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,17 +34,18 @@ i=0
 IFS='|' read -r -a sets <<<"$VARIANTS"
 for variant in "${sets[@]}"; do
   i=$((i + 1))
-  flags="" isa=""
+  flags="" isa="" src=csrc/host_kernel.c
   for word in $variant; do
     case "$word" in
       base) ;;
       isa=*) isa="--isa ${word#isa=}" ;;
+      src=*) src="${word#src=}" ;;
       *) flags="$flags $word" ;;
     esac
   done
   lib="$build/mo_host_$i.so"
   # shellcheck disable=SC2086  # the flags are words
-  "$CC" -O3 -shared -fPIC $flags -o "$lib" csrc/host_kernel.c -lpthread -lm
+  "$CC" -O3 -shared -fPIC $flags -o "$lib" "$src" -lpthread -lm
   echo "== variant $i: $variant"
   # shellcheck disable=SC2086
   MMAP_OFFLOAD_NATIVE_MO_HOST="$lib" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
@@ -57,9 +61,9 @@ for f in sorted(src.glob("variant_*.json"), key=lambda p: int(p.stem.split("_")[
     flags = (src / f"{f.stem}.flags").read_text().strip()
     runs.append({"flags": flags, "bench": json.loads(f.read_text())})
     for r in runs[-1]["bench"]["rows"]:
-        rows.append((flags, r["shape"], r["threads"], r["m"], r["host_gbs"], r["dram_gbs"]))
-lines = ["| variant | shape | threads | M | host GB/s | % of DRAM |", "| --- | --- | ---: | ---: | ---: | ---: |"]
-lines += [f"| {v} | {s} | {t} | {m} | {g:.1f} | {100 * g / d:.0f}% |" for v, s, t, m, g, d in rows]
+        rows.append((flags, r.get("isa", ""), r["shape"], r["threads"], r["m"], r["host_gbs"], r["dram_gbs"]))
+lines = ["| variant | path | shape | threads | M | host GB/s | % of DRAM |", "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+lines += [f"| {v} | {k} | {s} | {t} | {m} | {g:.1f} | {100 * g / d:.0f}% |" for v, k, s, t, m, g, d in rows]
 (out / "sweep.json").write_text(json.dumps(runs, indent=1))
 (out / "sweep.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -148,14 +148,30 @@ def test_odd_thread_counts(isa, threads):
 @pytest.mark.parametrize("threads", [1, 5])
 def test_long_segments_and_partial_tiles(isa, threads):
     """More gate/up pairs (18) and output tiles (6) than one segment holds at M = 1 (16 tiles), so a
-    thread's range is cut into several segments; with 5 threads the ranges start and end inside tiles
-    (quarters of 2 lines). Channelwise scales too (the other scale permutation)."""
+    unit's column range is cut into several segments; with 5 threads the ranges narrow (fewer k chunks
+    than the units wanted). Channelwise scales too (the other scale permutation)."""
     for group in (128, -1):
         cache, weights = expert(384, 1152, group)
         k = kernel(threads, isa)
         for m in (1, 9, 16):
             x = rand_x(m, 384, torch.bfloat16, seed=60 + m)
             assert_close(k.expert_mlp(x, *args(cache), group=group), ref_mlp(x, weights), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+def test_k_chunks(isa, group):
+    """K split into chunks (csrc/host_kernel.c, plan_matrix: >= 256 m rows of k each) whose partial sums are
+    added in chunk order: w13 of H 1024 in 4 chunks at M = 1 and 2 at M = 2, w2 of I 640 in 2 uneven ones
+    (5 blocks of 128) at M = 1; chunk starts on scale-group rows for every group size. The bytes do not
+    depend on the thread count (the chunks are the matrix's, not the threads')."""
+    cache, weights = expert(1024, 640, group)
+    one, five = kernel(1, isa), kernel(5, isa)
+    for m in (1, 2, 3):
+        x = rand_x(m, 1024, torch.bfloat16, seed=80 + m)
+        y = five.expert_mlp(x, *args(cache), group=group)
+        assert_close(y, ref_mlp(x, weights), torch.bfloat16)
+        assert torch.equal(y, one.expert_mlp(x, *args(cache), group=group))
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
@@ -476,13 +492,11 @@ def test_activation_outliers(isa):
         assert_close(y, ref_mlp(x, weights), torch.bfloat16)
 
 
-@pytest.mark.parametrize("isa", [p for p in ISA_PARAMS if p.values[0] != "avx512bf16"])
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_tiny_rows_keep_their_relative_accuracy(isa):
     """A row of x at 1e-20 (its SiLU * up intermediate near 1e-36, where the integer paths' fixed-point
     scale 32639 / max|x| overflows fp32 unless pre-scaled) is as right, relative to its own size, as an
-    ordinary row beside it. Not avx512bf16: vdpbf16ps reads denormal bf16 as 0, and the lo part of such an
-    intermediate is denormal (0.8% off there; auto takes that path on no known CPU: every one with BF16 has
-    VNNI)."""
+    ordinary row beside it."""
     cache, weights = expert(256, 128, 64)
     k = kernel(2, isa)
     x = rand_x(2, 256, torch.float32, seed=13)

@@ -18,10 +18,10 @@ tensors show (w2 scales whole-I, act-order with TP > 1). x and out: bf16 / fp16 
 accepted), C-contiguous rows of H. The weights are read in place (zero-copy views of a mapping are
 fine), never copied; the C call releases the GIL.
 
-Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2; the
-``avx512bf16`` path feeds it to the dot products as hi + lo bf16, ~16 significant bits), one rounding to
-x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding). The
-integer paths (``avx512vnni``, ``-novbmi``, ``avx512bw``, ``avx2``) take x (and the intermediate) as 16-bit
+Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2), one rounding
+to x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding). K is
+summed in chunks fixed by the matrix and M (not by the thread count), in order: the bytes out do not
+depend on ``threads``. The SIMD paths (``avx512vnni``, ``-novbmi``, ``avx512bw``, ``avx2``) take x (and the intermediate) as 16-bit
 fixed point per row and k block of <= 128: the error per element is at most 1/65278 of the block's
 largest |x|, about bf16's own rounding of x at values 1/128 of that largest; integer sums are exact, then
 scaled in fp32. Every path meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest
@@ -30,16 +30,15 @@ output), outlier channels included.
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
 this object's; its workers spin briefly after a call, then sleep. ISA paths, fastest first:
 ``avx512vnni`` (AVX-512 VNNI + VBMI, vpdpbusd: one column's four nibbles of a word are one lane's four
-bytes after one vpmultishiftqb, x as two signed bytes; half the shuffling work of the bf16 path),
+bytes after one vpmultishiftqb, x as two signed bytes),
 ``avx512vnni-novbmi`` (the same without VBMI, a shift, a select and an AND in the shuffle's place:
 Cascade Lake, Cooper Lake),
-``avx512bf16`` (AVX-512 with vdpbf16ps: two nibbles per dot-product lane, exact bf16 products; x that
-is not bf16 is split into two bf16 parts), ``avx512bw`` (the integer scheme without VNNI: vpmaddubsw
+``avx512bw`` (the integer scheme without VNNI: vpmaddubsw
 and 16-bit sums per block; Skylake-SP), ``avx2`` (the avx512bw scheme at 256 bits), ``plain`` (C). (An
 fp32 FMA path for AVX-512, ``avx512``, was removed in session 15: ``avx512bw`` is at or ahead of it at
-every M.)
-``auto`` takes the first the CPU has (the order is measured on the build box's Zen 4; docs/BENCHMARKS.md,
-"Host compute", session 15); ``MMAP_OFFLOAD_HOST_ISA=<path>`` (or ``isa=``) forces one, and a forced one
+every M; a vdpbf16ps path, ``avx512bf16``, in session 16: ``avx512vnni`` is ahead of it at every shape,
+thread count and M on the H200's Intel host.) ``auto`` takes the first the CPU has (the order measured on
+the build box's Zen 4 and the H200's host: docs/BENCHMARKS.md, "Host compute", sessions 15 and 16); ``MMAP_OFFLOAD_HOST_ISA=<path>`` (or ``isa=``) forces one, and a forced one
 the CPU lacks raises UnsupportedError.
 """
 
@@ -59,8 +58,8 @@ from ..errors import UnsupportedError
 __all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
 # fastest first (the build box; BENCHMARKS.md "Host compute", session 15)
-ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bf16", "avx512bw", "avx2", "plain")
-_ISA_CODE = {"plain": 0, "avx2": 1, "avx512bf16": 3, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6}
+ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
+_ISA_CODE = {"plain": 0, "avx2": 1, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 
