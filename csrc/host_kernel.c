@@ -181,17 +181,17 @@ static inline int block_k(const mat_t *A) {
     return A->gs % 64 == 0 ? 64 : (A->gs % 32 == 0 ? 32 : 16);
 }
 
-/* scv[(b*2 + g)*4 + j] = scale of column 16j + 8g + b of tile nt, group grp (b in [b0, b1)). */
-static inline void tile_scales(const mat_t *A, int64_t nt, int64_t grp, int b0, int b1, float *scv) {
+/* scv[(b*2 + g)*4 + j] = scale of column 16j + 8g + b of tile nt, group grp. */
+static inline void tile_scales(const mat_t *A, int64_t nt, int64_t grp, float *scv) {
     const int64_t base = grp * A->N + nt * 64;
-    for (int b = b0; b < b1; b++)
+    for (int b = 0; b < 8; b++)
         for (int g = 0; g < 2; g++)
             for (int j = 0; j < 4; j++)
                 scv[(b * 2 + g) * 4 + j] = load_scalar(A->s, base + scale_pos(16 * j + 8 * g + b, A->grouped), A->sdt);
 }
 
-/* Plain C: ytile[m*64 + n] for the columns n of lines b in [b0, b1). scratch: >= 64*M + 64 floats. */
-static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *X, float *ytile, float *scratch) {
+/* Plain C: ytile[m*64 + n] for the tile's 64 columns n. scratch: >= 64*M + 64 floats. */
+static void tile_plain(const mat_t *A, int64_t nt, const act_t *X, float *ytile, float *scratch) {
     const int M = X->M;
     const int64_t NT = A->N / 64;
     float *gacc = scratch;            /* [M][64] per block */
@@ -203,14 +203,14 @@ static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
         int64_t grp = k0 / A->gs;
-        if (grp != cur) { tile_scales(A, nt, grp, b0, b1, scv); cur = grp; }
+        if (grp != cur) { tile_scales(A, nt, grp, scv); cur = grp; }
         memset(gacc, 0, sizeof(float) * 64 * M);
         for (int m = 0; m < M; m++) {
             float xsum = 0.f;
             for (int64_t kt = k0 / 16; kt < k1 / 16; kt++) {
                 for (int k = 0; k < 16; k++) { xk[k] = load_scalar(X->xrow[m], kt * 16 + k, X->xdt); xsum += xk[k]; }
                 const uint32_t *tw = A->w + (kt * NT + nt) * 128;
-                for (int b = b0; b < b1; b++)
+                for (int b = 0; b < 8; b++)
                     for (int a = 0; a < 4; a++)
                         for (int j = 0; j < 4; j++) {
                             uint32_t word = tw[16 * b + 4 * a + j];
@@ -220,7 +220,7 @@ static void tile_plain(const mat_t *A, int64_t nt, int b0, int b1, const act_t *
                             }
                         }
             }
-            for (int b = b0; b < b1; b++)
+            for (int b = 0; b < 8; b++)
                 for (int g = 0; g < 2; g++)
                     for (int j = 0; j < 4; j++) {
                         int n = 16 * j + 8 * g + b;
@@ -255,10 +255,10 @@ static inline int seg_tiles(int M) { return M >= SEG_TM ? 1 : (SEG_TM / M < SEG_
 #define PF_HINT _MM_HINT_T1
 #endif
 /* The first 8 k-tile rows of a segment's lines (the block loops prefetch one tile ahead from there on). */
-static inline void prefetch_head(const mat_t *A, int64_t nt0, int b0, int b1) {
+static inline void prefetch_head(const mat_t *A, int64_t nt0) {
     const int64_t rows = A->K / 16 < 8 ? A->K / 16 : 8, stride = A->N / 64 * 128;
     for (int64_t kt = 0; kt < rows; kt++)
-        for (int b = b0; b < b1; b++)
+        for (int b = 0; b < 8; b++)
             _mm_prefetch((const char *)(A->w + kt * stride + nt0 * 128 + 16 * b), _MM_HINT_T0);
 }
 
@@ -280,7 +280,7 @@ typedef void (*pass512_fn)(int v, int mb, int lb, const uint32_t *wb, const uint
 /* The passes of one k block [k0, k1) (nkt k tiles) over a segment's C tiles, shared by the AVX-512 paths:
    per tile, rows in passes of MB, lines in passes of lines(mb, lines left); the first row pass prefetches
    the tile read next (next_tile). */
-static void tiles512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int64_t k0, int64_t k1, int nkt, int M,
+static void tiles512(const mat_t *A, int64_t nt0, int C, int64_t k0, int64_t k1, int nkt, int M,
                      int MB, int (*lines)(int, int), pass512_fn pass, int v, const void *xe, const void *xs,
                      const float *sx, void *T, const float *scv) {
     const int64_t stride = A->N / 64 * 128;
@@ -289,8 +289,8 @@ static void tiles512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int64_t
         const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
         for (int m0 = 0; m0 < M; m0 += MB) {
             const int mb = M - m0 < MB ? M - m0 : MB;
-            for (int b = b0, lb; b < b1; b += lb) {
-                lb = lines(mb, b1 - b);
+            for (int b = 0, lb; b < 8; b += lb) {
+                lb = lines(mb, 8 - b);
                 pass(v, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt,
                      (const char *)xe + 64 * (size_t)m0, M, (const char *)xs + 64 * (size_t)m0, sx ? sx + m0 : NULL,
                      (char *)T + 64 * ((size_t)i * 16 * M + (size_t)b * 2 * M + m0), scv + 64 * i + b * 8);
@@ -347,12 +347,12 @@ static void make_sperms(void) {
     make_sperm(1, &SPERM[1]);
 }
 
-/* A segment's start (the AVX-512 paths share it): the accumulators of lines [b0, b1) of its C tiles zeroed,
+/* A segment's start (the AVX-512 paths share it): the accumulators of its C tiles zeroed,
    its first rows prefetched; returns the matrix's scale permutation. */
-T512 static inline const sperm_t *seg_start512(const mat_t *A, int64_t nt0, int C, int b0, int b1, int M, __m512 *T) {
+T512 static inline const sperm_t *seg_start512(const mat_t *A, int64_t nt0, int C, int M, __m512 *T) {
     for (int i = 0; i < C; i++)
-        for (int k = b0 * 2 * M; k < b1 * 2 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
-    prefetch_head(A, nt0, b0, b1);
+        for (int k = 0; k < 16 * M; k++) T[i * 16 * M + k] = _mm512_setzero_ps();
+    prefetch_head(A, nt0);
     return &SPERM[A->grouped ? 1 : 0];
 }
 
@@ -371,8 +371,8 @@ T512 static inline int block_start512(const mat_t *A, int64_t nt0, int C, int64_
 
 /* The tile's accumulators to ytile (once per tile, after its last k block; the AVX-512 paths share it):
    lanes 4a + j of T[b][g][m] -> column 16j + 8g + b, summed over a. */
-T512 static inline void store_tile512(const __m512 *T, int M, int b0, int b1, float *ytile) {
-    for (int b = b0; b < b1; b++)
+T512 static inline void store_tile512(const __m512 *T, int M, float *ytile) {
+    for (int b = 0; b < 8; b++)
         for (int g = 0; g < 2; g++)
             for (int m = 0; m < M; m++) {
                 __m512 v = T[(b * 2 + g) * M + m];
@@ -529,9 +529,9 @@ T512VN static void run512vn(int v, int mb, int lb, const uint32_t *wb, const uin
 #undef F
 }
 
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1); kind: as
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), its 64 columns n; kind: as
    run512vn. */
-T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y,
                              float *scratch, int kind) {
     const int M = X->M;
     __m512i *xe = (__m512i *)scratch;       /* [8 kt][hi, lo][M] */
@@ -550,7 +550,7 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
         idx = _mm512_loadu_si512((const void *)v);
     }
     const __m512i ones = _mm512_set1_epi8(1), ones16 = _mm512_set1_epi16(1), c128 = _mm512_set1_epi32(128);
-    const sperm_t *S = seg_start512(A, nt0, C, b0, b1, M, T);
+    const sperm_t *S = seg_start512(A, nt0, C, M, T);
     int64_t cur = -1;
     for (int64_t k0 = 0, k1; k0 < A->K; k0 += BK) {
         const int nkt = block_start512(A, nt0, C, k0, BK, &k1, &cur, S, scv);
@@ -581,21 +581,21 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, int b0, int b1,
             }
             xq[m] = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
         }
-        tiles512(A, nt0, C, b0, b1, k0, k1, nkt, M, MB, vn_lines, run512vn, kind, xe, xq, sx, T, scv);
+        tiles512(A, nt0, C, k0, k1, nkt, M, MB, vn_lines, run512vn, kind, xe, xq, sx, T, scv);
     }
-    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, b0, b1, y + (size_t)i * 64 * M);
+    for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, y + (size_t)i * 64 * M);
 }
 
 /* The three integer AVX-512 paths as seg_fn: avx512vnni, avx512vnni-novbmi, avx512bw. */
-T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
-    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 2);
+T512VN static void seg512vn(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scr) {
+    seg512vn_(A, nt0, C, X, y, scr, 2);
 }
-T512VN static void seg512vn_novbmi(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+T512VN static void seg512vn_novbmi(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y,
                                    float *scr) {
-    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 1);
+    seg512vn_(A, nt0, C, X, y, scr, 1);
 }
-T512VN static void seg512bw(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
-    seg512vn_(A, nt0, C, b0, b1, X, y, scr, 0);
+T512VN static void seg512bw(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scr) {
+    seg512vn_(A, nt0, C, X, y, scr, 0);
 }
 
 /* ------------------------------------------------------------------ AVX2 (+FMA, F16C): integer dot products */
@@ -660,8 +660,8 @@ blk256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const _
     }
 }
 
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), columns n of lines [b0, b1). */
-T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y,
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), its 64 columns n. */
+T256 static void seg256i(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y,
                           float *scratch) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
@@ -682,15 +682,15 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, con
     }
     const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     for (int i = 0; i < C; i++)
-        for (int k = b0 * 4 * M; k < b1 * 4 * M; k++) T[i * 32 * M + k] = _mm256_setzero_ps();
-    prefetch_head(A, nt0, b0, b1);
+        for (int k = 0; k < 32 * M; k++) T[i * 32 * M + k] = _mm256_setzero_ps();
+    prefetch_head(A, nt0);
     int64_t cur = -1;
     for (int64_t k0 = 0; k0 < A->K; k0 += BK) {
         const int64_t k1 = k0 + BK < A->K ? k0 + BK : A->K;
         const int nkt = (int)((k1 - k0) / 16);
         const int64_t grp = k0 / A->gs;
         if (grp != cur) {
-            for (int i = 0; i < C; i++) tile_scales(A, nt0 + i, grp, b0, b1, scv + 64 * i);
+            for (int i = 0; i < C; i++) tile_scales(A, nt0 + i, grp, scv + 64 * i);
             cur = grp;
         }
         for (int m = 0; m < M; m++) {
@@ -734,7 +734,7 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, con
             const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
             for (int m0 = 0; m0 < M; m0 += MB) {
                 const int mb = M - m0 < MB ? M - m0 : MB;
-                for (int hl = 2 * b0; hl < 2 * b1; hl++) { /* half-lines: line hl / 2, half hl % 2 */
+                for (int hl = 0; hl < 16; hl++) { /* half-lines: line hl / 2, half hl % 2 */
                     const uint32_t *wb = w0 + 8 * hl, *pb = m0 == 0 && pf ? pf + 8 * hl : NULL;
                     __m256 *Tb = T + i * 32 * M + hl * 2 * M + m0;
                     const float *sb = scv + 64 * i + (hl >> 1) * 8;
@@ -747,7 +747,7 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, con
     for (int i = 0; i < C; i++) {
         const __m256 *Ti = T + i * 32 * M;
         float *yi = y + (size_t)i * 64 * M;
-        for (int b = b0; b < b1; b++)
+        for (int b = 0; b < 8; b++)
             for (int g = 0; g < 2; g++)
                 for (int m = 0; m < M; m++) {
                     __m256 v = _mm256_add_ps(Ti[((b * 2 + 0) * 2 + g) * M + m], Ti[((b * 2 + 1) * 2 + g) * M + m]);
@@ -761,11 +761,11 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, int b0, int b1, con
 
 #endif /* MO_X86 */
 
-typedef void (*seg_fn)(const mat_t *, int64_t, int, int, int, const act_t *, float *, float *);
+typedef void (*seg_fn)(const mat_t *, int64_t, int, const act_t *, float *, float *);
 
 /* The plain path's segment: one tile at a time (y of tile i at y + 64 M i). */
-static void seg_plain(const mat_t *A, int64_t nt0, int C, int b0, int b1, const act_t *X, float *y, float *scr) {
-    for (int i = 0; i < C; i++) tile_plain(A, nt0 + i, b0, b1, X, y + (size_t)i * 64 * X->M, scr);
+static void seg_plain(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scr) {
+    for (int i = 0; i < C; i++) tile_plain(A, nt0 + i, X, y + (size_t)i * 64 * X->M, scr);
 }
 
 static seg_fn pick_seg(int isa) {
@@ -787,8 +787,8 @@ static size_t seg_cm(int M) {
 }
 
 /* Scratch floats one thread needs for jobs of at most M rows (any path), the last ytiles_floats(M) of them
-   the segment's outputs (two: gate and up). */
-static size_t ytiles_floats(int M) { return (size_t)2 * 64 * seg_cm(M) + 16; }
+   the segment's outputs. */
+static size_t ytiles_floats(int M) { return (size_t)64 * seg_cm(M) + 16; }
 static size_t scratch_floats(int M) {
     /* xe, xs, T of a segment, scales of SEG_MAX tiles + 64, in 16-float vectors (avx2: the same bytes) */
     size_t simd = (size_t)16 * (32 * (size_t)M + M + 16 * seg_cm(M) + 4 * SEG_MAX + 8) + 128;
@@ -1090,7 +1090,7 @@ static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     for (int64_t c0 = a0; c0 < a1; c0 += cmax) {
         const int C = (int)(a1 - c0 < cmax ? a1 - c0 : cmax);
         for (int h = 0; h < 2; h++) { /* gate, up */
-            T->seg(&A, c0 + h * pairs, C, 0, 8, &X, y, scr);
+            T->seg(&A, c0 + h * pairs, C, &X, y, scr);
             for (int i = 0; i < C; i++)
                 for (int m = 0; m < M; m++)
                     memcpy(pc + (size_t)m * N + (c0 + i + h * pairs) * 64, y + ((size_t)i * M + m) * 64, 64 * sizeof(float));
@@ -1132,7 +1132,7 @@ static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     float *pc = P->part + JP->p2.part + (size_t)c * M * N;
     for (int64_t c0 = t0; c0 < t1; c0 += cmax) {
         const int C = (int)(t1 - c0 < cmax ? t1 - c0 : cmax);
-        T->seg(&A, c0, C, 0, 8, &X, y, scr);
+        T->seg(&A, c0, C, &X, y, scr);
         for (int i = 0; i < C; i++)
             for (int m = 0; m < M; m++)
                 memcpy(pc + (size_t)m * N + (c0 + i) * 64, y + ((size_t)i * M + m) * 64, 64 * sizeof(float));
