@@ -371,9 +371,9 @@ def test_calls_from_several_python_threads():
 
 def test_late_workers_never_touch_a_finished_call():
     """A call completes when its work is done, not when every worker has woken (csrc/host_kernel.c,
-    pool_run): workers woken late skip a closed call. More threads than CPUs, with pauses between calls
+    pool_finish): workers woken late skip a closed call. More threads than CPUs, with pauses between calls
     so that workers fall asleep and wake late, and calls of different sizes back to back (a late worker
-    taking a finished call's counters would compute the wrong slots or write a stale output): every
+    taking a finished call's counters would compute the wrong units or write a stale output): every
     result equals the one-thread kernel's bytes."""
     import time
 
