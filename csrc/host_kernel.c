@@ -1019,7 +1019,7 @@ typedef struct mlp_task_s {
     void *out;
     int mode;             /* 0: out[rows] = sum, 1: out[rows] += sum */
     seg_fn seg;
-    job_plan_t *jp;       /* per job (malloc'd with the counters) */
+    job_plan_t *jp;       /* per job (mlp_prepare allocates it and the counters, mlp_free frees them) */
     int64_t *cnt1;        /* [njobs][nr1]: chunks done per (job, range) (atomics) */
     int64_t *cnt2;        /* [nr2]: units done per range, all jobs (atomics) */
     int64_t nr1, nr2;     /* column ranges of the phases (the same for every job) */
@@ -1028,7 +1028,6 @@ typedef struct mlp_task_s {
     int64_t nuniq;
     int64_t next;         /* unit counter (atomic) */
     int64_t done2;        /* phase-2 units completed, reductions included (atomic): the call ends at n2 */
-    int nthreads;
     int maxm;
 } mlp_task;
 
@@ -1302,7 +1301,6 @@ static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, 
     T->n2 = n2;
     T->per_range2 = per_range2;
     T->maxm = (int)maxm;
-    T->nthreads = P->nthreads;
     int64_t nu = 0;
     memset(P->mark, 0, (size_t)x_rows);
     for (int j = 0; j < njobs; j++)
