@@ -932,6 +932,14 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Waits until *v >= want (spins briefly, then yields). */
+static inline void spin_until(const int64_t *v, int64_t want) {
+    for (int i = 0; __atomic_load_n(v, __ATOMIC_ACQUIRE) < want; i++) {
+        if (i < 4000) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
 static void pool_open(pool_t *P, task_fn fn, void *arg) {
     P->fn = fn;
     P->arg = arg;
@@ -949,10 +957,7 @@ static void pool_open(pool_t *P, task_fn fn, void *arg) {
 static int pool_finish(pool_t *P, int64_t *done, int64_t total) {
     int ready = __atomic_load_n(done, __ATOMIC_ACQUIRE) >= total;
     if (!ready) P->fn(P, 0, P->arg);
-    for (int i = 0; __atomic_load_n(done, __ATOMIC_ACQUIRE) < total; i++) {
-        if (i < 4000) CPU_RELAX();
-        else sched_yield();
-    }
+    spin_until(done, total);
     __atomic_store_n(&P->open_gen, 0, __ATOMIC_SEQ_CST);
     for (int i = 0; __atomic_load_n(&P->active, __ATOMIC_SEQ_CST) > 0; i++) {
         if (i < 4000) CPU_RELAX();
@@ -1064,13 +1069,6 @@ static inline void chunk_rows(const plan_t *p, int64_t K, int64_t c, int64_t *k0
     *k0 = c * p->nku / p->nk * p->ku;
     int64_t e = (c + 1) * p->nku / p->nk * p->ku;
     *k1 = e < K ? e : K;
-}
-
-static inline void spin_until(const int64_t *v, int64_t want) {
-    for (int i = 0; __atomic_load_n(v, __ATOMIC_ACQUIRE) < want; i++) {
-        if (i < 4000) CPU_RELAX();
-        else sched_yield();
-    }
 }
 
 /* Phase-1 unit: job j, chunk c, gate/up pairs of range r. */
