@@ -271,34 +271,6 @@ static inline const uint32_t *next_tile(const mat_t *A, const uint32_t *row0, in
     return k1 < A->K ? row0 + nkt * stride + 128 * (i + PF_DIST - C) : NULL;
 }
 
-/* One register pass of an AVX-512 path (run512vn): v is the path's own variant (
-   CPU kind); xe and xs (the expanded x and its sums) start at the pass's first row, sx (x scales of the
-   integer paths, else NULL) too; T: the pass's accumulators; all vectors 64 bytes. */
-typedef void (*pass512_fn)(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                           const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv);
-
-/* The passes of one k block [k0, k1) (nkt k tiles) over a segment's C tiles, shared by the AVX-512 paths:
-   per tile, rows in passes of MB, lines in passes of lines(mb, lines left); the first row pass prefetches
-   the tile read next (next_tile). */
-static void tiles512(const mat_t *A, int64_t nt0, int C, int64_t k0, int64_t k1, int nkt, int M,
-                     int MB, int (*lines)(int, int), pass512_fn pass, int v, const void *xe, const void *xs,
-                     const float *sx, void *T, const float *scv) {
-    const int64_t stride = A->N / 64 * 128;
-    const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
-    for (int i = 0; i < C; i++) {
-        const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB;
-            for (int b = 0, lb; b < 8; b += lb) {
-                lb = lines(mb, 8 - b);
-                pass(v, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt,
-                     (const char *)xe + 64 * (size_t)m0, M, (const char *)xs + 64 * (size_t)m0, sx ? sx + m0 : NULL,
-                     (char *)T + 64 * ((size_t)i * 16 * M + (size_t)b * 2 * M + m0), scv + 64 * i + b * 8);
-            }
-        }
-    }
-}
-
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 T512 static inline __m512 load16_512(const void *p, int64_t i, int dt) {
@@ -513,11 +485,11 @@ blk512vn(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const 
 
 #define MO_VN_CASES(F) F(1, 4) F(1, 2) F(1, 1) F(2, 2) F(2, 1) F(3, 2) F(3, 1)
 
-/* v: the CPU's kind, 2 = VBMI + VNNI, 1 = VNNI, 0 = neither; xs: the rows' sums of q */
-T512VN static void run512vn(int v, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
-                            const void *xe, int M, const void *xs, const float *sx, void *T, const float *scv) {
-    const int kind = v;
-    const __m512i *xq = xs;
+/* One register pass of mb rows x lb lines: kind, the CPU's, 2 = VBMI + VNNI, 1 = VNNI, 0 = neither; xe and xq
+   (the expanded x and the rows' sums of q) and sx (x scales) start at the pass's first row; T: the pass's
+   accumulators. */
+T512VN static void run512vn(int kind, int mb, int lb, const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt,
+                            const __m512i *xe, int M, const __m512i *xq, const float *sx, __m512 *T, const float *scv) {
 #define F(MBV, LBV)                                                                                            \
     if (mb == MBV && lb == LBV) {                                                                              \
         if (kind == 2) blk512vn(wb, pf, stride, nkt, xe, M, xq, sx, T, scv, LBV, MBV, 1, 1);                   \
@@ -527,6 +499,26 @@ T512VN static void run512vn(int v, int mb, int lb, const uint32_t *wb, const uin
     }
     MO_VN_CASES(F)
 #undef F
+}
+
+/* The passes of one k block [k0, k1) (nkt k tiles) over a segment's C tiles (the three integer AVX-512
+   paths; kind as run512vn): per tile, rows in passes of MB, lines in passes of vn_lines(mb, lines left);
+   the first row pass prefetches the tile read next (next_tile). xe and xq start at row 0, as T. */
+static void tiles512(const mat_t *A, int64_t nt0, int C, int64_t k0, int64_t k1, int nkt, int M, int MB, int kind,
+                     const __m512i *xe, const __m512i *xq, const float *sx, __m512 *T, const float *scv) {
+    const int64_t stride = A->N / 64 * 128;
+    const uint32_t *row0 = A->w + (k0 / 16) * stride + nt0 * 128;
+    for (int i = 0; i < C; i++) {
+        const uint32_t *w0 = row0 + 128 * i, *pf = next_tile(A, row0, i, C, k1, nkt);
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB;
+            for (int b = 0, lb; b < 8; b += lb) {
+                lb = vn_lines(mb, 8 - b);
+                run512vn(kind, mb, lb, w0 + 16 * b, m0 == 0 && pf ? pf + 16 * b : NULL, stride, nkt, xe + m0, M,
+                         xq + m0, sx + m0, T + (size_t)i * 16 * M + (size_t)b * 2 * M + m0, scv + 64 * i + b * 8);
+            }
+        }
+    }
 }
 
 /* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), its 64 columns n; kind: as
@@ -581,7 +573,7 @@ T512VN static void seg512vn_(const mat_t *A, int64_t nt0, int C, const act_t *X,
             }
             xq[m] = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
         }
-        tiles512(A, nt0, C, k0, k1, nkt, M, MB, vn_lines, run512vn, kind, xe, xq, sx, T, scv);
+        tiles512(A, nt0, C, k0, k1, nkt, M, MB, kind, xe, xq, sx, T, scv);
     }
     for (int i = 0; i < C; i++) store_tile512(T + i * 16 * M, M, y + (size_t)i * 64 * M);
 }
@@ -1071,6 +1063,15 @@ static inline void chunk_rows(const plan_t *p, int64_t K, int64_t c, int64_t *k0
     *k1 = e < K ? e : K;
 }
 
+/* A segment of tiles nt0 .. nt0 + C - 1 of A into a chunk's partials pc ([M][A->N]; y: the segment's scratch). */
+static void seg_part(const mlp_task *T, const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scr,
+                     float *pc) {
+    T->seg(A, nt0, C, X, y, scr);
+    for (int i = 0; i < C; i++)
+        for (int m = 0; m < X->M; m++)
+            memcpy(pc + (size_t)m * A->N + (nt0 + i) * 64, y + ((size_t)i * X->M + m) * 64, 64 * sizeof(float));
+}
+
 /* Phase-1 unit: job j, chunk c, gate/up pairs of range r. */
 static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y) {
     const mo_job_t *J = &T->jobs[j];
@@ -1086,12 +1087,7 @@ static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     float *pc = part + (size_t)c * M * N;
     for (int64_t c0 = a0; c0 < a1; c0 += cmax) {
         const int C = (int)(a1 - c0 < cmax ? a1 - c0 : cmax);
-        for (int h = 0; h < 2; h++) { /* gate, up */
-            T->seg(&A, c0 + h * pairs, C, &X, y, scr);
-            for (int i = 0; i < C; i++)
-                for (int m = 0; m < M; m++)
-                    memcpy(pc + (size_t)m * N + (c0 + i + h * pairs) * 64, y + ((size_t)i * M + m) * 64, 64 * sizeof(float));
-        }
+        for (int h = 0; h < 2; h++) seg_part(T, &A, c0 + h * pairs, C, &X, y, scr, pc); /* gate, up */
     }
     if (__atomic_add_fetch(&T->cnt1[(int64_t)j * T->nr1 + r], 1, __ATOMIC_ACQ_REL) < JP->p1.nk) return;
     /* the range's last chunk: silu(gate) * up of the chunks' sums, in chunk order */
@@ -1129,10 +1125,7 @@ static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     float *pc = P->part + JP->p2.part + (size_t)c * M * N;
     for (int64_t c0 = t0; c0 < t1; c0 += cmax) {
         const int C = (int)(t1 - c0 < cmax ? t1 - c0 : cmax);
-        T->seg(&A, c0, C, &X, y, scr);
-        for (int i = 0; i < C; i++)
-            for (int m = 0; m < M; m++)
-                memcpy(pc + (size_t)m * N + (c0 + i) * 64, y + ((size_t)i * M + m) * 64, 64 * sizeof(float));
+        seg_part(T, &A, c0, C, &X, y, scr, pc);
     }
     if (__atomic_add_fetch(&T->cnt2[r], 1, __ATOMIC_ACQ_REL) < T->per_range2) return;
     /* the range's last unit: out rows = sum over jobs (in order) of weight * (sum of its chunks) */
