@@ -882,8 +882,12 @@ def main(argv=None) -> int:
             cfgs.append({"label": spec["label"], "config": spec["config"], "outcome": "skipped (deadline)"})
             continue
         log(f"== {spec['label']} ({left:.0f} s left)")
-        child = vllm_runner.run_child(spec, workdir=work / "children", timeout=left + 30, cgroup=not args.no_cgroup,
-                                      python=args.python, echo=log)
+        try:
+            child = vllm_runner.run_child(spec, workdir=work / "children", timeout=left + 30,
+                                          cgroup=not args.no_cgroup, python=args.python, echo=log)
+        except Exception as exc:  # the parent's side of one child (its files, its cgroup): the others' rows stay
+            child = {"label": spec["label"], "outcome": f"failed (runner): {type(exc).__name__}: {exc}",
+                     "returncode": None, "wall_s": 0.0, "events": [], "tasks": [], "ready": None, "cgroup": {}}
         child["config"] = spec["config"]
         child["repeat"] = spec.get("repeat")
         child["variant"] = spec.get("variant")

@@ -34,8 +34,10 @@ the benchmarks build, so a repeated prompt is computed again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -357,6 +359,17 @@ def _make_cgroup(name: str) -> tuple[Path, str]:
 # ----------------------------------------------------------------------------------------------
 
 
+def file_stem(label: str) -> str:
+    """``label`` as one file name (its child's spec, events, log and cgroup): characters other than
+    letters, digits, ``.``, ``_``, ``-``, ``=``, ``:`` and ``,`` become ``_``, plus a short hash of the label
+    when any was replaced, so that two labels never share files (a config option naming a path,
+    ``env.VAR=/tmp/x.so``, made a label with ``/`` in it: session 17 lost a run to it)."""
+    safe = re.sub(r"[^A-Za-z0-9._=:,-]", "_", label)[:120]
+    if safe == label:
+        return safe
+    return f"{safe}~{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+
+
 def run_child(spec: dict, *, workdir: Path, mem_max: int | None = None, timeout: float = 600.0,
               cgroup: bool = True, python: str | None = None, echo=print) -> dict:
     """Run one vLLM configuration (``spec``) in its own process and cgroup; return what happened.
@@ -369,11 +382,12 @@ def run_child(spec: dict, *, workdir: Path, mem_max: int | None = None, timeout:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = spec["label"]
-    spec_path, events_path, log_path = (workdir / f"{label}.{s}" for s in ("spec.json", "events.jsonl", "log"))
+    stem = file_stem(label)
+    spec_path, events_path, log_path = (workdir / f"{stem}.{s}" for s in ("spec.json", "events.jsonl", "log"))
     events_path.unlink(missing_ok=True)
     spec = dict(spec, events=str(events_path))
     spec_path.write_text(json.dumps(spec, indent=1))
-    cg = Cgroup(f"mmo-{label}-{os.getpid()}", mem_max, create=cgroup)
+    cg = Cgroup(f"mmo-{stem}-{os.getpid()}", mem_max, create=cgroup)
     stat_max: dict[str, int] = {}
     stop = threading.Event()
 

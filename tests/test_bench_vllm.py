@@ -278,6 +278,20 @@ def test_runner_reports_timeouts_and_failures_without_a_cgroup(tmp_path):
     assert res["outcome"] == "failed (rc 3): asked to fail with 3" and res["log_tail"] is not None
 
 
+def test_runner_takes_a_label_that_names_a_path(tmp_path):
+    """A config option naming a file (env.VAR=/tmp/x.so) makes a label with '/': the child's files
+    (and cgroup) take a file-safe stem, distinct per label, inside the work dir."""
+    labels = ["mmap-hybrid:env.X=/tmp/a.so-skewed", "mmap-hybrid:env.X=/tmp_a.so-skewed"]
+    stems = [vllm_runner.file_stem(x) for x in labels]
+    assert len(set(stems)) == 2 and all("/" not in s for s in stems)
+    assert vllm_runner.file_stem("mmap-hybrid:threads=6-skewed") == "mmap-hybrid:threads=6-skewed"
+    res = vllm_runner.run_child({"label": labels[0], "selftest": {"hold_s": 0.1}}, workdir=tmp_path / "children",
+                                timeout=30, cgroup=False, echo=None)
+    assert res["outcome"] == "ok" and res["label"] == labels[0]
+    assert sorted(p.name for p in (tmp_path / "children").iterdir()) == sorted(
+        f"{stems[0]}.{s}" for s in ("spec.json", "events.jsonl", "log"))
+
+
 def test_uva_fractions_follow_vllms_layer_order():
     import bench_vllm
 
