@@ -454,12 +454,16 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("engine_ordered_submit_seconds", "native_submit_ms"),
                               ("residency_native_s", "native_ms"), ("residency_between_s", "between_ms"),
                               ("residency_outside_s", "outside_ms"),
+                              ("residency_between_cpu_s", "between_cpu_ms"), ("residency_outside_cpu_s", "outside_cpu_ms"),
                               ("residency_async_fill_s", "async_fill_ms"),
                               ("residency_async_callback_s", "async_cb_ms"),
                               ("residency_async_host_s", "async_host_ms"),
                               ("residency_async_host_wait_s", "async_host_wait_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
+            for key, name in (("residency_thread_nivcsw", "nivcsw_per_step"), ("residency_thread_nvcsw", "nvcsw_per_step")):
+                if key in after:  # the launching thread's context switches: preempted / waited
+                    row[name] = round(d(key) / steps, 2)
             if "residency_async_host_experts" in after:  # hybrid calls on the stream: experts computed on the host
                 row["async_host_experts_per_step"] = round(d("residency_async_host_experts") / steps, 1)
                 row["async_host_share"] = after.get("residency_async_host_share")
@@ -624,7 +628,11 @@ def markdown(res: dict) -> str:
             host += (f" <host {r['async_host_experts_per_step']:.1f} experts, {r.get('async_host_ms', 0):.2f} ms, "
                      f"waited {r.get('async_host_wait_ms', 0):.2f}, share {r.get('async_host_share') or 0:.2f}>")
         if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
-            host += f" {{between layers {r['between_ms']:.2f}, outside {r.get('outside_ms', 0):.2f}}}"
+            cpu = (lambda k: f" (cpu {r[k]:.2f})" if r.get(k) is not None else "")
+            host += (f" {{between layers {r['between_ms']:.2f}{cpu('between_cpu_ms')}, "
+                     f"outside {r.get('outside_ms', 0):.2f}{cpu('outside_cpu_ms')}"
+                     + (f"; switches {r['nivcsw_per_step']:.1f} forced, {r.get('nvcsw_per_step', 0):.1f} waits"
+                        if r.get("nivcsw_per_step") is not None else "") + "}")
         L.append(f"| {name} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "

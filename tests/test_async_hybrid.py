@@ -323,6 +323,7 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
     res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=5)
     try:
         assert res.async_step is not None and res._hy_sources is not None, res.async_off
+        assert res.host.kernel.threads == 2  # host_threads=2 in all: the callback thread is one of them
         refs = {l: _cache_tensors(cache, l) for l in LAYERS}
         for step in _calls(12, 3, seed=9):  # the share starts from the calibrated rates and adapts
             for t in targets:

@@ -424,7 +424,9 @@ def test_host_time_around_route_is_reported_per_step():
         return {"engine_bytes_moved": 0, "residency_pool_hits": 0, "residency_pool_misses": 0,
                 "residency_expert_calls": 4 * k, "residency_pool_calls": 99, "residency_route_s": 0.004 * k,
                 "residency_sync_s": 0.0, "residency_ids_s": 0.0, "residency_native_s": 0.002 * k,
-                "residency_between_s": 0.008 * k, "residency_outside_s": 0.012 * k}
+                "residency_between_s": 0.008 * k, "residency_outside_s": 0.012 * k,
+                "residency_between_cpu_s": 0.006 * k, "residency_outside_cpu_s": 0.004 * k,
+                "residency_thread_nivcsw": 100 + 6 * k, "residency_thread_nvcsw": 50 + 2 * k}
 
     task = {"event": "task", "kind": "decode", "name": "skewed/decode-1",
             "result": {"tok_s": 50.0, "seconds": 1.0, "tokens": 4, "step_ms": 10.0,
@@ -438,7 +440,9 @@ def test_host_time_around_route_is_reported_per_step():
            "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
            "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
     md = bench_vllm.markdown(res)
-    assert "native step 0.50] {between layers 2.00, outside 3.00}" in md, md
+    assert row["between_cpu_ms"] == 1.5 and row["outside_cpu_ms"] == 1.0 and row["nivcsw_per_step"] == 1.5
+    assert ("native step 0.50] {between layers 2.00 (cpu 1.50), outside 3.00 (cpu 1.00); "
+            "switches 1.5 forced, 0.5 waits}") in md, md
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():

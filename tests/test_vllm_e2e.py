@@ -223,6 +223,10 @@ def test_expert_cache_routes_through_the_pool_with_the_same_tokens(runs):
     assert s["residency_async_calls"] + s["residency_native_calls"] > s["residency_expert_calls"] // 2, s
     # vLLM's own host time between the MoE layers' route() calls and around them is timed too
     assert s["residency_between_s"] > 0 and s["residency_outside_s"] > 0
+    # and the launching thread's CPU time over the same spans (at most the wall time), its switches
+    assert 0 < s["residency_between_cpu_s"] <= s["residency_between_s"] * 1.05 + 1e-3
+    assert 0 < s["residency_outside_cpu_s"] <= s["residency_outside_s"] * 1.05 + 1e-3
+    assert s["residency_thread_nvcsw"] + s["residency_thread_nivcsw"] > 0
 
 
 def test_expert_cache_fills_only_routed_rows_when_the_pool_is_too_small(runs):

@@ -28,8 +28,15 @@ the cheapest miss goes to the host), and again whenever the host got nothing for
 ``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
 
 Threads (``default_threads``): the cores of this rank, less the copy engine's threads and one for
-the thread that launches vLLM's GPU work. The kernel gets one thread more than that count: its thread
-0 is the launching thread, which joins the job only at ``add_to``. A call completes when its work is
+the thread that launches vLLM's GPU work. On the Python path the kernel gets one thread more than that
+count: its thread 0 is the launching thread, which joins the job only at ``add_to``, when it has nothing
+to launch. On the stream path (``stream``: hybrid calls started and collected by the async step's
+callbacks) the joining thread is CUDA's callback thread while the launching thread runs on, so the kernel
+gets the count itself: with one more, 8 host + 8 copy threads and the launching thread were 17 on the
+H200's 16 cores, and a stand-in for that thread (``benchmarks/bench_launch_contention.py``) ran 2.4-3.3x
+slower than alone, descheduled ~40% of the time (CPU time / wall 0.54-0.61, 110-143 forced switches per
+second), against 1.7-1.9x (0.89-0.92, 2-5 per second) with 7 host threads, whose kernel read as many GB/s
+beside the copies (34.1 / 29.3 against 34.0: DRAM-bound). A call completes when its work is
 done, so a worker that wakes late is not waited for (csrc/host_kernel.c, ``pool_finish``). Pages: the
 cache's mappings are populated (``MADV_POPULATE_READ``) by a background thread when this object is
 made, layer by layer, if the experts fit in half the memory available (else that would cycle the
@@ -120,7 +127,7 @@ class HostExperts:
     MAX_TOKENS = 64  # beyond this the GPU wins (prefill, large batches): no host compute
     EXPLORE_EVERY = 64  # calls without a host job before one miss is tried on the host again
 
-    def __init__(self, off, threads: int = 0, calibrate: bool = True, populate: bool = True):
+    def __init__(self, off, threads: int = 0, calibrate: bool = True, populate: bool = True, stream: bool = False):
         self.cache = off.cache
         self.device = off.device
         q = self.cache.manifest.identity.quantization
@@ -137,9 +144,12 @@ class HostExperts:
         if self.kind == "w4a16":
             from ..host.kernel import HostKernel
 
-            # one more than the computing threads: its thread 0 is the caller, which launches the
-            # layer's GPU work while the job runs (experts_mlp_start) and only joins in at add_to
-            self.kernel: Any = HostKernel(threads=self.threads + 1)
+            # Python path: one more than the computing threads: its thread 0 is the caller, which
+            # launches the layer's GPU work while the job runs (experts_mlp_start) and only joins in at
+            # add_to. Stream path (``stream``): the thread that joins each job is CUDA's callback thread
+            # (the collect callback) while the launching thread goes on, so it is one of the computing
+            # threads: one more would leave the launching thread no core (module docstring)
+            self.kernel: Any = HostKernel(threads=self.threads if stream else self.threads + 1)
             self._names = EXPERT_TENSORS
         else:  # the torch path runs on this process's intra-op threads: changed only when asked
             if explicit:

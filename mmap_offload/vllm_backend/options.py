@@ -68,7 +68,7 @@ class MmapOptions:
     # hybrid call may copy; 0 the fewest that hold its admissions into the pool (the misses beyond
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
-    host_threads: int = 0  # host compute threads; 0 = the cores of this process / TP size
+    host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # False (default): they take the async expert step, copying every miss: on the H200 (PCIe Gen5,

@@ -38,6 +38,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+try:  # Linux: the launching thread's own context switches (metrics)
+    import resource
+
+    _RUSAGE_THREAD = resource.RUSAGE_THREAD
+except (ImportError, AttributeError):
+    _RUSAGE_THREAD = None
+
 import numpy as np
 import torch
 
@@ -108,13 +115,16 @@ class Residency:
                                             source=f"routing trace {opts.routing_trace}")
         self._step = 0
         self._route_end: float | None = None  # when the last route() returned
+        self._route_end_cpu = 0.0  # the launching thread's CPU time then
         self._idx_host = torch.empty((2, E), dtype=torch.int64, pin_memory=pin)  # sparse: rows, slots
         self._ids_host = self._w_host = self._mask_host = None  # hybrid: made on first use
         self.host = None
         if opts.hybrid:
             from .host_experts import HostExperts
 
-            self.host = HostExperts(off, threads=opts.host_threads)  # 0: its default (cores, TP, copy threads)
+            # 0: its default (cores, TP, copy threads); stream: CUDA's callback thread joins its jobs
+            self.host = HostExperts(off, threads=opts.host_threads,
+                                    stream=self.async_step is not None and opts.hybrid_stream)
         # hybrid sparse calls on the stream (AsyncStep.run_hybrid): W4A16 (the native host kernel, which
         # the stream's callback starts), set up at the first call (x's dtype); None: not taken
         self._hy_sources: dict[int, np.ndarray] | None = None
@@ -131,12 +141,16 @@ class Residency:
         # map_copies: device maps rewritten (only on change); between_s: wall time from one layer's
         # route() to the next one's in the same forward (vLLM's layer code, launches, our kernel
         # call), outside_s: from the last layer's to the next forward's first (sampling, scheduling,
-        # the layers before the first MoE layer)
+        # the layers before the first MoE layer); between_cpu_s / outside_cpu_s: the launching thread's CPU
+        # time over the same spans (wall well above it: the thread waited or was preempted, not slow), and
+        # thread_nvcsw / thread_nivcsw its voluntary / involuntary context switches so far (read once per
+        # forward): what separates a slow thread from a waiting or descheduled one when vLLM's own time drifts
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
                                             hybrid_async_calls=0,
-                                            between_s=0.0, outside_s=0.0,
+                                            between_s=0.0, outside_s=0.0, between_cpu_s=0.0, outside_cpu_s=0.0,
+                                            thread_nvcsw=0, thread_nivcsw=0,
                                             sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
                                             trace=bool(self.trace is not None))
 
@@ -240,9 +254,10 @@ class Residency:
 
     def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor | None = None):
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self._route_end is not None:  # vLLM's own host time since the last route() (see metrics)
             self.metrics["between_s" if t.index else "outside_s"] += t0 - self._route_end
+            self.metrics["between_cpu_s" if t.index else "outside_cpu_s"] += c0 - self._route_end_cpu
         with torch.inference_mode(False):
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
@@ -291,7 +306,10 @@ class Residency:
             self._step += 1
             if self.ordered or self._async_dirty:  # the step's reads, before anything samples from it
                 self._check_step()
-        self._route_end = time.perf_counter()
+            if _RUSAGE_THREAD is not None:
+                ru = resource.getrusage(_RUSAGE_THREAD)
+                self.metrics["thread_nvcsw"], self.metrics["thread_nivcsw"] = ru.ru_nvcsw, ru.ru_nivcsw
+        self._route_end, self._route_end_cpu = time.perf_counter(), time.thread_time()
         self.metrics["route_s"] += self._route_end - t0
         return topk_weights, out
 
