@@ -25,10 +25,6 @@ a model cleanly):
                 in Python (the path before session 8; mmap_offload/expert_step.py)
     mmap-cache-sync (``--configs``) mmap-cache with ``async_step=False``: the native   B + 2 layer buffers
                 step waits for each layer's ids (the path before session 9; async_step.py)
-    mmap-cache-nt (``--configs``) mmap-cache whose async fills all use streaming    B + 2 layer buffers
-                stores (``MMO_ASYNC_FILL_STORES=streaming``; the default streams expert-mode
-                calls' fills and caches sparse calls', async_step.py)
-    mmap-cache-movsb (``--configs``) the same with cached stores for all fills      B + 2 layer buffers
     mmap-all    (``--configs``) mmap-cache whose pool holds every expert: the     all + 2 layer buffers
                 residency step's own price at 100% hits (against noff); a diagnostic
     uva-eqtotal (``--configs``) uva given B + the mmap layer buffers             B + 2 layer buffers
@@ -85,11 +81,10 @@ TINY_SHAPES = dict(hidden=128, intermediate=256, experts=8, top_k=2, num_heads=4
 HARNESS_SHAPES = dict(hidden=4096, intermediate=1536, experts=64, top_k=8, num_heads=32, num_kv_heads=8)
 SHAPES = {"user": USER_SHAPES, "harness": HARNESS_SHAPES}
 DECODE_BATCHES = (1, 8, 64)
-CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-cache-nt",
-           "mmap-cache-movsb", "mmap-hybrid", "noff", "uva-eqtotal",
-           "mmap-all")
-POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-cache-nt", "mmap-cache-movsb",
-                "mmap-hybrid", "mmap-all")  # an expert pool; the trace via the backend
+CONFIGS = ("uva", "mmap-layer", "mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-hybrid",
+           "noff", "uva-eqtotal", "mmap-all")
+POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sync", "mmap-hybrid",
+                "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
 
@@ -307,8 +302,7 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                 pool["native_step"] = False
             if cfg == "mmap-cache-sync":  # the same pool; the native step waits for each layer's ids
                 pool["async_step"] = False
-            cfg_env = {**base["env"], **{"mmap-cache-nt": {"MMO_ASYNC_FILL_STORES": "streaming"},
-                                         "mmap-cache-movsb": {"MMO_ASYNC_FILL_STORES": "cached"}}.get(cfg, {})}
+            cfg_env = base["env"]
             if skewed:  # the trace goes through the backend's own option: one engine per routing
                 out.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True, "env": cfg_env,
                            "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),

@@ -218,7 +218,8 @@ def test_child_specs_give_uva_the_pool_bytes(tmp_path):
     assert by["uva"]["llm"]["attention_config"] == {"backend": "TRITON_ATTN"} and by["uva"]["llm"]["enforce_eager"]
     # every child runs with one OpenMP thread, as vLLM's workers; a configuration may add its own variables
     assert all(s["env"]["OMP_NUM_THREADS"] for s in specs)
-    nt = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "mmap-cache-nt",
+    nt = bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--configs",
+                                                       "mmap-cache:env.MMO_ASYNC_FILL_STORES=streaming",
                                                        "--routings", "uniform"]), tmp_path, tmp_path, None, 8 * gib, gib, 0.0)[0]
     assert nt["env"]["MMO_ASYNC_FILL_STORES"] == "streaming" and nt["env"]["OMP_NUM_THREADS"]
     # a configuration named twice runs twice, in that place (uva first and last: the run's order effect)
