@@ -275,23 +275,31 @@ class RankWriter:
         return {name: list(self.shard_stats[name]) for name in self.done_sources.get(layer, {})
                 if name in self.shard_stats}
 
-    def _journal_rewrite(self, header: dict) -> None:
-        path = self.dir / JOURNAL_NAME
+    def _write_whole(self, path: Path, data: bytes, fault: str | None = None) -> None:
+        """``data`` as ``path``, whole or not at all: a temp file beside it (flushed; fsynced, and the
+        directory after the rename, when ``fsync``), renamed over it; ``fault``: a fault_point between
+        the write and the rename. An OSError removes the temp file and raises one StorageError."""
         tmp = path.with_name(path.name + ".partial")
-        lines = [header] + [{"layer": l, "rows": r, "src": self.done_sources.get(l, {}), "stat": self._layer_stat(l)}
-                            for l, r in sorted(self.done_layers.items())]
         try:
             with open(tmp, "wb") as f:
-                f.write(b"".join(json.dumps(x, separators=(",", ":")).encode() + b"\n" for x in lines))
+                f.write(data)
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
+            if fault:
+                fault_point(fault)
             os.replace(tmp, path)
             if self.fsync:
                 fsync_dir(self.dir)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise storage_error(e, path) from None
+
+    def _journal_rewrite(self, header: dict) -> None:
+        lines = [header] + [{"layer": l, "rows": r, "src": self.done_sources.get(l, {}), "stat": self._layer_stat(l)}
+                            for l, r in sorted(self.done_layers.items())]
+        self._write_whole(self.dir / JOURNAL_NAME,
+                          b"".join(json.dumps(x, separators=(",", ":")).encode() + b"\n" for x in lines))
 
     def _journal_append(self, entry: dict) -> None:
         path = self.dir / JOURNAL_NAME
@@ -334,21 +342,7 @@ class RankWriter:
         m.shards = [{"name": name, "size": stats[name][0] if name in stats else None,
                      "mtime_ns": stats[name][1] if name in stats else None, "hash": source_hash_hex(total)}
                     for name, total in sorted(totals.items())]
-        path = self.dir / MANIFEST_NAME
-        tmp = path.with_name(path.name + ".partial")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(m.dumps())
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            fault_point("manifest-written")
-            os.replace(tmp, path)
-            if self.fsync:
-                fsync_dir(self.dir)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise storage_error(e, path) from None
+        self._write_whole(self.dir / MANIFEST_NAME, m.dumps(), fault="manifest-written")
         fault_point("manifest-renamed")
         (self.dir / JOURNAL_NAME).unlink(missing_ok=True)
         self.complete = True
