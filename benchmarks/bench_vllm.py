@@ -404,6 +404,9 @@ def rows_from_child(child: dict) -> list[dict]:
         if kind == "decode":
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
+            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw"):  # the launching thread per step
+                if r.get(k) is not None:
+                    row[k] = r[k]
             if r.get("host_profile"):  # MMO_SAMPLE_DECODE=1 (vllm_runner.HostSampler)
                 row["host_profile"] = r["host_profile"]
             if r.get("device_profile"):  # MMO_PROFILE_DECODE=1 (vllm_runner.device_timeline)
@@ -590,7 +593,7 @@ def markdown(res: dict) -> str:
          f"B = {_g(res['budget_bytes'])} GiB ({res['budget_frac_text']}); mmap layer buffers "
          f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}.",
          "",
-         "| config | routing | workload | tokens/s | x uva | step ms | host ms/step: route / sync / ensure / stall | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
+         "| config | routing | workload | tokens/s | x uva | step ms (launching thread's CPU ms, forced switches) | host ms/step: route / sync / ensure / stall | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = {c: i for i, c in enumerate(CONFIGS)}
     wl = {w: i for i, w in enumerate(res["workloads"])}
@@ -627,8 +630,11 @@ def markdown(res: dict) -> str:
                      f"outside {r.get('outside_ms', 0):.2f}{cpu('outside_cpu_ms')}"
                      + (f"; switches {r['nivcsw_per_step']:.1f} forced, {r.get('nvcsw_per_step', 0):.1f} waits"
                         if r.get("nivcsw_per_step") is not None else "") + "}")
+        step = f"{r['step_ms']:.2f}"
+        if r.get("thread_cpu_ms") is not None:  # the launching thread's CPU time per step, its forced switches
+            step += f" (thread cpu {r['thread_cpu_ms']:.2f}, {r.get('thread_nivcsw', 0):.1f} forced)"
         L.append(f"| {name} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
-                 f"{r['step_ms']:.2f} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
+                 f"{step} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "
                  f"{c.get('ready_s', '')} |")
     L += ["", "| bar (issue 12) | this run | need | met |", "| --- | ---: | ---: | --- |"]

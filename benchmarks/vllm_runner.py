@@ -359,6 +359,18 @@ def _make_cgroup(name: str) -> tuple[Path, str]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _thread_rusage() -> dict:
+    """This thread's context switches so far: nvcsw (it waited), nivcsw (it was preempted); 0 where
+    the platform has no per-thread rusage."""
+    try:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+        return {"nvcsw": ru.ru_nvcsw, "nivcsw": ru.ru_nivcsw}
+    except (ImportError, AttributeError, OSError):
+        return {"nvcsw": 0, "nivcsw": 0}
+
+
 def file_stem(label: str) -> str:
     """``label`` as one file name (its child's spec, events, log and cgroup): characters other than
     letters, digits, ``.``, ``_``, ``-``, ``=``, ``:`` and ``,`` become ``_``, plus a short hash of the label
@@ -774,12 +786,18 @@ class _Child:
         return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
     def _timed(self, prompts, max_tokens: int) -> tuple[float, list, dict | None, dict | None]:
+        """(seconds, outputs, backend summary before, after); ``self.last_thread`` gets this thread's
+        CPU seconds and context switches over the same call (the engine runs in-process: this is
+        the thread that launches the model's GPU work)."""
         s0 = self.summary()
         self.sync()
+        ru0, c0 = _thread_rusage(), time.thread_time()
         t = time.perf_counter()
         outs = self._gen(prompts, max_tokens)
         self.sync()
         dt = time.perf_counter() - t
+        c1, ru1 = time.thread_time(), _thread_rusage()
+        self.last_thread = {"cpu_s": c1 - c0, **{k: ru1[k] - ru0[k] for k in ru0}}
         return dt, outs, s0, self.summary()
 
     def task_greedy(self, task: dict) -> dict:
@@ -794,13 +812,20 @@ class _Child:
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
         prompts = self._prompts(b, plen, seed)
         t1, _, a0, a1 = self._timed(prompts, 1)
+        th1 = self.last_thread
         sampler = HostSampler() if os.environ.get("MMO_SAMPLE_DECODE") else None
         tT, outs, b0, b1 = self._timed(prompts, T + 1)
+        thT = self.last_thread
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         dec = max(tT - t1, 1e-9)
         res = {"batch": b, "tokens": T, "generated": n, "seconds": round(dec, 4), "t_1": round(t1, 4),
                "t_T1": round(tT, 4), "tok_s": round(b * T / dec, 2), "step_ms": round(1000 * dec / T, 3),
-               "summary_1": [a0, a1], "summary_T1": [b0, b1]}
+               "summary_1": [a0, a1], "summary_T1": [b0, b1],
+               # the launching thread per decode step (the same difference): its CPU time, and its forced
+               # (preempted) and voluntary (waited) context switches
+               "thread_cpu_ms": round(1000 * (thT["cpu_s"] - th1["cpu_s"]) / T, 3),
+               "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
+               "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2)}
         if sampler is not None:
             res["host_profile"] = sampler.stop()
         if os.environ.get("MMO_PROFILE_DECODE") and self.torch is not None and self.torch.cuda.is_available():

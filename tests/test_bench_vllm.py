@@ -319,6 +319,8 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert got == {(c, rt, w) for c in ("uva", "mmap-layer") for rt, w in
                    (("uniform", "decode-8"), ("uniform", "prefill-512"), ("skewed", "decode-8"))}
     assert all(x["x_uva"] == 1.0 for x in res["rows"] if x["config"] == "uva")
+    # every decode row has the launching thread's CPU time per step (the engine runs in the child's thread)
+    assert all(x["thread_cpu_ms"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
     mm = res["marlin_model"]["uva_prefill_model_routing"]
     assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
     assert res["trace"]["shape"][1:] == [2, 64, 2]  # layers, batch rows, top-k
@@ -430,7 +432,8 @@ def test_host_time_around_route_is_reported_per_step():
                 "residency_thread_nivcsw": 100 + 6 * k, "residency_thread_nvcsw": 50 + 2 * k}
 
     task = {"event": "task", "kind": "decode", "name": "skewed/decode-1",
-            "result": {"tok_s": 50.0, "seconds": 1.0, "tokens": 4, "step_ms": 10.0,
+            "result": {"tok_s": 50.0, "seconds": 1.0, "tokens": 4, "step_ms": 10.0, "thread_cpu_ms": 7.5,
+                       "thread_nivcsw": 2.25, "thread_nvcsw": 0.5,
                        "summary_1": [s(0), s(0)], "summary_T1": [s(0), s(1)]}}
     child = {"config": "mmap-cache", "label": "mmap-cache-skewed", "has_summary": True, "tasks": [task],
              "outcome": "ok", "wall_s": 1, "events": [task], "cgroup": {}, "ready": {"ready_s": 1.0, "model_info": {}}}
@@ -444,6 +447,7 @@ def test_host_time_around_route_is_reported_per_step():
     assert row["between_cpu_ms"] == 1.5 and row["outside_cpu_ms"] == 1.0 and row["nivcsw_per_step"] == 1.5
     assert ("native step 0.50] {between layers 2.00 (cpu 1.50), outside 3.00 (cpu 1.00); "
             "switches 1.5 forced, 0.5 waits}") in md, md
+    assert row["thread_cpu_ms"] == 7.5 and "| 10.00 (thread cpu 7.50, 2.2 forced) |" in md, md
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
