@@ -119,7 +119,8 @@ class Background:
 
 
 def launch_loop(x: torch.Tensor, seconds: float) -> dict:
-    """The stand-in for vLLM's launching thread: per iteration 4 small device ops and a little Python."""
+    """The stand-in for vLLM's launching thread: per iteration 4 small device ops and a little Python
+    (x grows to inf within a few hundred iterations: the launch cost, not the values, is measured)."""
     windows, iters = [], 0
     meta = {f"k{j}": j for j in range(32)}
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)

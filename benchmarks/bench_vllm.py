@@ -302,14 +302,13 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                 pool["native_step"] = False
             if cfg == "mmap-cache-sync":  # the same pool; the native step waits for each layer's ids
                 pool["async_step"] = False
-            cfg_env = base["env"]
             if skewed:  # the trace goes through the backend's own option: one engine per routing
-                out.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True, "env": cfg_env,
+                out.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True,
                            "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
                            "llm": {**common, "offload_backend": "mmap",
                                    "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
             if "uniform" in routings:
-                out.append({**base, "label": cfg, "config": cfg, "register_backend": True, "env": cfg_env,
+                out.append({**base, "label": cfg, "config": cfg, "register_backend": True,
                            "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
                            "llm": {**common, "offload_backend": "mmap",
                                    "additional_config": {"mmap_offload": pool}}})
