@@ -8,7 +8,8 @@
 # $OUT gets check.log (steps 1-3 and the transfer table), transfer.json, and moe/ (step 4: run.log,
 # results.json, results.md, 3 PNGs): 8 files, the device tool's limit. kvikio wheels in .whl/ are
 # installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1, SKIP_WARMUP=1,
-# SKIP_MOE=1, LATENCY=1 (benchmarks/bench_latency.py into check.log).
+# SKIP_MOE=1, LATENCY=1 (benchmarks/bench_latency.py into check.log), CONTENTION=1 (benchmarks/bench_launch_contention.py
+# into check.log; CONTENTION_ARGS, e.g. --scenarios "idle|host=7,copy=8").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -36,6 +37,10 @@ fi
 if [ "${LATENCY:-0}" = 1 ]; then
 echo "== bench_latency (decode-sized batches: submit -> on GPU)"
 timeout 120 python3 benchmarks/bench_latency.py --reps ${LATENCY_REPS:-30} --out /tmp/latency.json 2>&1 | tail -30
+fi
+if [ "${CONTENTION:-0}" = 1 ]; then
+echo "== bench_launch_contention (vLLM's launching thread, stood in for, beside the hybrid path's threads)"
+timeout 120 python3 benchmarks/bench_launch_contention.py ${CONTENTION_ARGS:-} --out /tmp/contention 2>&1 | tail -14
 fi
 if [ "${SKIP_WARMUP:-0}" != 1 ]; then
 echo "== bench_warmup"
