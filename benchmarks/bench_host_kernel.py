@@ -111,12 +111,19 @@ def weight_nbytes(h: int, i: int) -> int:
 
 
 class HostPool:
-    """Distinct experts in the cache's Marlin layout (random words and scales: speed only)."""
+    """Distinct experts in the cache's Marlin layout (random words and scales: speed only; ``gen=None``:
+    constant words per expert, made at memory speed, for pools of GBs where values do not matter)."""
 
-    def __init__(self, h: int, i: int, count: int, gen: torch.Generator):
+    def __init__(self, h: int, i: int, count: int, gen: torch.Generator | None):
         g13, g2 = h // GROUP, i // GROUP if i > GROUP else 1
         self.experts = []
-        for _ in range(count):
+        for e in range(count):
+            if gen is None:
+                self.experts.append((torch.full((h // 16, 4 * i), 0x12345678 + e, dtype=torch.int32),
+                                     torch.full((g13, 2 * i), 0.01, dtype=torch.bfloat16),
+                                     torch.full((i // 16, 2 * h), 0x7654321 + e, dtype=torch.int32),
+                                     torch.full((g2, h), 0.01, dtype=torch.bfloat16)))
+                continue
             self.experts.append((
                 torch.randint(-2**31, 2**31 - 1, (h // 16, 4 * i), dtype=torch.int32, generator=gen),
                 (torch.rand(g13, 2 * i, generator=gen) * 0.01).to(torch.bfloat16),

@@ -36,10 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_host_kernel import GROUP, SHAPES, HostPool, weight_nbytes  # noqa: E402
 from mmap_offload.host.kernel import HostKernel  # noqa: E402
 
-H, I, GROUP = 5120, 768, 128  # the user's per-rank expert (bench_host_kernel.py "user")
-EXPERT_BYTES = 3 * H * I // 2
+H, I = SHAPES["user"]  # the user's per-rank expert
+EXPERT_BYTES = weight_nbytes(H, I)
 DEFAULT_SCENARIOS = "idle|host=8|copy=8|host=8,copy=8|host=6,copy=8|host=8,copy=6|host=5,copy=8|host=8,copy=8,pin"
 
 
@@ -147,18 +148,6 @@ def launch_loop(x: torch.Tensor, seconds: float) -> dict:
             "nivcsw_per_s": (ru1.ru_nivcsw - ru0.ru_nivcsw) / wall, "nvcsw_per_s": (ru1.ru_nvcsw - ru0.ru_nvcsw) / wall}
 
 
-def make_experts(pool_gb: float) -> list:
-    """Distinct experts in the Marlin layout's shapes (values do not matter for speed), beyond the LLC."""
-    count = max(11, int(pool_gb * 1e9 // EXPERT_BYTES))
-    out = []
-    for e in range(count):
-        out.append((torch.full((H // 16, 4 * I), 0x12345678 + e, dtype=torch.int32),
-                    torch.full((H // GROUP, 2 * I), 0.01, dtype=torch.bfloat16),
-                    torch.full((I // 16, 2 * H), 0x7654321 + e, dtype=torch.int32),
-                    torch.full((I // GROUP, H), 0.01, dtype=torch.bfloat16)))
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for launch_contention.json")
@@ -171,7 +160,9 @@ def main(argv: list[str] | None = None) -> dict:
     scenarios = [parse_scenario(s) for s in a.scenarios.split("|")]
     torch.set_num_threads(1)  # one core per copy thread; the loop's CPU ops (device cpu) on its own thread
     cpus = sorted(os.sched_getaffinity(0))
-    experts = make_experts(a.pool_gb) if any(s["host"] for s in scenarios) else []
+    # distinct experts beyond the LLC, constant words (values do not matter for speed)
+    experts = HostPool(H, I, max(11, int(a.pool_gb * 1e9 // EXPERT_BYTES)), None).experts \
+        if any(s["host"] for s in scenarios) else []
     src = torch.ones(max(64 << 20, int(a.copy_gb * 1e9) // (64 << 20) * (64 << 20)), dtype=torch.uint8) \
         if any(s["copy"] for s in scenarios) else None
     x = torch.randn(8, H, device=a.device).to(torch.bfloat16)
