@@ -57,7 +57,7 @@ from ..errors import UnsupportedError
 
 __all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
-# fastest first (the build box; BENCHMARKS.md "Host compute", session 15)
+# fastest first (the build box and the H200's host; BENCHMARKS.md "Host compute", sessions 15 and 16)
 ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
 _ISA_CODE = {"plain": 0, "avx2": 1, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
