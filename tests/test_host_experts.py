@@ -246,18 +246,20 @@ def test_default_threads_leave_the_copy_engine_its_cores(monkeypatch):
 def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, monkeypatch):
     """Python path: the kernel has one thread more than the computing count (the launching thread
     joins at add_to, when it has nothing to launch). Stream path: CUDA's callback thread joins while
-    vLLM's thread launches on, so the count is the kernel's whole: 16 cores, 8 copy threads -> 7
-    computing threads in all, the 16th core left to the launching thread."""
+    vLLM's thread launches on, so the count is the kernel's whole: 16 cores, 6 copy threads (hybrid's
+    default) -> 9 computing threads in all, the 16th core left to the launching thread; 8 copy threads
+    -> 7."""
     from mmap_offload.vllm_backend import host_experts
     from mmap_offload.vllm_backend.options import MmapOptions
 
     cache, _, _ = setup
     monkeypatch.setattr(host_experts.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
-    off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1, options=MmapOptions(hybrid=True))
-    for stream, kernel_threads in ((False, 8), (True, 7)):
-        he = host_experts.HostExperts(off, calibrate=False, populate=False, stream=stream)
-        assert he.threads == 7 and he.kernel.threads == kernel_threads
-        he.close()
+    for opts, computing in ((MmapOptions(hybrid=True), 9), (MmapOptions(hybrid=True, threads=8), 7)):
+        off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1, options=opts)
+        for stream, kernel_threads in ((False, computing + 1), (True, computing)):
+            he = host_experts.HostExperts(off, calibrate=False, populate=False, stream=stream)
+            assert he.threads == computing and he.kernel.threads == kernel_threads
+            he.close()
 
 
 def _mapped_bytes(arr: np.ndarray) -> int:

@@ -225,6 +225,19 @@ def test_options_precedence_and_errors():
         MmapOptions.resolve({"sparse_max_ids": 5000}, env={})
 
 
+def test_copy_threads_default_to_six_with_hybrid_and_eight_without():
+    """threads=0 (the default) is auto: 8 copy threads, 6 with hybrid (its host threads take the
+    cores they leave: BENCHMARKS.md "Real vLLM" session 18); a count the user gives is kept."""
+    assert MmapOptions.resolve(None, env={}).copy_threads() == 8
+    assert MmapOptions.resolve({"hybrid": True}, env={}).copy_threads() == 6
+    assert MmapOptions.resolve({"hybrid": True, "threads": 8}, env={}).copy_threads() == 8
+    assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_THREADS": "3"}).copy_threads() == 3
+    with pytest.raises(UnsupportedError, match="threads must be >= 0"):
+        MmapOptions.resolve({"threads": -1}, env={})
+    with pytest.raises(UnsupportedError, match="host_threads must be >= 0"):
+        MmapOptions.resolve({"host_threads": -2}, env={})
+
+
 def test_expert_cache_size_option():
     """None = auto (from what vLLM leaves free), 0 = layer streaming only, else GiB."""
     assert MmapOptions.resolve(None, env={}).expert_cache_gib is None

@@ -387,7 +387,7 @@ class MmapOffloader(_OffloaderBase):
             # an expert cache may be built (its size is settled after the buffers exist)
             ordered = 0.5 if opts.stream_ordered and opts.expert_cache_gib != 0 else 0.0
             self.engine = make_engine(
-                opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes, threads=opts.threads,
+                opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes, threads=opts.copy_threads(),
                 ordered_fraction=ordered,
             )
             self.prefetcher = LayerPrefetcher(

@@ -15,6 +15,8 @@ from ..errors import UnsupportedError
 
 CONFIG_KEY = "mmap_offload"  # key of vLLM's additional_config
 ENV_PREFIX = "MMAP_OFFLOAD_"
+COPY_THREADS = 8  # the engine's copy threads by default (MmapOptions.copy_threads)
+HYBRID_COPY_THREADS = 6  # ... with hybrid: its host threads get the cores the copy threads leave
 
 
 @dataclass
@@ -34,7 +36,9 @@ class MmapOptions:
     verify_in_background: bool = True
     warmup_device: str = "auto"  # where a cold start repacks: auto (this rank's GPU) | cpu | cuda
     pinned_mib: int = 256  # pinned staging of the mmap/pread engines (exact size)
-    threads: int = 8  # copy threads of the engine
+    # copy threads of the engine; 0 = auto (copy_threads()): 8, or 6 with hybrid, whose host threads
+    # take the cores the copy threads leave (docs/VLLM.md, BENCHMARKS.md "Real vLLM" session 18)
+    threads: int = 0
     # routing-aware residency (docs/VLLM.md "Expert cache"): a VRAM pool of whole experts that the
     # MoE kernel reads through remapped ids; None = auto (half of what vLLM's memory budget leaves
     # free after the weights, capped at the experts' bytes); 0 = whole-layer streaming only
@@ -114,6 +118,12 @@ class MmapOptions:
 
         if self.engine not in ENGINE_KINDS:
             raise UnsupportedError(f"unknown mmap_offload engine {self.engine!r}", f"use one of {', '.join(ENGINE_KINDS)}")
+        if self.threads < 0:
+            raise UnsupportedError(f"mmap_offload threads must be >= 0, got {self.threads}",
+                                   f"pass 0 (auto: {COPY_THREADS}, {HYBRID_COPY_THREADS} with hybrid) or a count")
+        if self.host_threads < 0:
+            raise UnsupportedError(f"mmap_offload host_threads must be >= 0, got {self.host_threads}",
+                                   "pass 0 (auto: the cores the copy threads and vLLM's thread leave) or a count")
         if self.lookahead < 0:
             raise UnsupportedError(f"mmap_offload lookahead must be >= 0, got {self.lookahead}", "pass 0 or more")
         if self.expert_cache_gib is not None and self.expert_cache_gib < 0:
@@ -136,6 +146,18 @@ class MmapOptions:
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",
                 "pass 0 (the fewest parts), -1 (as many as a plain sparse call) or a count",
             )
+
+    def copy_threads(self) -> int:
+        """The engine's copy threads: ``threads``, or where it is 0 the default, 8, or 6 with
+        ``hybrid``. Measured in real vLLM on the H200 (16 cores; BENCHMARKS.md "Real vLLM", sessions
+        17-18, decode skewed at the user's shapes, interleaved children): 6 copy threads and 9 host
+        threads ran 1.343x uva at batch 8 and 0.883x at batch 1 (9 children), against 1.279x and
+        0.799x with 8 and 7 (11 children): each missed byte computed on the host crosses DRAM once,
+        one copied crosses it three times, and vLLM's launching thread runs slower the busier DRAM
+        is. Without hybrid the copy threads are the only miss path and keep their 8."""
+        if self.threads > 0:
+            return self.threads
+        return HYBRID_COPY_THREADS if self.hybrid else COPY_THREADS
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -167,4 +189,4 @@ def _coerce(name: str, typ: Any, raw: Any) -> Any:
         raise UnsupportedError(f"mmap_offload option {name}={raw!r} is not a valid {typ}", "fix the value") from None
 
 
-__all__ = ["CONFIG_KEY", "ENV_PREFIX", "MmapOptions"]
+__all__ = ["CONFIG_KEY", "COPY_THREADS", "ENV_PREFIX", "HYBRID_COPY_THREADS", "MmapOptions"]
