@@ -13,12 +13,16 @@ thread each, a stand-in for the copy pool, not it).
     python benchmarks/bench_launch_contention.py --device cpu --pool-gb 0.1 --seconds 0.3 \\
         --scenarios "idle|host=1,copy=1"                                    # a smoke run
 
-A scenario is ``idle`` or ``host=N,copy=M[,pin]``: N host kernel threads (the kernel's own pthreads, the
-calling thread among them), M copy threads; ``pin`` puts the loop on CPU 0 and every background thread
-on the others (their affinity is set before they start). Per scenario: microseconds per loop iteration
+A scenario is ``idle`` or ``host=N,copy=M,spin=S[,pin]`` (any of the three counts): N host kernel threads
+(the kernel's own pthreads, the calling thread among them), M copy threads, S compute-only threads (fp32
+512 x 512 matrix products, their operands L2/L3-resident: the cores busy with wide vector arithmetic and
+next to no DRAM traffic); ``pin`` puts the loop on CPU 0 and every background thread on the others (their
+affinity is set before they start). ``spin`` tells the two ways a busy neighbour slows the loop apart: if
+``spin=15`` slows it as much as the host kernel and the copies do, the cause is the core's (clock under
+all-core turbo and AVX-512 licences, or a hidden SMT sibling in a VM), not shared L3 and DRAM. Per scenario: microseconds per loop iteration
 (the median of 0.1 s windows), the loop thread's CPU time over wall time (below 1: it waited or was
-descheduled; at 1 and slower than idle: it ran slowly, caches and DRAM shared), its involuntary context
-switches per second, and the background's GB/s. Prints a table; ``--out`` writes JSON."""
+descheduled; at 1 and slower than idle: it ran slowly), its involuntary context switches per second, the
+background's GB/s and the spinners' GFLOP/s. Prints a table; ``--out`` writes JSON."""
 
 from __future__ import annotations
 
@@ -41,35 +45,38 @@ from mmap_offload.host.kernel import HostKernel  # noqa: E402
 
 H, I = SHAPES["user"]  # the user's per-rank expert
 EXPERT_BYTES = weight_nbytes(H, I)
-DEFAULT_SCENARIOS = "idle|host=8|copy=8|host=8,copy=8|host=6,copy=8|host=8,copy=6|host=5,copy=8|host=8,copy=8,pin"
+DEFAULT_SCENARIOS = ("idle|host=9,copy=6|host=7,copy=8|spin=15|spin=8|copy=6|host=9|host=9,copy=6,pin|spin=15,pin|idle")
+SPIN_N = 512  # the spinners' matrices: 3 x 1 MiB of fp32, 268 MFLOP per product (~ms: the GIL is rarely theirs)
 
 
 def parse_scenario(text: str) -> dict:
-    """``idle`` or ``host=N,copy=M[,pin]`` -> {"name", "host", "copy", "pin"}; a bad word exits in one line."""
-    out = {"name": text, "host": 0, "copy": 0, "pin": False}
+    """``idle`` or ``host=N,copy=M,spin=S[,pin]`` -> {"name", "host", "copy", "spin", "pin"}; a bad word
+    exits in one line."""
+    out = {"name": text, "host": 0, "copy": 0, "spin": 0, "pin": False}
     if text == "idle":
         return out
     for word in text.split(","):
         key, sep, val = word.partition("=")
         if key == "pin" and not sep:
             out["pin"] = True
-        elif key in ("host", "copy") and sep and val.isdigit():
+        elif key in ("host", "copy", "spin") and sep and val.isdigit():
             out[key] = int(val)
         else:
-            raise SystemExit(f"scenario {text!r}: {word!r} is not host=N, copy=M or pin (e.g. host=8,copy=8,pin)")
+            raise SystemExit(f"scenario {text!r}: {word!r} is not host=N, copy=M, spin=S or pin (e.g. host=8,copy=8,pin)")
     return out
 
 
 class Background:
-    """The host kernel and the copy threads, running until ``stop()``; bytes counted per side."""
+    """The host kernel, the copy threads and the spinners, running until ``stop()``; bytes (flops for
+    the spinners) counted per side."""
 
     def __init__(self, sc: dict, experts: list, copy_src: torch.Tensor, cpus: set[int] | None):
         self.sc, self.experts, self.src, self.cpus = sc, experts, copy_src, cpus
         self.halt = threading.Event()
-        self.bytes = {"host": 0, "copy": 0}
+        self.bytes = {"host": 0, "copy": 0, "spin": 0}
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
-        self.ready = threading.Barrier(1 + (sc["host"] > 0) + sc["copy"], timeout=120)
+        self.ready = threading.Barrier(1 + (sc["host"] > 0) + sc["copy"] + sc["spin"], timeout=120)
 
     def _pin(self) -> None:
         if self.cpus:
@@ -105,10 +112,21 @@ class Background:
             with self.lock:
                 self.bytes["copy"] += block
 
+    def _spin(self) -> None:
+        self._pin()
+        a = torch.randn(SPIN_N, SPIN_N)
+        b, c = torch.randn(SPIN_N, SPIN_N), torch.empty(SPIN_N, SPIN_N)
+        self.ready.wait()
+        while not self.halt.is_set():
+            torch.mm(a, b, out=c)
+            with self.lock:
+                self.bytes["spin"] += 2 * SPIN_N**3
+
     def start(self) -> None:
         if self.sc["host"]:
             self.threads.append(threading.Thread(target=self._host, daemon=True))
         self.threads += [threading.Thread(target=self._copy, args=(j,), daemon=True) for j in range(self.sc["copy"])]
+        self.threads += [threading.Thread(target=self._spin, daemon=True) for _ in range(self.sc["spin"])]
         for t in self.threads:
             t.start()
         self.ready.wait()
@@ -180,18 +198,19 @@ def main(argv: list[str] | None = None) -> dict:
         b1 = dict(bg.bytes)
         bg.stop()
         os.sched_setaffinity(0, set(cpus))
-        r.update(scenario=sc["name"], host_threads=sc["host"], copy_threads=sc["copy"], pinned=pin,
-                 host_gbs=(b1["host"] - b0["host"]) / dt / 1e9, copy_gbs=(b1["copy"] - b0["copy"]) / dt / 1e9)
+        r.update(scenario=sc["name"], host_threads=sc["host"], copy_threads=sc["copy"], spin_threads=sc["spin"],
+                 pinned=pin, host_gbs=(b1["host"] - b0["host"]) / dt / 1e9, copy_gbs=(b1["copy"] - b0["copy"]) / dt / 1e9,
+                 spin_gflops=(b1["spin"] - b0["spin"]) / dt / 1e9)
         rows.append(r)
     idle = next((r["us_per_iter"] for r in rows if r["scenario"] == "idle"), None)
     print(f"# launch loop beside the hybrid path's host load; device {a.device}, {len(cpus)} CPUs")
-    print("| scenario | us / iteration | x idle | cpu / wall | forced switches / s | host GB/s | copy GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| scenario | us / iteration | x idle | cpu / wall | forced switches / s | host GB/s | copy GB/s | spin GFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         r["x_idle"] = r["us_per_iter"] / idle if idle else None
         xi = f"{r['x_idle']:.2f}" if idle else "-"
         print(f"| {r['scenario']} | {r['us_per_iter']:.1f} | {xi} | {r['cpu_over_wall']:.2f} | "
-              f"{r['nivcsw_per_s']:.0f} | {r['host_gbs']:.1f} | {r['copy_gbs']:.1f} |")
+              f"{r['nivcsw_per_s']:.0f} | {r['host_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['spin_gflops']:.0f} |")
     res = {"command": "python benchmarks/bench_launch_contention.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": a.device, "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
            "cpus": len(cpus), "pool_gb": a.pool_gb, "rows": rows}
