@@ -373,18 +373,31 @@ TP2_CHILD = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    def run(ckpt, prompts, max_tokens, **kw):
+    def _rank_summary(worker):
+        """On each rank's worker: what its offloader's residency and host did (the parent cannot reach it)."""
+        from vllm.model_executor.offloader import get_offloader
+        s = get_offloader().summary()
+        keys = ("residency_hybrid_calls", "residency_host_host_experts", "residency_host_threads", "residency_pool_misses")
+        return {k: int(s.get(k, 0) or 0) for k in keys}
+
+    def run(ckpt, prompts, max_tokens, ranks=False, sequential=False, **kw):
+        from token_match import top2_gaps
         llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
                   max_num_seqs=4, tensor_parallel_size=2, seed=0, **kw)
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-        toks = [list(o.outputs[0].token_ids) for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)]
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True, logprobs=2)
+        todo = [[p] for p in prompts] if sequential else [prompts]  # sequential: decode batch 1
+        outs = [o for b in todo for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in b], sp, use_tqdm=False)]
+        info = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "top2_gap": top2_gaps(outs)}
+        if ranks:
+            info["ranks"] = llm.collective_rpc(_rank_summary)
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
-        return toks
+        return info
 
     if __name__ == "__main__":
         ckpt, cache, out, prompts, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+        sys.path.insert(0, sys.argv[6])  # tests/: token_match
         ref = run(ckpt, prompts, max_tokens)
         off = run(ckpt, prompts, max_tokens, offload_backend="mmap",
                   additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 0}})
@@ -396,7 +409,16 @@ TP2_CHILD = textwrap.dedent(
         experts = run(ckpt, prompts, max_tokens, offload_backend="mmap",
                       additional_config={"mmap_offload": {"cache_dir": cache, "expert_cache_gib": gib,
                                                          "layer_stream_fraction": 1.0}})
-        open(out, "w").write(json.dumps({"ref": ref, "mmap": off, "experts": experts}))
+        # the user's set-up in small: TP=2 and hybrid, each rank computing some of its shard's misses on
+        # the host (decode batch 1 routes 2 of 4 experts into 3 slots per layer; host_threads 1: one core
+        # per rank here), against no offload at batch 1 (its logprobs' near-ties)
+        ref_seq = run(ckpt, prompts, max_tokens, sequential=True)
+        hybrid = run(ckpt, prompts, max_tokens, ranks=True, sequential=True, offload_backend="mmap",
+                     additional_config={"mmap_offload": {"cache_dir": cache, "expert_cache_gib": gib,
+                                                        "layer_stream_fraction": 0.75, "hybrid": True,
+                                                        "host_threads": 1}})
+        open(out, "w").write(json.dumps({"ref": ref, "mmap": off, "experts": experts, "ref_seq": ref_seq,
+                                     "hybrid": hybrid}))
     '''
 )
 
@@ -405,21 +427,33 @@ TP2_CHILD = textwrap.dedent(
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="binds one core per TP rank")
 def test_tensor_parallel_2_each_rank_builds_and_serves_its_shard(tmp_path):
     """TP=2 (two CPU worker processes, one core each): each rank builds rank-r-of-2 while loading,
-    and the tokens equal TP=2 without offload, with layer streaming and with the expert cache (the
-    two-GPU run of the same is tests/test_vllm_gpu.py). ~3 minutes on a 2-core machine."""
+    and the tokens equal TP=2 without offload, with layer streaming and with the expert cache; with
+    hybrid (the user's TP=2 set-up in small) each rank computes misses of its own shard on the host
+    and the tokens equal no offload up to a near-tie (tests/token_match.py: the host rounds fp32 sums
+    once, the kernel in its own order). The two-GPU run of the same is tests/test_vllm_gpu.py. ~4
+    minutes on a 2-core machine."""
     from mmap_offload.synth import PRESETS, make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "ckpt", **PRESETS["tiny-mixtral"])
     script, out, cache = tmp_path / "tp2.py", tmp_path / "tp2.json", tmp_path / "cache"
     script.write_text(TP2_CHILD)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(cache), str(out), json.dumps(PROMPTS), str(MAX_TOKENS)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the child's own function (each rank's summary)
+    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(cache), str(out), json.dumps(PROMPTS), str(MAX_TOKENS),
+                           str(Path(__file__).resolve().parent)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         pytest.fail(f"TP=2 child failed with {proc.returncode}:\n{proc.stderr[-8000:]}")
     res = json.loads(out.read_text())
-    assert res["mmap"] == res["ref"]
-    assert res["experts"] == res["ref"]  # routing-aware residency on each rank's shard
+    assert res["mmap"]["tokens"] == res["ref"]["tokens"]
+    assert res["experts"]["tokens"] == res["ref"]["tokens"]  # routing-aware residency on each rank's shard
+    from token_match import assert_equal_up_to_a_near_tie
+
+    hy = res["hybrid"]
+    assert_equal_up_to_a_near_tie(hy["tokens"], res["ref_seq"]["tokens"], res["ref_seq"]["top2_gap"])
+    assert len(hy["ranks"]) == 2
+    for r in hy["ranks"]:  # every rank: hybrid calls, experts of its shard computed on its host, 1 thread
+        assert r["residency_hybrid_calls"] > 0 and r["residency_host_host_experts"] > 0, hy["ranks"]
+        assert r["residency_host_threads"] == 1, hy["ranks"]
     assert sorted(p.name for p in cache.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
     for r in range(2):
         assert (cache / f"rank-{r}-of-2" / "manifest.json").exists()
