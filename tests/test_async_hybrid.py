@@ -357,6 +357,78 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
         eng.close()
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_check_after_experts_moves_the_end_of_step_check_into_the_last_layers_add_host(tmp_path, late):
+    """Option check_after_experts: the end-of-step check (the step's reads and the last layer's host
+    job) runs in patch 4b of the last layer, after its kernel and collect are enqueued, instead of in
+    that layer's route() before the kernel is launched; still once per step, before the step's output
+    leaves the layer, and the outputs are the same. A read error found there raises from add_host; a
+    check whose add_host never came (the layer raised) runs at the next route() and raises there."""
+    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=5, check_after_experts=late)
+    phase, where = ["-"], []
+    check, real_ordered = res._check_step, res.ec.check_ordered
+
+    def recording_check():
+        where.append(phase[0])
+        check()
+
+    def route(t, call):
+        ids, w, x = call
+        phase[0] = f"route {t.index}"
+        return res.route(t, w, ids, x)
+
+    def add_host(t, call, routed):
+        (wk, ik), x = routed, call[2]
+        phase[0] = f"add_host {t.index}"
+        return res.add_host(t, _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16))
+
+    res._check_step = recording_check
+    last = targets[-1]
+    try:
+        assert res.check_late is late
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        steps = _calls(7, 3, seed=9)
+        for step in steps[:4]:
+            for t in targets:
+                for b in bufs[t.layer].values():
+                    b.zero_()
+                out = add_host(t, step[t.index], route(t, step[t.index]))
+                ids, w, x = step[t.index]
+                want = _moe(x, ids, w, refs[t.layer])
+                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+        assert where == [f"{'add_host' if late else 'route'} {last.index}"] * 4
+
+        def failing():  # the step's reads checked, one found failed
+            real_ordered()
+            raise RuntimeError("read failed")
+
+        res.ec.check_ordered = failing
+        step = steps[4]
+        for t in targets[:-1]:
+            add_host(t, step[t.index], route(t, step[t.index]))
+        if not late:
+            with pytest.raises(RuntimeError, match="read failed"):
+                route(last, step[last.index])
+            return
+        routed = route(last, step[last.index])  # no check here
+        assert res._check_due
+        with pytest.raises(RuntimeError, match="read failed"):
+            add_host(last, step[last.index], routed)
+        assert not res._check_due
+        # the last layer raises before its add_host: the next route() runs the check, failing that step
+        step = steps[5]
+        for t in targets[:-1]:
+            add_host(t, step[t.index], route(t, step[t.index]))
+        route(last, step[last.index])
+        with pytest.raises(RuntimeError, match="read failed"):
+            route(targets[0], steps[6][0])
+        assert not res._check_due and where[-2:] == [f"add_host {last.index}", "route 0"]
+    finally:
+        res.ec.check_ordered = real_ordered
+        res.close()
+        eng.close()
+
+
 def test_hybrid_small_calls_send_misses_of_calls_that_fit_the_pool_to_the_host(tmp_path):
     """Option hybrid_small_calls: a call whose ids fit the pool (1 token x 3 ids, 3 slots: decode batch
     1) takes the hybrid sparse form on the stream instead of the async expert step, so its misses

@@ -118,10 +118,12 @@ CHILD = textwrap.dedent(
         # sparse on the stream
         result["sparse_ids"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 0.5}})
-        # hybrid: decode misses split between host compute (torch on the mapped bf16 rows) and copies
+        # hybrid: decode misses split between host compute (torch on the mapped bf16 rows) and copies;
+        # the end-of-step check in the last layer's patch 4b (check_after_experts; the TP=2 test below
+        # runs hybrid with the check in route(), the default)
         result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
-            "host_threads": 1}})
+            "host_threads": 1, "check_after_experts": True}})
         # a routing trace that always routes experts 1 and 3: decode fetches those two per layer, once
         import numpy as np
         from mmap_offload.traces import write_csv

@@ -88,6 +88,12 @@ class MmapOptions:
     # batch 8's 64 ids would otherwise stream every layer whole (0.29x uva). 0: the threshold alone
     # decides, and sparse calls stop at 256 ids. Prefill (2k tokens: 16k ids) still streams whole layers
     sparse_max_ids: int = 512
+    # with hybrid: the end-of-step check of the step's reads (and of the last layer's host job) runs in
+    # patch 4b, after the last MoE layer's kernel and host collect are enqueued, instead of in that
+    # layer's route() before vLLM launches its kernel: the GPU runs the last layer's kernel while the
+    # host job ends. Still before anything samples from the step. Off by default until measured on a
+    # GPU (docs/VLLM.md, options)
+    check_after_experts: bool = False
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
     routing_trace: str | None = None
 

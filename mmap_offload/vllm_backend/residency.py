@@ -132,6 +132,10 @@ class Residency:
                 and self.host.kind == "w4a16"):
             self._hy_sources = {}
         self._hy_collect: int | None = None  # the target index whose host rows the stream still owes
+        # option check_after_experts: the end-of-step check waits in patch 4b (add_host) of the last layer,
+        # after its kernel and collect are enqueued; _check_due: route() of the last layer left it there
+        self.check_late = bool(opts.check_after_experts) and self.host is not None
+        self._check_due = False
         # calls whose ids fit the pool take the hybrid sparse form too (option hybrid_small_calls)
         self.hybrid_small = self._hy_sources is not None and opts.hybrid_small_calls
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
@@ -255,6 +259,9 @@ class Residency:
     def route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x: torch.Tensor | None = None):
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
         t0, c0 = time.perf_counter(), time.thread_time()
+        if self._check_due:  # the last step's add_host never came (its last layer raised): check now, so no
+            self._check_due = False  # read error is lost; it fails this step rather than serve a bad one
+            self._check_step()
         if self._route_end is not None:  # vLLM's own host time since the last route() (see metrics)
             self.metrics["between_s" if t.index else "outside_s"] += t0 - self._route_end
             self.metrics["between_cpu_s" if t.index else "outside_cpu_s"] += c0 - self._route_end_cpu
@@ -305,7 +312,10 @@ class Residency:
         if t.index == len(self.off.targets) - 1:
             self._step += 1
             if self.ordered or self._async_dirty:  # the step's reads, before anything samples from it
-                self._check_step()
+                if self.check_late:
+                    self._check_due = True  # in add_host, after this layer's kernel and collect
+                else:
+                    self._check_step()
             if _RUSAGE_THREAD is not None:
                 ru = resource.getrusage(_RUSAGE_THREAD)
                 self.metrics["thread_nvcsw"], self.metrics["thread_nivcsw"] = ru.ru_nvcsw, ru.ru_nivcsw
@@ -409,9 +419,16 @@ class Residency:
         if self._hy_collect is not None:
             if self._hy_collect == t.index:
                 self._hy_collect = None
-                return self.async_step.collect(out)
-            self._hy_collect = None  # a call whose output never came here (its step failed)
-        return self.host.add_to(t, out)
+                out = self.async_step.collect(out)
+            else:
+                self._hy_collect = None  # a call whose output never came here (its step failed)
+                out = self.host.add_to(t, out)
+        else:
+            out = self.host.add_to(t, out)
+        if self._check_due and t.index == len(self.off.targets) - 1:  # option check_after_experts
+            self._check_due = False
+            self._check_step()
+        return out
 
     def _async_settle(self) -> None:
         """Wait for the async step's callbacks in flight, if it enqueued any since the last wait
