@@ -8,9 +8,11 @@
 #          (TP=2 left out unless TESTS_ARGS says otherwise: it has its own step; MMO_GPU_QUANTS=w4a16
 #          runs one quantization's child only, ~half the time; MMO_CHILD_HANG_S bounds each case, and
 #          a W4A16 child alone on a fresh machine spends ~100 s of its first case compiling kernels)
-#   tp2    the TP=2 test alone (two GPUs: nvidia-h200-x2), limit TP2_TIMEOUT (540 s); its three cases
-#          each start vLLM at TP=2 (session 6: > 180 s for the first, Triton JIT included), so it
-#          takes a device call of its own; every process logs to $OUT/vllm_gpu_tp2.log
+#   tp2    the TP=2 test alone (two GPUs: nvidia-h200-x2), limit TP2_TIMEOUT (540 s); its cases (no
+#          offload, then layer streaming, the expert cache and hybrid) each start vLLM at TP=2 (session 6:
+#          > 180 s for the first, Triton JIT included), so it takes a device call of its own, or two:
+#          MMO_TP2_CASES=mmap_hybrid (say) runs the reference and that case only; every process logs to
+#          $OUT/vllm_gpu_tp2.log
 #   oom    python3 benchmarks/oom_repro.py --vllm --out $OUT $OOM_ARGS                limit OOM_DEADLINE (300 s)
 #   bench  python3 benchmarks/bench_vllm.py --out $OUT --deadline $BENCH_DEADLINE     limit BENCH_DEADLINE (420 s)
 # A device call lasts at most 10 minutes: run "tests,oom" in one call and "bench" in the next (the machine

@@ -230,7 +230,11 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
     keep = os.environ.get("OUT")
     log_path = Path(keep, "vllm_gpu_tp2.log") if keep else tmp_path / "tp2.log"
     toks = {}
-    for case in ("ref", "mmap_layer", "mmap_experts", "mmap_hybrid"):
+    # each case starts vLLM at TP=2 anew (> 180 s for the first on a fresh machine): MMO_TP2_CASES picks the
+    # offload cases of one device call (default all three; the reference always runs)
+    picked = os.environ.get("MMO_TP2_CASES", "mmap_layer,mmap_experts,mmap_hybrid").split(",")
+    cases = ["ref"] + [c for c in ("mmap_layer", "mmap_experts", "mmap_hybrid") if c in picked]
+    for case in cases:
         out = tmp_path / f"{case}.json"
         with open(log_path, "a") as log:
             log.write(f"==== TP=2 case {case}\n")
@@ -247,12 +251,14 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
             pytest.fail(f"TP=2 {case} failed with {proc.returncode}:\n{text[-8000:]}")
         toks[case] = json.loads(out.read_text())
     ref = toks["ref"]
-    assert toks["mmap_layer"]["tokens"] == ref["tokens"] and toks["mmap_experts"]["tokens"] == ref["tokens"]
+    for case in ("mmap_layer", "mmap_experts"):
+        assert case not in toks or toks[case]["tokens"] == ref["tokens"], case
     from token_match import assert_equal_up_to_a_near_tie
 
-    hy = toks["mmap_hybrid"]
-    assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
-    assert len(hy["ranks"]) == 2
-    for r in hy["ranks"]:
-        assert r["residency_hybrid_async_calls"] > 0 and r["residency_async_host_experts"] > 0, hy["ranks"]
+    hy = toks.get("mmap_hybrid")
+    if hy is not None:
+        assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
+        assert len(hy["ranks"]) == 2
+        for r in hy["ranks"]:
+            assert r["residency_hybrid_async_calls"] > 0 and r["residency_async_host_experts"] > 0, hy["ranks"]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
