@@ -19,10 +19,11 @@ A scenario is ``idle`` or ``host=N,copy=M,spin=S[,pin]`` (any of the three count
 next to no DRAM traffic); ``pin`` puts the loop on CPU 0 and every background thread on the others (their
 affinity is set before they start). ``spin`` tells the two ways a busy neighbour slows the loop apart: if
 ``spin=15`` slows it as much as the host kernel and the copies do, the cause is the core's (clock under
-all-core turbo and AVX-512 licences, or a hidden SMT sibling in a VM), not shared L3 and DRAM. Per scenario: microseconds per loop iteration
-(the median of 0.1 s windows), the loop thread's CPU time over wall time (below 1: it waited or was
-descheduled; at 1 and slower than idle: it ran slowly), its involuntary context switches per second, the
-background's GB/s and the spinners' GFLOP/s. Prints a table; ``--out`` writes JSON."""
+all-core turbo and AVX-512 licences, or a hidden SMT sibling in a VM), not shared L3 and DRAM.
+
+Per scenario: microseconds per loop iteration (the median of 0.1 s windows), the loop thread's CPU time
+over wall time (below 1: it waited or was descheduled; at 1 and slower than idle: it ran slowly), its
+involuntary context switches per second, the background's GB/s and the spinners' GFLOP/s. Prints a table; ``--out`` writes JSON."""
 
 from __future__ import annotations
 

@@ -416,14 +416,11 @@ class Residency:
     def add_host(self, t, out: torch.Tensor) -> torch.Tensor:
         """Patch 4b: the host's rows of layer ``t`` into its MoE output (a stream hybrid call's, or
         the Python hybrid path's)."""
-        if self._hy_collect is not None:
-            if self._hy_collect == t.index:
-                self._hy_collect = None
-                out = self.async_step.collect(out)
-            else:
-                self._hy_collect = None  # a call whose output never came here (its step failed)
-                out = self.host.add_to(t, out)
+        if self._hy_collect == t.index:
+            self._hy_collect = None
+            out = self.async_step.collect(out)
         else:
+            self._hy_collect = None  # (not None: a call whose output never came here, its step failed)
             out = self.host.add_to(t, out)
         if self._check_due and t.index == len(self.off.targets) - 1:  # option check_after_experts
             self._check_due = False
