@@ -136,6 +136,7 @@ class Residency:
         # after its kernel and collect are enqueued; _check_due: route() of the last layer left it there
         self.check_late = bool(opts.check_after_experts) and self.host is not None
         self._check_due = False
+        self._last = len(off.targets) - 1  # the index of a forward's last MoE layer
         # calls whose ids fit the pool take the hybrid sparse form too (option hybrid_small_calls)
         self.hybrid_small = self._hy_sources is not None and opts.hybrid_small_calls
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
@@ -260,8 +261,7 @@ class Residency:
         """Make the routed experts of layer ``t`` resident; return (weights, ids) for the kernel."""
         t0, c0 = time.perf_counter(), time.thread_time()
         if self._check_due:  # the last step's add_host never came (its last layer raised): check now, so no
-            self._check_due = False  # read error is lost; it fails this step rather than serve a bad one
-            self._check_step()
+            self._check_due_step()  # read error is lost; it fails this step rather than serve a bad one
         if self._route_end is not None:  # vLLM's own host time since the last route() (see metrics)
             self.metrics["between_s" if t.index else "outside_s"] += t0 - self._route_end
             self.metrics["between_cpu_s" if t.index else "outside_cpu_s"] += c0 - self._route_end_cpu
@@ -309,7 +309,7 @@ class Residency:
                         out = self._sparse_mode(t, topk_ids, used)
                     else:
                         out = self._layer_mode(t, topk_ids, ahead=False)
-        if t.index == len(self.off.targets) - 1:
+        if t.index == self._last:
             self._step += 1
             if self.ordered or self._async_dirty:  # the step's reads, before anything samples from it
                 if self.check_late:
@@ -422,10 +422,14 @@ class Residency:
         else:
             self._hy_collect = None  # (not None: a call whose output never came here, its step failed)
             out = self.host.add_to(t, out)
-        if self._check_due and t.index == len(self.off.targets) - 1:  # option check_after_experts
-            self._check_due = False
-            self._check_step()
+        if self._check_due and t.index == self._last:  # option check_after_experts
+            self._check_due_step()
         return out
+
+    def _check_due_step(self) -> None:
+        """The end-of-step check that route() of the last layer left to later (check_after_experts)."""
+        self._check_due = False
+        self._check_step()
 
     def _async_settle(self) -> None:
         """Wait for the async step's callbacks in flight, if it enqueued any since the last wait
