@@ -119,11 +119,11 @@ CHILD = textwrap.dedent(
         result["sparse_ids"] = run(offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 2 * slot_gib, "layer_stream_fraction": 0.5}})
         # hybrid: decode misses split between host compute (torch on the mapped bf16 rows) and copies;
-        # the end-of-step check in the last layer's patch 4b (check_after_experts; the TP=2 test below
-        # runs hybrid with the check in route(), the default)
+        # the end-of-step check in the last layer's route() (check_after_experts off; the TP=2 test
+        # below runs hybrid with the default, the check in the last layer's patch 4b)
         result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
-            "host_threads": 1, "check_after_experts": True}})
+            "host_threads": 1, "check_after_experts": False}})
         # a routing trace that always routes experts 1 and 3: decode fetches those two per layer, once
         import numpy as np
         from mmap_offload.traces import write_csv
@@ -275,6 +275,7 @@ def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):
     s = hy["summary"]
     assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0
     assert s["residency_host_copied_experts"] + s["residency_pool_misses"] > 0
+    assert s["residency_late_checks"] == 0  # check_after_experts off here: the check in route()
 
 
 def test_routing_trace_replaces_the_routers_choice(runs):
@@ -379,7 +380,8 @@ TP2_CHILD = textwrap.dedent(
         """On each rank's worker: what its offloader's residency and host did (the parent cannot reach it)."""
         from vllm.model_executor.offloader import get_offloader
         s = get_offloader().summary()
-        keys = ("residency_hybrid_calls", "residency_host_host_experts", "residency_host_threads", "residency_pool_misses")
+        keys = ("residency_hybrid_calls", "residency_host_host_experts", "residency_host_threads", "residency_pool_misses",
+                "residency_late_checks")
         return {k: int(s.get(k, 0) or 0) for k in keys}
 
     def run(ckpt, prompts, max_tokens, ranks=False, sequential=False, **kw):
@@ -456,6 +458,8 @@ def test_tensor_parallel_2_each_rank_builds_and_serves_its_shard(tmp_path):
     for r in hy["ranks"]:  # every rank: hybrid calls, experts of its shard computed on its host, 1 thread
         assert r["residency_hybrid_calls"] > 0 and r["residency_host_host_experts"] > 0, hy["ranks"]
         assert r["residency_host_threads"] == 1, hy["ranks"]
+        # the default check_after_experts: every step's end-of-step check in the last layer's patch 4b
+        assert r["residency_late_checks"] > 0, hy["ranks"]
     assert sorted(p.name for p in cache.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
     for r in range(2):
         assert (cache / f"rank-{r}-of-2" / "manifest.json").exists()

@@ -149,13 +149,15 @@ class Residency:
         # the layers before the first MoE layer); between_cpu_s / outside_cpu_s: the launching thread's CPU
         # time over the same spans (wall well above it: the thread waited or was preempted, not slow), and
         # thread_nvcsw / thread_nivcsw its voluntary / involuntary context switches so far (read once per
-        # forward): what separates a slow thread from a waiting or descheduled one when vLLM's own time drifts
+        # forward): what separates a slow thread from a waiting or descheduled one when vLLM's own time drifts;
+        # collect_s: time in add_host (patch 4b: the host rows' collect, and the end-of-step check where
+        # check_after_experts put it, late_checks of them), our part of between_s / outside_s
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
                                             hybrid_async_calls=0,
                                             between_s=0.0, outside_s=0.0, between_cpu_s=0.0, outside_cpu_s=0.0,
-                                            thread_nvcsw=0, thread_nivcsw=0,
+                                            thread_nvcsw=0, thread_nivcsw=0, collect_s=0.0, late_checks=0,
                                             sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
                                             trace=bool(self.trace is not None))
 
@@ -416,14 +418,19 @@ class Residency:
     def add_host(self, t, out: torch.Tensor) -> torch.Tensor:
         """Patch 4b: the host's rows of layer ``t`` into its MoE output (a stream hybrid call's, or
         the Python hybrid path's)."""
-        if self._hy_collect == t.index:
-            self._hy_collect = None
-            out = self.async_step.collect(out)
-        else:
-            self._hy_collect = None  # (not None: a call whose output never came here, its step failed)
-            out = self.host.add_to(t, out)
-        if self._check_due and t.index == self._last:  # option check_after_experts
-            self._check_due_step()
+        t0 = time.perf_counter()
+        try:
+            if self._hy_collect == t.index:
+                self._hy_collect = None
+                out = self.async_step.collect(out)
+            else:
+                self._hy_collect = None  # (not None: a call whose output never came here, its step failed)
+                out = self.host.add_to(t, out)
+            if self._check_due and t.index == self._last:  # option check_after_experts
+                self.metrics["late_checks"] += 1
+                self._check_due_step()
+        finally:
+            self.metrics["collect_s"] += time.perf_counter() - t0
         return out
 
     def _check_due_step(self) -> None:
