@@ -21,9 +21,12 @@ affinity is set before they start). ``spin`` tells the two ways a busy neighbour
 ``spin=15`` slows it as much as the host kernel and the copies do, the cause is the core's (clock under
 all-core turbo and AVX-512 licences, or a hidden SMT sibling in a VM), not shared L3 and DRAM.
 
-Per scenario: microseconds per loop iteration (the median of 0.1 s windows), the loop thread's CPU time
-over wall time (below 1: it waited or was descheduled; at 1 and slower than idle: it ran slowly), its
-involuntary context switches per second, the background's GB/s and the spinners' GFLOP/s. Prints a table; ``--out`` writes JSON."""
+Per scenario: microseconds per loop iteration (the median of 0.1 s windows), the same in the loop
+thread's own CPU time (what slows the thread itself: clock, caches, DRAM; waits left out), the thread's
+CPU time over wall time (below 1: it waited or was descheduled; at 1 and slower than idle: it ran
+slowly), its involuntary context switches per second (preempted) and voluntary ones (waits: here the
+GIL, which the background's Python threads take at each call's return), the background's GB/s and the
+spinners' GFLOP/s. Prints a table; ``--out`` writes JSON."""
 
 from __future__ import annotations
 
@@ -47,7 +50,15 @@ from mmap_offload.host.kernel import HostKernel  # noqa: E402
 H, I = SHAPES["user"]  # the user's per-rank expert
 EXPERT_BYTES = weight_nbytes(H, I)
 DEFAULT_SCENARIOS = ("idle|host=9,copy=6|host=7,copy=8|spin=15|spin=8|copy=6|host=9|host=9,copy=6,pin|spin=15,pin|idle")
-SPIN_N = 512  # the spinners' matrices: 3 x 1 MiB of fp32, 268 MFLOP per product (~ms: the GIL is rarely theirs)
+SPIN_N = 512  # the spinners' matrices: 2 x 1 MiB of fp32, 268 MFLOP per product
+SPIN_POWER = 2**15 - 1  # products per call: matrix_power's ~30 squarings and products in one C++ call (~30 ms)
+HOST_PER_CALL = 44  # experts per host kernel call: 4 x batch 8's share per layer, ~5 ms per call
+COPY_BLOCK = 256 << 20  # bytes per copy call (~25-50 ms)
+# Why calls this long: the background runs in Python threads, and each call's return takes the GIL.
+# Session 19's run (H200 host) with calls of ~1 ms (64 MiB copies, one 512 x 512 product, 11 experts)
+# had the loop wait for the GIL 600-6000 times a second (voluntary switches; 0 when idle) and off its
+# CPU 6-12% of the time; vLLM's own pools are native threads that never take it. The table's cpu
+# columns (the loop's CPU time per iteration) leave any such wait out either way.
 
 
 def parse_scenario(text: str) -> dict:
@@ -89,7 +100,7 @@ class Background:
         x = (torch.randn(2, H) * 0.1).to(torch.bfloat16)
         out = torch.zeros(2, H, dtype=torch.bfloat16)
         rows, w = torch.arange(2), torch.full((2,), 0.125)
-        per, n = 11, len(self.experts)
+        per, n = HOST_PER_CALL, len(self.experts)
         calls = [[(rows, *self.experts[(c * per + j) % n], GROUP, w) for j in range(per)] for c in range(max(1, n // per))]
         c = 0
         self.ready.wait()
@@ -102,7 +113,7 @@ class Background:
 
     def _copy(self, idx: int) -> None:
         self._pin()
-        block = 64 << 20
+        block = min(COPY_BLOCK, self.src.numel())
         dst = torch.empty(block, dtype=torch.uint8)
         n = self.src.numel() // block
         i = idx
@@ -115,13 +126,13 @@ class Background:
 
     def _spin(self) -> None:
         self._pin()
-        a = torch.randn(SPIN_N, SPIN_N)
-        b, c = torch.randn(SPIN_N, SPIN_N), torch.empty(SPIN_N, SPIN_N)
+        a = torch.linalg.qr(torch.randn(SPIN_N, SPIN_N))[0]  # orthogonal: its powers stay finite and normal
+        per = 2 * (SPIN_POWER.bit_length() - 1) * 2 * SPIN_N**3  # matrix_power's products, flops each
         self.ready.wait()
         while not self.halt.is_set():
-            torch.mm(a, b, out=c)
+            torch.linalg.matrix_power(a, SPIN_POWER)
             with self.lock:
-                self.bytes["spin"] += 2 * SPIN_N**3
+                self.bytes["spin"] += per
 
     def start(self) -> None:
         if self.sc["host"]:
@@ -141,14 +152,14 @@ class Background:
 def launch_loop(x: torch.Tensor, seconds: float) -> dict:
     """The stand-in for vLLM's launching thread: per iteration 4 small device ops and a little Python
     (x grows to inf within a few hundred iterations: the launch cost, not the values, is measured)."""
-    windows, iters = [], 0
+    windows, cpu_windows, iters = [], [], 0
     meta = {f"k{j}": j for j in range(32)}
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     sync()
     ru0, c0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time(), time.perf_counter()
     end = t0 + seconds
     while True:
-        w0, n = time.perf_counter(), 0
+        w0, u0, n = time.perf_counter(), time.thread_time(), 0
         while time.perf_counter() - w0 < 0.1:
             y = x * 1.0001
             y = y + x
@@ -157,13 +168,14 @@ def launch_loop(x: torch.Tensor, seconds: float) -> dict:
             meta = {k: v + 1 for k, v in meta.items()}  # interpreter work between launches
             n += 1
         windows.append((time.perf_counter() - w0) / n * 1e6)
+        cpu_windows.append((time.thread_time() - u0) / n * 1e6)  # the thread's own time: waits left out
         iters += n
         if time.perf_counter() >= end:
             break
     sync()
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     ru1 = resource.getrusage(resource.RUSAGE_THREAD)
-    return {"us_per_iter": statistics.median(windows), "iters": iters, "wall_s": wall, "cpu_over_wall": cpu / wall,
+    return {"us_per_iter": statistics.median(windows), "cpu_us_per_iter": statistics.median(cpu_windows), "iters": iters, "wall_s": wall, "cpu_over_wall": cpu / wall,
             "nivcsw_per_s": (ru1.ru_nivcsw - ru0.ru_nivcsw) / wall, "nvcsw_per_s": (ru1.ru_nvcsw - ru0.ru_nvcsw) / wall}
 
 
@@ -203,15 +215,19 @@ def main(argv: list[str] | None = None) -> dict:
                  pinned=pin, host_gbs=(b1["host"] - b0["host"]) / dt / 1e9, copy_gbs=(b1["copy"] - b0["copy"]) / dt / 1e9,
                  spin_gflops=(b1["spin"] - b0["spin"]) / dt / 1e9)
         rows.append(r)
-    idle = next((r["us_per_iter"] for r in rows if r["scenario"] == "idle"), None)
+    idle = next((r for r in rows if r["scenario"] == "idle"), None)
     print(f"# launch loop beside the hybrid path's host load; device {a.device}, {len(cpus)} CPUs")
-    print("| scenario | us / iteration | x idle | cpu / wall | forced switches / s | host GB/s | copy GB/s | spin GFLOP/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| scenario | us / iteration | x idle | cpu us / iteration | x idle (cpu) | cpu / wall | forced switches / s "
+          "| waits / s | host GB/s | copy GB/s | spin GFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        r["x_idle"] = r["us_per_iter"] / idle if idle else None
-        xi = f"{r['x_idle']:.2f}" if idle else "-"
-        print(f"| {r['scenario']} | {r['us_per_iter']:.1f} | {xi} | {r['cpu_over_wall']:.2f} | "
-              f"{r['nivcsw_per_s']:.0f} | {r['host_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['spin_gflops']:.0f} |")
+        r["x_idle"] = r["us_per_iter"] / idle["us_per_iter"] if idle else None
+        r["x_idle_cpu"] = r["cpu_us_per_iter"] / idle["cpu_us_per_iter"] if idle and idle["cpu_us_per_iter"] else None
+        xi = f"{r['x_idle']:.2f}" if r["x_idle"] is not None else "-"
+        xc = f"{r['x_idle_cpu']:.2f}" if r["x_idle_cpu"] is not None else "-"
+        print(f"| {r['scenario']} | {r['us_per_iter']:.1f} | {xi} | {r['cpu_us_per_iter']:.1f} | {xc} | "
+              f"{r['cpu_over_wall']:.2f} | {r['nivcsw_per_s']:.0f} | {r['nvcsw_per_s']:.0f} | {r['host_gbs']:.1f} | "
+              f"{r['copy_gbs']:.1f} | {r['spin_gflops']:.0f} |")
     res = {"command": "python benchmarks/bench_launch_contention.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": a.device, "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None,
            "cpus": len(cpus), "pool_gb": a.pool_gb, "rows": rows}

@@ -38,5 +38,6 @@ def test_a_tiny_run_loads_the_host_and_writes_its_rows(tmp_path):
     assert busy["host_gbs"] > 0 and busy["copy_gbs"] > 0 and busy["iters"] > 0
     assert spin["spin_gflops"] > 0 and spin["host_gbs"] == spin["copy_gbs"] == 0 and spin["spin_threads"] == 1
     assert busy["pinned"] == (len(cpus) > 1) and 0 < busy["cpu_over_wall"] <= 1.05
+    assert 0 < busy["cpu_us_per_iter"] <= busy["us_per_iter"] * 1.05 and idle["x_idle_cpu"] == 1.0
     assert os.sched_getaffinity(0) == cpus  # the loop's affinity is given back
     assert json.loads((tmp_path / "launch_contention.json").read_text())["rows"][1]["scenario"] == "host=1,copy=1,pin"
