@@ -403,7 +403,8 @@ def rows_from_child(child: dict) -> list[dict]:
         if kind == "decode":
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
-            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw"):  # the launching thread per step
+            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw",  # the launching thread per step
+                      "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step"):  # and per layer
                 if r.get(k) is not None:
                     row[k] = r[k]
             if r.get("host_profile"):  # MMO_SAMPLE_DECODE=1 (vllm_runner.HostSampler)
@@ -449,10 +450,11 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("residency_pool_submit_s", "submit_ms"),
                               ("engine_ordered_submit_seconds", "native_submit_ms"),
                               ("residency_native_s", "native_ms"), ("residency_between_s", "between_ms"),
-                              ("residency_outside_s", "outside_ms"),
+                              ("residency_outside_s", "outside_ms"), ("residency_collect_s", "collect_ms"),
                               ("residency_between_cpu_s", "between_cpu_ms"), ("residency_outside_cpu_s", "outside_cpu_ms"),
                               ("residency_async_fill_s", "async_fill_ms"),
                               ("residency_async_callback_s", "async_cb_ms"),
+                              ("residency_async_enqueue_s", "async_enqueue_ms"),
                               ("residency_async_host_s", "async_host_ms"),
                               ("residency_async_host_wait_s", "async_host_wait_ms")):
                 if key in after:
@@ -592,7 +594,7 @@ def markdown(res: dict) -> str:
          f"B = {_g(res['budget_bytes'])} GiB ({res['budget_frac_text']}); mmap layer buffers "
          f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}.",
          "",
-         "| config | routing | workload | tokens/s | x uva | step ms (launching thread's CPU ms, forced switches) | host ms/step: route / sync / ensure / stall | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
+         "| config | routing | workload | tokens/s | x uva | step ms (launching thread's CPU ms, forced switches) [per step: in MoE routers, between them, outside them] | host ms/step: route / sync / ensure / stall | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = {c: i for i, c in enumerate(CONFIGS)}
     wl = {w: i for i, w in enumerate(res["workloads"])}
@@ -619,7 +621,8 @@ def markdown(res: dict) -> str:
                      f"map {r.get('map_ms', 0):.2f}"
                      f"{', native step %.2f' % r['native_ms'] if r.get('native_ms') else ''}]")
         if r.get("async_cb_ms"):  # the async step's stream callbacks (CUDA's thread), and its waits for fills
-            host += f" <callbacks {r['async_cb_ms']:.2f}, fill waits {r.get('async_fill_ms', 0):.2f}>"
+            host += (f" <callbacks {r['async_cb_ms']:.2f}, fill waits {r.get('async_fill_ms', 0):.2f}"
+                     + (f", enqueues {r['async_enqueue_ms']:.2f}" if r.get("async_enqueue_ms") is not None else "") + ">")
         if r.get("async_host_experts_per_step"):  # hybrid on the stream: host experts, its job time, the stream's wait
             host += (f" <host {r['async_host_experts_per_step']:.1f} experts, {r.get('async_host_ms', 0):.2f} ms, "
                      f"waited {r.get('async_host_wait_ms', 0):.2f}, share {r.get('async_host_share') or 0:.2f}>")
@@ -627,11 +630,15 @@ def markdown(res: dict) -> str:
             cpu = (lambda k: f" (cpu {r[k]:.2f})" if r.get(k) is not None else "")
             host += (f" {{between layers {r['between_ms']:.2f}{cpu('between_cpu_ms')}, "
                      f"outside {r.get('outside_ms', 0):.2f}{cpu('outside_cpu_ms')}"
+                     + (f", of them patch 4b {r['collect_ms']:.2f}" if r.get("collect_ms") is not None else "")
                      + (f"; switches {r['nivcsw_per_step']:.1f} forced, {r.get('nvcsw_per_step', 0):.1f} waits"
                         if r.get("nivcsw_per_step") is not None else "") + "}")
         step = f"{r['step_ms']:.2f}"
         if r.get("thread_cpu_ms") is not None:  # the launching thread's CPU time per step, its forced switches
             step += f" (thread cpu {r['thread_cpu_ms']:.2f}, {r.get('thread_nivcsw', 0):.1f} forced)"
+        if r.get("layers_gap_ms") is not None:  # the same clock in every configuration (vllm_runner.TraceRouting)
+            step += (f" [routers {r['layers_router_ms']:.2f}, between them {r['layers_gap_ms']:.2f}, "
+                     f"outside {r['layers_outside_ms']:.2f}]")
         L.append(f"| {name} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{step} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "

@@ -532,7 +532,17 @@ class TraceRouting:
 
     The step counter advances after the last MoE layer of every forward, trace on or off, as the
     backend's does. Used where the mmap backend's own ``routing_trace`` does not act: no offload,
-    vLLM's uva, and mmap layer streaming (which routes nothing)."""
+    vLLM's uva, and mmap layer streaming (which routes nothing); and in every decode task, trace or
+    not, for ``timing``.
+
+    ``timing`` (seconds, cumulative; the launching thread's wall time, the same for every
+    configuration): ``router_s`` inside ``select_experts`` (vLLM's router, the trace's substitution,
+    and the mmap backend's patch 4 ``route()`` where it wraps the router: installed after the model
+    loads, this wrapper is the outer one), ``gap_s`` from one MoE layer's router to the next one's in
+    the same forward (vLLM's MoE kernel, the layer's other work, the next attention; with the mmap
+    backend its patch 4b too), ``outside_s`` from the last MoE layer's router to the next forward's
+    first (sampling, scheduling, the tail and head of the model). What separates vLLM's own per-layer
+    time under our threads from its time without them (no offload, uva)."""
 
     def __init__(self, num_experts: int = 1):
         self.num_experts = num_experts
@@ -541,6 +551,8 @@ class TraceRouting:
         self.step = 0
         self.record = None  # list of per-layer numpy counts while recording
         self.routers: list = []
+        self.timing = {"router_s": 0.0, "gap_s": 0.0, "outside_s": 0.0, "router_calls": 0}
+        self._exit: float | None = None  # when the last router returned
 
     def install(self, model) -> int:
         routers = []
@@ -561,7 +573,12 @@ class TraceRouting:
 
         orig = router.select_experts
 
+        timing, clock = self.timing, time.perf_counter
+
         def select_experts(*args, **kwargs):
+            t_in = clock()
+            if self._exit is not None:
+                timing["gap_s" if pos else "outside_s"] += t_in - self._exit
             w, ids = orig(*args, **kwargs)
             if self.trace is not None:
                 if self._dev is None or self._dev[0] is not self.trace or self._dev[1] != ids.device:
@@ -572,6 +589,9 @@ class TraceRouting:
                 self.record.append((pos, c))
             if pos == n_layers - 1:
                 self.step += 1
+            self._exit = clock()
+            timing["router_s"] += self._exit - t_in
+            timing["router_calls"] += 1
             return w, ids
 
         select_experts._trace_routing = True  # type: ignore[attr-defined]
@@ -791,13 +811,14 @@ class _Child:
         the thread that launches the model's GPU work)."""
         s0 = self.summary()
         self.sync()
-        ru0, c0 = _thread_rusage(), time.thread_time()
+        ru0, c0, l0 = _thread_rusage(), time.thread_time(), dict(self.routing.timing)
         t = time.perf_counter()
         outs = self._gen(prompts, max_tokens)
         self.sync()
         dt = time.perf_counter() - t
-        c1, ru1 = time.thread_time(), _thread_rusage()
+        c1, ru1, l1 = time.thread_time(), _thread_rusage(), self.routing.timing
         self.last_thread = {"cpu_s": c1 - c0, **{k: ru1[k] - ru0[k] for k in ru0}}
+        self.last_layers = {k: l1[k] - l0[k] for k in l0}
         return dt, outs, s0, self.summary()
 
     def task_greedy(self, task: dict) -> dict:
@@ -808,14 +829,18 @@ class _Child:
     def task_decode(self, task: dict) -> dict:
         b, T = int(task["batch"]), int(task["tokens"])
         plen = int(task.get("prompt_len", 16))
+        try:  # the per-layer timing (TraceRouting.timing) in every configuration
+            self._ensure_routing()
+        except Exception:  # noqa: BLE001 - no model reachable: the row goes without it
+            self.routing_installed = 0
         seed = int(task.get("seed", 1000 + b))
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
         prompts = self._prompts(b, plen, seed)
         t1, _, a0, a1 = self._timed(prompts, 1)
-        th1 = self.last_thread
+        th1, ly1 = self.last_thread, self.last_layers
         sampler = HostSampler() if os.environ.get("MMO_SAMPLE_DECODE") else None
         tT, outs, b0, b1 = self._timed(prompts, T + 1)
-        thT = self.last_thread
+        thT, lyT = self.last_thread, self.last_layers
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         dec = max(tT - t1, 1e-9)
         res = {"batch": b, "tokens": T, "generated": n, "seconds": round(dec, 4), "t_1": round(t1, 4),
@@ -826,6 +851,10 @@ class _Child:
                "thread_cpu_ms": round(1000 * (thT["cpu_s"] - th1["cpu_s"]) / T, 3),
                "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
                "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2)}
+        if lyT["router_calls"] > ly1["router_calls"]:  # per decode step, the same difference (TraceRouting.timing)
+            res.update({f"layers_{k[:-2]}_ms": round(1000 * (lyT[k] - ly1[k]) / T, 3)
+                        for k in ("router_s", "gap_s", "outside_s")})
+            res["layers_per_step"] = round((lyT["router_calls"] - ly1["router_calls"]) / T, 2)
         if sampler is not None:
             res["host_profile"] = sampler.stop()
         if os.environ.get("MMO_PROFILE_DECODE") and self.torch is not None and self.torch.cuda.is_available():

@@ -83,7 +83,8 @@ enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3, A_ER
 enum { AS_CALLS, AS_HITS, AS_MISSES, AS_EVICTIONS, AS_HINT_USED, AS_HINT_WASTED, AS_MISS_BYTES, AS_FILL_NS,
        AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_SPARSE, AS_SPARSE_HITS, AS_SPARSE_MISSES,
        AS_ADMITTED, AS_PARTS, AS_HYBRID, AS_HOST_EXPERTS, AS_HOST_ROWS, AS_HOST_NS, AS_HOST_WAIT_NS, AS_HOST_READY,
-       AS_HOST_CALLS, AS_LEN };
+       AS_HOST_CALLS, AS_ENQ_NS, AS_LEN }; /* AS_ENQ_NS: the caller's (vLLM's launching thread's) time in
+                                             * mo_async_run / run_sparse / mo_async_collect */
 
 typedef struct mo_async mo_async;
 typedef struct {
@@ -750,6 +751,14 @@ static int enqueue(mo_async *a, mo_ajob *j, fn_host cb, void *stream) {
     return err;
 }
 
+/* The caller's time in an enqueue since t0, into AS_ENQ_NS. */
+static void enq_time(mo_async *a, uint64_t t0) {
+    uint64_t dt = ns_now() - t0;
+    pthread_mutex_lock(&a->mu);
+    a->stats[AS_ENQ_NS] += dt;
+    pthread_mutex_unlock(&a->mu);
+}
+
 /* Enqueue layer ``st``'s step for the ``nk`` routed ids at ``ids`` (device, int32/int64) on
  * ``stream``. Returns 0, or a CUDA error code (> 0: then the stream may hold part of the job;
  * the step must fail, see mo_async_wait), or -1 for bad arguments (nothing enqueued). The caller
@@ -758,6 +767,7 @@ static int enqueue(mo_async *a, mo_ajob *j, fn_host cb, void *stream) {
 int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int64_t id_size, void *stream) {
     if (!a || !st || nk < 0 || nk > a->cap || nk > st->S || (id_size != 4 && id_size != 8) || st->E > MAX_EXPERTS)
         return -1;
+    uint64_t t0 = ns_now();
     mo_ajob *j = reserve(a, 1);
     j->st = st;
     j->nk = nk;
@@ -765,8 +775,9 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
     j->rows[0] = 0;
     j->parts = 1;
     int err = nk ? a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream) : 0;
-    if (err) return err; /* nothing of this job is on the stream yet */
-    return enqueue(a, j, async_cb, stream);
+    if (!err) err = enqueue(a, j, async_cb, stream); /* (an error before it: nothing of this job is on the stream) */
+    enq_time(a, t0);
+    return err;
 }
 
 /* The parts a sparse call of nk ids on layer ``st`` is enqueued as (file comment); 0: none fit. */
@@ -792,9 +803,9 @@ static int64_t hybrid_parts(const mo_async *a, const mo_step *st, int64_t K, int
 }
 
 /* A sparse call's parts (mo_async_run_sparse, mo_async_run_hybrid); hy: the hybrid fields, or NULL. */
-static int64_t run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
-                          const void *ids, int64_t nk, int64_t id_size, void *stream, const mo_ajob *hy,
-                          const void *weights, const void *x, void *blk_dev) {
+static int64_t run_sparse_(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
+                           const void *ids, int64_t nk, int64_t id_size, void *stream, const mo_ajob *hy,
+                           const void *weights, const void *x, void *blk_dev) {
     if (!a || !st || !rows || !stride || nk < 1 || nk > a->cap || (id_size != 4 && id_size != 8) ||
         st->E > MAX_EXPERTS || st->T > AJ_MAX_T || !rows[0])
         return -1;
@@ -844,6 +855,15 @@ static int64_t run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const 
         }
     }
     return 0;
+}
+
+static int64_t run_sparse(mo_async *a, mo_step *st, const uint64_t *rows, const uint64_t *stride, int64_t max_admit,
+                          const void *ids, int64_t nk, int64_t id_size, void *stream, const mo_ajob *hy,
+                          const void *weights, const void *x, void *blk_dev) {
+    uint64_t t0 = ns_now();
+    int64_t rc = run_sparse_(a, st, rows, stride, max_admit, ids, nk, id_size, stream, hy, weights, x, blk_dev);
+    if (a) enq_time(a, t0);
+    return rc;
 }
 
 /* Enqueue a sparse call (file comment) of layer ``st``: the layer buffer's tensor t of expert e at
@@ -979,12 +999,15 @@ static void collect_cb(void *arg) {
 int64_t mo_async_collect(mo_async *a, void *out_dev, int64_t nbytes, void *stream) {
     if (!a || !a->hy.start || nbytes < 0 || nbytes > a->hy.max_rows * a->hy.H * a->hy.xsz || (nbytes && !out_dev))
         return -1;
+    uint64_t t0 = ns_now();
     int err = a->launch_host_func(stream, collect_cb, a);
-    if (err) return err;
-    pthread_mutex_lock(&a->mu);
-    a->hy.cenq++;
-    pthread_mutex_unlock(&a->mu);
-    if (nbytes) err = a->memcpy_async(out_dev, a->hy.area + a->hy.out_off, (size_t)nbytes, H2D_KIND, stream);
+    if (!err) {
+        pthread_mutex_lock(&a->mu);
+        a->hy.cenq++;
+        pthread_mutex_unlock(&a->mu);
+        if (nbytes) err = a->memcpy_async(out_dev, a->hy.area + a->hy.out_off, (size_t)nbytes, H2D_KIND, stream);
+    }
+    enq_time(a, t0);
     return err;
 }
 

@@ -46,8 +46,8 @@ __all__ = ["AsyncStep"]
 _vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 (_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
  _ENQ, _USED, _FILLS, _SPARSE, _SPARSE_HITS, _SPARSE_MISSES, _ADMITTED, _PARTS, _HYBRID, _HOST_EXPERTS, _HOST_ROWS,
- _HOST_NS, _HOST_WAIT_NS, _HOST_READY, _HOST_CALLS) = range(26)
-_N = 26  # csrc/async_step.c AS_LEN
+ _HOST_NS, _HOST_WAIT_NS, _HOST_READY, _HOST_CALLS, _ENQ_NS) = range(27)
+_N = 27  # csrc/async_step.c AS_LEN
 _JOBS = 128  # csrc/async_step.c AJ_JOBS
 _HIT_CHUNK = 1 << 20  # csrc/async_step.c HIT_CHUNK
 _ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH, _ERR_KERNEL, _ERR_HOST = 1, 2, 3, 4, 5
@@ -477,7 +477,8 @@ class AsyncStep:
             self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)
         s = self._stats
         out = dict(self.metrics)
-        # fill_s: time the step waited for its fills (in the callback, or at the next one / a wait)
+        # fill_s: time the step waited for its fills (in the callback, or at the next one / a wait);
+        # enqueue_s: the caller's (vLLM's launching thread's) time in the C enqueues (runs, collects)
         out.update(calls=int(s[_CALLS]), sparse_calls=int(s[_SPARSE]), sparse_hits=int(s[_SPARSE_HITS]),
                    sparse_misses=int(s[_SPARSE_MISSES]), admitted=int(s[_ADMITTED]), sparse_parts=int(s[_PARTS]),
                    enqueued=int(s[_ENQ]), fill_s=float(s[_FILL_NS]) / 1e9,
@@ -486,7 +487,7 @@ class AsyncStep:
                    hybrid_calls=int(s[_HYBRID]), host_calls=int(s[_HOST_CALLS]), host_experts=int(s[_HOST_EXPERTS]),
                    host_rows=int(s[_HOST_ROWS]), host_s=float(s[_HOST_NS]) / 1e9,
                    host_wait_s=float(s[_HOST_WAIT_NS]) / 1e9, host_ready=int(s[_HOST_READY]),
-                   host_share=self.host_share if self.handle else 0.0)
+                   host_share=self.host_share if self.handle else 0.0, enqueue_s=float(s[_ENQ_NS]) / 1e9)
         return out
 
     def close(self) -> None:

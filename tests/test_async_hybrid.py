@@ -203,9 +203,11 @@ def test_hybrid_keeps_one_expert_on_the_device_and_survives_a_missing_collect(ca
         assert got is not None
         a.wait()
         assert a.summary()["host_calls"] == 2
+        e0 = a.summary()["enqueue_s"]  # the caller's time in the C enqueues: both runs so far
         out = torch.zeros(2, H, dtype=torch.bfloat16)
         a.collect(out)  # the second call's rows
         assert out.abs().sum() > 0
+        assert 0 < e0 < a.summary()["enqueue_s"]  # the collect's enqueue counts too
         a.wait()
     finally:
         a.close()
@@ -397,6 +399,7 @@ def test_check_after_experts_moves_the_end_of_step_check_into_the_last_layers_ad
                 want = _moe(x, ids, w, refs[t.layer])
                 assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
         assert where == [f"{'add_host' if late else 'route'} {last.index}"] * 4
+        assert res.metrics["late_checks"] == (4 if late else 0) and res.metrics["collect_s"] > 0
 
         def failing():  # the step's reads checked, one found failed
             real_ordered()

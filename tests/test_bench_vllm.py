@@ -62,6 +62,41 @@ def test_device_trace_tiles_the_steps_rows_without_leaving_the_device():
         traces.DeviceTrace(tr, torch.device("cpu"), num_experts=10)
 
 
+def test_trace_routing_times_the_routers_and_the_gaps_between_them():
+    """vllm_runner.TraceRouting.timing, the same clock for every configuration: time inside each MoE
+    layer's router (and whatever it wraps), between one layer's router and the next one's, and from a
+    forward's last router to the next forward's first; the ids pass through untouched without a trace."""
+    import time
+
+    import vllm_runner
+
+    class Router:
+        def select_experts(self, hidden_states):
+            time.sleep(0.002)
+            return torch.ones(1, 2), torch.tensor([[1, 2]])
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.routed_experts = Router(), torch.nn.Identity()
+
+    model = torch.nn.Sequential(Moe(), Moe(), Moe())
+    tr = vllm_runner.TraceRouting(num_experts=4)
+    assert tr.install(model) == 3
+    for _ in range(2):  # two forwards: 3 routers each, 10 ms between layers, 30 ms around the forward
+        for i, m in enumerate(model):
+            if i:
+                time.sleep(0.010)
+            w, ids = m.router.select_experts(hidden_states=None)
+            assert ids.tolist() == [[1, 2]]
+        time.sleep(0.030)
+    t = tr.timing
+    assert t["router_calls"] == 6 and tr.step == 2
+    assert 0.012 <= t["router_s"] < 0.05  # 6 x 2 ms
+    assert 0.040 <= t["gap_s"] < 0.08  # 4 gaps of 10 ms
+    assert 0.030 <= t["outside_s"] < 0.06  # one: the first forward's start has no router before it
+
+
 def test_make_trace_hits_the_reuse_target(tmp_path):
     import bench_vllm
 
@@ -420,7 +455,8 @@ def test_host_sampler_finds_where_the_thread_spends_its_time():
 
 def test_host_time_around_route_is_reported_per_step():
     """route()'s parts and vLLM's own host time between MoE layers and around them (Residency's
-    between_s / outside_s) land in the row, per decode step, and in the table's host column."""
+    between_s / outside_s, and patch 4b's part of them, collect_s) land in the row, per decode step,
+    and in the table's host column."""
     import bench_vllm
 
     def s(k):  # k: 0 before the timed steps, 1 after
@@ -429,25 +465,29 @@ def test_host_time_around_route_is_reported_per_step():
                 "residency_sync_s": 0.0, "residency_ids_s": 0.0, "residency_native_s": 0.002 * k,
                 "residency_between_s": 0.008 * k, "residency_outside_s": 0.012 * k,
                 "residency_between_cpu_s": 0.006 * k, "residency_outside_cpu_s": 0.004 * k,
-                "residency_thread_nivcsw": 100 + 6 * k, "residency_thread_nvcsw": 50 + 2 * k}
+                "residency_thread_nivcsw": 100 + 6 * k, "residency_thread_nvcsw": 50 + 2 * k,
+                "residency_collect_s": 0.002 * k}
 
     task = {"event": "task", "kind": "decode", "name": "skewed/decode-1",
             "result": {"tok_s": 50.0, "seconds": 1.0, "tokens": 4, "step_ms": 10.0, "thread_cpu_ms": 7.5,
-                       "thread_nivcsw": 2.25, "thread_nvcsw": 0.5,
+                       "thread_nivcsw": 2.25, "thread_nvcsw": 0.5, "layers_router_ms": 1.25, "layers_gap_ms": 6.5,
+                       "layers_outside_ms": 2.0, "layers_per_step": 2.0,
                        "summary_1": [s(0), s(0)], "summary_T1": [s(0), s(1)]}}
     child = {"config": "mmap-cache", "label": "mmap-cache-skewed", "has_summary": True, "tasks": [task],
              "outcome": "ok", "wall_s": 1, "events": [task], "cgroup": {}, "ready": {"ready_s": 1.0, "model_info": {}}}
     row = bench_vllm.rows_from_child(child)[0]
     assert row["between_ms"] == 2.0 and row["outside_ms"] == 3.0 and row["native_ms"] == 0.5  # per step of 4
+    assert row["collect_ms"] == 0.5  # patch 4b's time (ours, inside between / outside)
     res = {"rows": [row], "bars": [], "configs": [bench_vllm.config_summary(child, {"config": "mmap-cache", "llm": {}})],
            "workloads": ["decode-1"], "shapes_text": "W4A16 toy", "expert_bytes": 4 << 30, "budget_bytes": 1 << 30,
            "budget_frac_text": "0.25 x expert bytes", "layer_buffer_bytes": 1 << 29,
            "marlin_model": {"uniform_expectation": 2.0}, "env": {}}
     md = bench_vllm.markdown(res)
     assert row["between_cpu_ms"] == 1.5 and row["outside_cpu_ms"] == 1.0 and row["nivcsw_per_step"] == 1.5
-    assert ("native step 0.50] {between layers 2.00 (cpu 1.50), outside 3.00 (cpu 1.00); "
+    assert ("native step 0.50] {between layers 2.00 (cpu 1.50), outside 3.00 (cpu 1.00), of them patch 4b 0.50; "
             "switches 1.5 forced, 0.5 waits}") in md, md
-    assert row["thread_cpu_ms"] == 7.5 and "| 10.00 (thread cpu 7.50, 2.2 forced) |" in md, md
+    assert row["thread_cpu_ms"] == 7.5 and row["layers_gap_ms"] == 6.5 and row["layers_per_step"] == 2.0
+    assert "| 10.00 (thread cpu 7.50, 2.2 forced) [routers 1.25, between them 6.50, outside 2.00] |" in md, md
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
