@@ -356,6 +356,10 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert all(x["x_uva"] == 1.0 for x in res["rows"] if x["config"] == "uva")
     # every decode row has the launching thread's CPU time per step (the engine runs in the child's thread)
     assert all(x["thread_cpu_ms"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
+    # and the same per-layer clock in every configuration (vllm_runner.TraceRouting): 2 MoE layers per step
+    for x in (x for x in res["rows"] if x["workload"].startswith("decode")):
+        assert x["layers_per_step"] == 2.0 and x["layers_router_ms"] > 0 and x["layers_gap_ms"] > 0, x
+        assert x["layers_outside_ms"] > 0, x
     mm = res["marlin_model"]["uva_prefill_model_routing"]
     assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
     assert res["trace"]["shape"][1:] == [2, 64, 2]  # layers, batch rows, top-k
