@@ -62,17 +62,19 @@ def test_device_trace_tiles_the_steps_rows_without_leaving_the_device():
         traces.DeviceTrace(tr, torch.device("cpu"), num_experts=10)
 
 
-def test_trace_routing_times_the_routers_and_the_gaps_between_them():
+def test_trace_routing_times_the_routers_and_the_gaps_between_them(monkeypatch):
     """vllm_runner.TraceRouting.timing, the same clock for every configuration: time inside each MoE
     layer's router (and whatever it wraps), between one layer's router and the next one's, and from a
-    forward's last router to the next forward's first; the ids pass through untouched without a trace."""
-    import time
-
+    forward's last router to the next forward's first; the ids pass through untouched without a trace.
+    (A fake clock: each router takes 2 s, each gap 10 s, the rest of a forward 30 s.)"""
     import vllm_runner
+
+    now = [0.0]
+    monkeypatch.setattr(vllm_runner.time, "perf_counter", lambda: now[0])
 
     class Router:
         def select_experts(self, hidden_states):
-            time.sleep(0.002)
+            now[0] += 2.0
             return torch.ones(1, 2), torch.tensor([[1, 2]])
 
     class Moe(torch.nn.Module):
@@ -83,18 +85,16 @@ def test_trace_routing_times_the_routers_and_the_gaps_between_them():
     model = torch.nn.Sequential(Moe(), Moe(), Moe())
     tr = vllm_runner.TraceRouting(num_experts=4)
     assert tr.install(model) == 3
-    for _ in range(2):  # two forwards: 3 routers each, 10 ms between layers, 30 ms around the forward
+    for _ in range(2):  # two forwards of 3 MoE layers
         for i, m in enumerate(model):
             if i:
-                time.sleep(0.010)
+                now[0] += 10.0
             w, ids = m.router.select_experts(hidden_states=None)
             assert ids.tolist() == [[1, 2]]
-        time.sleep(0.030)
-    t = tr.timing
-    assert t["router_calls"] == 6 and tr.step == 2
-    assert 0.012 <= t["router_s"] < 0.05  # 6 x 2 ms
-    assert 0.040 <= t["gap_s"] < 0.08  # 4 gaps of 10 ms
-    assert 0.030 <= t["outside_s"] < 0.06  # one: the first forward's start has no router before it
+        now[0] += 30.0
+    # 6 routers; 4 gaps inside the forwards; one span between them (the first forward has none before it)
+    assert tr.timing == {"router_s": 12.0, "gap_s": 40.0, "outside_s": 30.0, "router_calls": 6}
+    assert tr.step == 2
 
 
 def test_make_trace_hits_the_reuse_target(tmp_path):
