@@ -4,10 +4,11 @@ Eager vLLM's decode step is its launching thread's time (BENCHMARKS.md "Real vLL
 plus vLLM's own time between and around the MoE layers, which drifted 8.9-15.0 ms per step between
 children of one configuration). This measures a stand-in for that thread, a Python loop of small device
 ops with a little interpreter work between them, alone and beside the loads the hybrid path puts on the
-host: the host kernel (``HostKernel.experts_mlp`` on experts of the user's shape streamed from DRAM, 11
-per call, 2 rows each: batch 8's share per layer) and copy threads (each copying 64 MiB blocks out of a
-pool: a read and a write per byte, as the copy pool's page cache -> ring copies do; torch copies, one
-thread each, a stand-in for the copy pool, not it).
+host: the host kernel (``HostKernel.experts_mlp`` on experts of the user's shape streamed from DRAM, 44
+per call, 2 rows each: four times batch 8's share per layer, so that the calling Python thread takes the
+GIL rarely) and copy threads (each copying 256 MiB blocks out of a pool: a read and a write per byte, as
+the copy pool's page cache -> ring copies do; torch copies, one thread each, a stand-in for the copy
+pool, not it).
 
     python benchmarks/bench_launch_contention.py --out OUT                 # GPU machine (cuda), ~30 s
     python benchmarks/bench_launch_contention.py --device cpu --pool-gb 0.1 --seconds 0.3 \\
