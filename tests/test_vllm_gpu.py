@@ -71,6 +71,7 @@ def test_hybrid_tokens_equal_no_offload(run):
     hy, ref = run["cases"]["mmap_hybrid"], run["cases"]["ref"]
     s = hy["summary"]
     assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0
+    assert s["residency_late_checks"] > 0  # the default check_after_experts: the checks in patch 4b
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 
@@ -154,7 +155,8 @@ def _rank_summary(worker):
     """On each rank's worker: what its residency sent to the host (the parent cannot reach it)."""
     from vllm.model_executor.offloader import get_offloader
     s = get_offloader().summary()
-    keys = ("residency_hybrid_async_calls", "residency_async_host_experts", "residency_host_threads")
+    keys = ("residency_hybrid_async_calls", "residency_async_host_experts", "residency_host_threads",
+            "residency_late_checks")
     return {k: int(s.get(k, 0) or 0) for k in keys}
 
 def main():
@@ -261,4 +263,5 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
         assert len(hy["ranks"]) == 2
         for r in hy["ranks"]:
             assert r["residency_hybrid_async_calls"] > 0 and r["residency_async_host_experts"] > 0, hy["ranks"]
+            assert r["residency_late_checks"] > 0, hy["ranks"]  # check_after_experts on each rank
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
