@@ -420,12 +420,10 @@ class Residency:
         the Python hybrid path's)."""
         t0 = time.perf_counter()
         try:
-            if self._hy_collect == t.index:
-                self._hy_collect = None
-                out = self.async_step.collect(out)
-            else:
-                self._hy_collect = None  # (not None: a call whose output never came here, its step failed)
-                out = self.host.add_to(t, out)
+            # a stream hybrid call of this layer owes its rows; another layer's index: a call whose output
+            # never came here (its step failed), dropped
+            streamed, self._hy_collect = self._hy_collect == t.index, None
+            out = self.async_step.collect(out) if streamed else self.host.add_to(t, out)
             if self._check_due and t.index == self._last:  # option check_after_experts
                 self.metrics["late_checks"] += 1
                 self._check_due_step()
