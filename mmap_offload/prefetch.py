@@ -206,14 +206,15 @@ class LayerPrefetcher:
         buf.handed_out = True
         return buf.tensors
 
-    def claim(self, layer: int) -> tuple[dict[str, torch.Tensor], Any]:
+    def claim(self, layer: int, event: bool = True) -> tuple[dict[str, torch.Tensor], Any]:
         """Take ``layer``'s buffer for the caller to fill itself (only some experts, say): returns
         ``(tensors, after)``, the buffer afterwards holds no layer for the prefetcher (a later
         ``wait_for_layer`` reloads it). The release rule holds: ``after`` is an event recorded on
         the current CUDA stream (None on CPU or when nothing used the buffer) that copies into it
-        from another stream must wait for; copies on the current stream are ordered anyway."""
+        from another stream must wait for; copies on the current stream are ordered anyway, so a
+        caller that copies only there passes ``event=False`` (no event made: None)."""
         buf = self._buffer_of(layer)
-        after = self._release(buf)
+        after = self._release(buf, event)
         buf.handed_out = True  # the caller's bytes: the next copy into it waits for their users
         return buf.tensors, after
 
@@ -235,15 +236,15 @@ class LayerPrefetcher:
             self.metrics["stall_s"] += time.perf_counter() - t0
         buf.ticket = None
 
-    def _release(self, buf: _Buffer) -> Any:
+    def _release(self, buf: _Buffer, event: bool = True) -> Any:
         """Empty ``buf`` for a new writer: finish a copy in flight (never two writers at once), mark
         it as holding nothing, and return the event a copy into it must wait for (None if nothing
-        used it, or on CPU): every use of the old bytes was enqueued on the current stream before
+        used it, on CPU, or not asked for: ``event=False``): every use of the old bytes was enqueued on the current stream before
         this call, so the copy stream waits for them (no host sync)."""
         if buf.ticket is not None:
             self._finish(buf)
         after = None
-        if buf.handed_out and self.device.type == "cuda":
+        if event and buf.handed_out and self.device.type == "cuda":
             after = torch.cuda.current_stream(self.device).record_event()
         buf.layer = None  # holds nothing valid until the new bytes are in
         buf.handed_out = False

@@ -297,6 +297,35 @@ def test_hybrid_declines_what_it_cannot_take(cache, kernel):
         ea.close()
 
 
+def test_hybrid_calls_reuse_their_views_until_a_new_set_host(cache, kernel):
+    """run_hybrid keeps what a (buffer, sources, shape) needs from one call to the next (the same
+    weight and id views back), and a new set_host (new device buffers) makes them anew: the views
+    handed back always lie in the current host set-up's buffer, and collect adds its rows."""
+    ea, ac, a = _single(cache)
+    try:
+        src, buf = _sources(cache), _buffer(cache)
+        ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+        w, x = torch.full((2, K), 0.25), torch.randn(2, H).to(torch.bfloat16)
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=1.0, adapt=False)
+        got = [a.run_hybrid(LAYERS[0], ids, buf, w, x, src[LAYERS[0]]) for _ in range(2)]
+        for g in got:
+            a.collect(torch.zeros(2, H, dtype=torch.bfloat16))
+        assert got[0][0] is got[1][0] and got[0][1] is got[1][1]
+        old_blk = a._host["blk"]
+        a.wait()
+        a.set_host(kernel, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=1.0, adapt=False)
+        wk, ik = a.run_hybrid(LAYERS[0], ids, buf, w, x, src[LAYERS[0]])
+        blk = a._host["blk"]
+        assert wk.data_ptr() == blk.data_ptr() and ik.untyped_storage().data_ptr() == blk.untyped_storage().data_ptr()
+        out = a.collect(torch.zeros(2, H, dtype=torch.bfloat16))
+        a.wait()
+        assert torch.equal(out, a._host["out"][:2])  # the host's rows, added to zeros
+        assert out.abs().sum() > 0
+    finally:
+        a.close()
+        ea.close()
+
+
 def _hybrid_residency(tmp_path, seed: int, **options):
     """The vLLM backend's Residency over a Marlin cache (every expert checked) with a stand-in
     offloader, hybrid with 2 host threads, SLOTS slots per layer: (res, engine, cache, bufs, targets)."""
@@ -313,7 +342,7 @@ def _hybrid_residency(tmp_path, seed: int, **options):
     targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
     opts = MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0, **options)
     off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets,
-                          tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer: (bufs[layer], None)))
+                          tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer, event=True: (bufs[layer], None)))
     nbytes = sum(s.nbytes for s in cache.expert_specs)
     return Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes), eng, cache, bufs, targets
 

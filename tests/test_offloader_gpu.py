@@ -210,3 +210,33 @@ def test_a_bit_flipped_after_warmup_is_never_served(ckpt, tmp_path):
     with pytest.raises(CorruptCacheError, match="layer 2 expert 1 w13_weight"):
         run(layers, torch.randn(4, H).to(torch.bfloat16), steps=1)
     off.close()
+
+
+def test_forward_hook_skips_the_layer_verbs_once_the_router_decides(ckpt, tmp_path):
+    """With the expert cache (a residency), the router makes each layer's experts resident: the
+    decoder hook then calls the original forward alone (no wait or start per layer, which through
+    vLLM are two custom ops on the launching thread); before post_init and without a residency it
+    still waits and starts."""
+    layers = build(ckpt, "cpu", False)
+    off = MmapOffloader(MmapOptions(cache_dir=str(tmp_path / "cache"), lookahead=0, pinned_mib=8), checkpoint=ckpt,
+                        device="cpu")
+    calls = []
+    try:
+        off.wrap_modules(iter(layers))
+        wait, start = off._wait_for_layer, off._start_prefetch
+        off._wait_for_layer = lambda i: (calls.append(("wait", i)), wait(i))[1]
+        off._start_prefetch = lambda i: (calls.append(("start", i)), start(i))[1]
+        x = torch.randn(2, H).to(torch.bfloat16)
+        run(layers, x, steps=1)  # post_init on the first wait; no residency: every layer waits and starts
+        assert calls == [(v, i) for i in range(LAYERS) for v in ("wait", "start")]
+        calls.clear()
+        off.residency = object()  # the router decides from here on
+        with torch.inference_mode():
+            for layer in layers:
+                layer.block_sparse_moe.experts.w13_weight.data = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16)
+                layer.block_sparse_moe.experts.w2_weight.data = torch.zeros(E, H, I, dtype=torch.bfloat16)
+                x = layer(x)
+        assert calls == []
+    finally:
+        off.residency = None
+        off.close()

@@ -205,6 +205,27 @@ def test_gpu_prefetch_overlaps_compute_and_stays_exact(tmp_path, engine_kind):
     eng.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_claim_makes_the_release_event_only_when_asked(tmp_path):
+    """CUDA: claiming a buffer that was handed out returns the release event a copy from another
+    stream must wait for; ``event=False`` (the caller copies on the current stream) makes none. Either
+    way the buffer holds no layer afterwards: the next wait reloads the cache's bytes."""
+    cache = make_cache(tmp_path, layers=(0, 1), num_experts=3)
+    eng = cuda_engine("sync")
+    pf = LayerPrefetcher(cache, eng, torch.device("cuda"), lookahead=0, num_buffers=2)
+    try:
+        for event in (True, False):
+            pf.wait_for_layer(0)  # handed out
+            tensors, after = pf.claim(0, event=event)
+            assert isinstance(after, torch.cuda.Event) if event else after is None
+            for t in tensors.values():
+                t.data.zero_()  # the claimer's bytes
+            assert layer_matches(cache, 0, pf.wait_for_layer(0))  # reloaded, not the claimer's zeros
+    finally:
+        eng.close()
+
+
 def test_verify_first_use_never_serves_a_flipped_bit(tmp_path):
     from mmap_offload.errors import CorruptCacheError
 

@@ -105,7 +105,7 @@ class Residency:
         self._ids_staging: dict[torch.dtype, torch.Tensor] = {}  # pinned, per ids dtype (grown on demand)
         self._event = torch.cuda.Event() if pin else None
         self._map_event: dict[int, Any] = {}  # target index -> event after its map's last H2D copy
-        self._bound: dict[int, str] = {}  # target index -> "pool" | "layer"
+        self._bound: dict[int, Any] = {}  # target index -> "pool" | the layer tensors dict it is bound to
         self._twins: dict[str, torch.Tensor] = {}  # CPU platform transform: kernel layout of the pool
         self.trace = None
         if opts.routing_trace:
@@ -178,10 +178,12 @@ class Residency:
         return self._twins[key]
 
     def _bind_layer(self, t, tensors: dict[str, torch.Tensor]) -> None:
+        if self._bound.get(t.index) is tensors:  # bound to this buffer already (each decode step's sparse calls)
+            return
         for name in t.served:
             buf = tensors[name]
             getattr(t.experts, name).data = buf.data if isinstance(buf, torch.nn.Parameter) else buf
-        self._bound[t.index] = "layer"
+        self._bound[t.index] = tensors  # the dict itself: a buffer's is kept for the run, twins' are made per call
 
     # -- the step -------------------------------------------------------------------------------
     def _routed(self, ids: torch.Tensor) -> np.ndarray:
@@ -352,7 +354,7 @@ class Residency:
         t0 = time.perf_counter()
         served = False
         if self.async_step.eligible(self.ec._li(t.layer), ids.numel(), ids.dtype, sparse=True):  # before the claim
-            tensors, _ = self.off.prefetcher.claim(t.layer)  # copies on this stream: ordered anyway
+            tensors, _ = self.off.prefetcher.claim(t.layer, event=False)  # copies on this stream: ordered anyway
             served = self.async_step.run_sparse(t.layer, ids, tensors)
         self.metrics["native_s"] += time.perf_counter() - t0
         if not served:
@@ -392,7 +394,7 @@ class Residency:
                 dtype=np.uint64)
         if host._pending:  # the Python path's job of a failed step: the kernel is the callback's now
             host._drop_pending()
-        tensors, _ = self.off.prefetcher.claim(t.layer)
+        tensors, _ = self.off.prefetcher.claim(t.layer, event=False)  # copies on this stream: ordered anyway
         got = a.run_hybrid(t.layer, ids, tensors, weights, x, src)
         self.metrics["native_s"] += time.perf_counter() - t0
         if got is None:

@@ -1,0 +1,147 @@
+"""The launching thread's price of the hybrid decode path, per MoE layer: ``Residency.route`` (the
+stream hybrid call: ``AsyncStep.run_hybrid``'s enqueue and the Python around it) and patch 4b's
+``add_host`` (the host rows' collect and its add), on a synthetic Marlin cache, with a stand-in for
+vLLM's MoE kernel (one small matmul launch) between them.
+
+Why: in real vLLM at decode (``--enforce-eager``) every microsecond the launching thread spends here is
+a microsecond of the step (docs/BENCHMARKS.md, session 20: route ~250 us and collect ~100 us per layer
+of a 20-27 ms step at batch 8 on the H200's host). The same loop without route/add_host is the floor.
+
+    python benchmarks/bench_route_cost.py [--device cuda] [--steps 300] [--tokens 8] [--out DIR]
+
+Prints one table (microseconds per layer: route, of it the async hybrid call and its C enqueues,
+add_host, the stand-in step, the floor) and writes route_cost.json to --out. Not a test: no bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+H, INTER, GROUP, E, K = 512, 256, 128, 32, 8
+
+
+def _residency(tmp: Path, device: torch.device, layers: tuple, slots: int):
+    from fakes import cuda_engine, real_engines
+    from test_hybrid import make_marlin_cache
+
+    from mmap_offload.vllm_backend.options import MmapOptions
+    from mmap_offload.vllm_backend.residency import Residency
+
+    cache = make_marlin_cache(tmp, hidden=H, inter=INTER, group=GROUP, experts=E, layers=layers, seed=3)
+    for layer in layers:
+        cache.check_experts_once(layer, list(range(E)))
+    if device.type == "cuda":
+        eng = cuda_engine("ordered")
+    else:
+        eng = next(f for f in real_engines() if getattr(f, "name", "") == "real-mmap-ordered")()
+    bufs = {l: {s.name: torch.zeros((E, *s.shape), dtype=s.torch_dtype, device=device) for s in cache.expert_specs}
+            for l in layers}
+    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(layers)]
+    opts = MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0)
+    off = SimpleNamespace(options=opts, device=device, cache=cache, engine=eng, targets=targets, tp_size=1,
+                          _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer, event=True: (bufs[layer], None)))
+    nbytes = sum(s.nbytes for s in cache.expert_specs)
+    return Residency(off, capacity_bytes=slots * len(layers) * nbytes), eng, targets
+
+
+def _calls(steps: int, n: int, layers: int, device, seed: int = 9):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, E + 1) ** 1.1
+    p /= p.sum()
+    out = []
+    for _ in range(steps):
+        row = []
+        for _ in range(layers):
+            ids = np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(n)])
+            w = rng.random((n, K)).astype(np.float32)
+            w /= w.sum(1, keepdims=True)
+            x = torch.from_numpy(rng.standard_normal((n, H)).astype(np.float32)).to(torch.bfloat16)
+            row.append((torch.from_numpy(ids).to(device), torch.from_numpy(w).to(device), x.to(device)))
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=6, help="pool slots per layer (fewer than a call's experts)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    layers = tuple(range(a.layers))
+    tmp = Path(tempfile.mkdtemp(prefix="route-cost-"))
+    res, eng, targets = _residency(tmp, dev, layers, a.slots)
+    w_kernel = torch.randn(H, H, device=dev, dtype=torch.bfloat16)
+    calls = _calls(16, a.tokens, a.layers, dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def step_loop(n_steps: int, ours: bool) -> float:
+        t0 = time.perf_counter()
+        for s in range(n_steps):
+            for t in targets:
+                ids, w, x = calls[s % len(calls)][t.index]
+                if ours:
+                    w, ids = res.route(t, w, ids, x)
+                out = x @ w_kernel  # the stand-in MoE kernel: one launch
+                if ours:
+                    out = res.add_host(t, out)
+            sync()  # the step's end: vLLM samples (a host sync)
+        return time.perf_counter() - t0
+
+    try:
+        if res.async_step is None or res._hy_sources is None:
+            print(f"no stream hybrid path here: {res.async_off}")
+            return 1
+        step_loop(20, True)
+        step_loop(20, False)
+        m0 = dict(res.metrics)
+        a0 = res.async_step.summary()
+        wall = step_loop(a.steps, True)
+        m1 = res.metrics
+        a1 = res.async_step.summary()
+        floor = min(step_loop(a.steps, False) for _ in range(2))
+        n = a.steps * len(targets)
+
+        def us(key, src1=m1, src0=m0):
+            return (src1[key] - src0[key]) / n * 1e6
+
+        row = dict(device=str(dev), tokens=a.tokens, layers=a.layers, steps=a.steps,
+                   route_us=us("route_s"), hybrid_call_us=us("native_s"), enqueue_us=us("enqueue_s", a1, a0),
+                   add_host_us=us("collect_s"), check_us=us("check_s"),
+                   hybrid_calls=int(m1["hybrid_async_calls"] - m0["hybrid_async_calls"]),
+                   step_us=wall / n * 1e6, floor_us=floor / n * 1e6)
+        row["ours_us"] = row["step_us"] - row["floor_us"]
+        print(f"# the launching thread per MoE layer, {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'host'}),"
+              f" {a.tokens} tokens x top-{K} of {E} experts, {a.slots} slots, {a.steps} steps x {a.layers} layers")
+        print("| route us | of it: hybrid call | of that: C enqueues | add_host us | of it: check | step us | floor us | ours us |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(f"| {row['route_us']:.1f} | {row['hybrid_call_us']:.1f} | {row['enqueue_us']:.1f} | {row['add_host_us']:.1f} "
+              f"| {row['check_us']:.1f} | {row['step_us']:.1f} | {row['floor_us']:.1f} | {row['ours_us']:.1f} |")
+        print(f"hybrid calls {row['hybrid_calls']} of {n}; ceiling: the floor (ours 0 us per layer)")
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "route_cost.json").write_text(json.dumps(row, indent=1))
+    finally:
+        res.close()
+        eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
