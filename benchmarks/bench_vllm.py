@@ -403,7 +403,7 @@ def rows_from_child(child: dict) -> list[dict]:
         if kind == "decode":
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
-            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw",  # the launching thread per step
+            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw", "cpu_calib_us",  # the launching thread per step
                       "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step"):  # and per layer
                 if r.get(k) is not None:
                     row[k] = r[k]
@@ -636,6 +636,8 @@ def markdown(res: dict) -> str:
         step = f"{r['step_ms']:.2f}"
         if r.get("thread_cpu_ms") is not None:  # the launching thread's CPU time per step, its forced switches
             step += f" (thread cpu {r['thread_cpu_ms']:.2f}, {r.get('thread_nivcsw', 0):.1f} forced)"
+        if r.get("cpu_calib_us") is not None:  # this child's single-thread speed, idle (vllm_runner.cpu_calibration)
+            step += f" {{calib {r['cpu_calib_us']:.2f} us}}"
         if r.get("layers_gap_ms") is not None:  # the same clock in every configuration (vllm_runner.TraceRouting)
             step += (f" [routers {r['layers_router_ms']:.2f}, between them {r['layers_gap_ms']:.2f}, "
                      f"outside {r['layers_outside_ms']:.2f}]")

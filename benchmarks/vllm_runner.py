@@ -359,6 +359,26 @@ def _make_cgroup(name: str) -> tuple[Path, str]:
 # ----------------------------------------------------------------------------------------------
 
 
+def cpu_calibration(torch=None, iters: int = 400, repeats: int = 7) -> float:
+    """Microseconds per iteration of a fixed launching-thread-like loop (a Python call, a dict
+    update and one small in-place torch op: dispatcher work, no memory streaming), the best of
+    ``repeats``. A decode step in eager mode is this thread's CPU time, and on the H200's host that
+    speed differed by up to 1.44x between two children of one run with nothing else running (no
+    offload: 12.56 and 18.07 ms per step, session 20); the figure lets rows of different children
+    be read against their own thread's speed."""
+    x = torch.zeros(8) if torch is not None else None
+    d: dict[int, int] = {}
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for i in range(iters):
+            d[i & 7] = i
+            if x is not None:
+                x.add_(1.0)
+        best = min(best, time.perf_counter() - t)
+    return round(best / iters * 1e6, 3)
+
+
 def _thread_rusage() -> dict:
     """This thread's context switches so far: nvcsw (it waited), nivcsw (it was preempted); 0 where
     the platform has no per-thread rusage."""
@@ -835,6 +855,7 @@ class _Child:
             self.routing_installed = 0
         seed = int(task.get("seed", 1000 + b))
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
+        calib = cpu_calibration(self.torch)  # this thread's speed with the machine idle, before the timed runs
         prompts = self._prompts(b, plen, seed)
         t1, _, a0, a1 = self._timed(prompts, 1)
         th1, ly1 = self.last_thread, self.last_layers
@@ -850,7 +871,7 @@ class _Child:
                # (preempted) and voluntary (waited) context switches
                "thread_cpu_ms": round(1000 * (thT["cpu_s"] - th1["cpu_s"]) / T, 3),
                "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
-               "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2)}
+               "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2), "cpu_calib_us": calib}
         if lyT["router_calls"] > ly1["router_calls"]:  # per decode step, the same difference (TraceRouting.timing)
             res.update({f"layers_{k[:-2]}_ms": round(1000 * (lyT[k] - ly1[k]) / T, 3)
                         for k in ("router_s", "gap_s", "outside_s")})

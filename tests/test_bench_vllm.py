@@ -356,6 +356,8 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert all(x["x_uva"] == 1.0 for x in res["rows"] if x["config"] == "uva")
     # every decode row has the launching thread's CPU time per step (the engine runs in the child's thread)
     assert all(x["thread_cpu_ms"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
+    # and its speed with the machine idle, measured in the same child (vllm_runner.cpu_calibration)
+    assert all(x["cpu_calib_us"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
     # and the same per-layer clock in every configuration (vllm_runner.TraceRouting): 2 MoE layers per step
     for x in (x for x in res["rows"] if x["workload"].startswith("decode")):
         assert x["layers_per_step"] == 2.0 and x["layers_router_ms"] > 0 and x["layers_gap_ms"] > 0, x
@@ -475,7 +477,7 @@ def test_host_time_around_route_is_reported_per_step():
     task = {"event": "task", "kind": "decode", "name": "skewed/decode-1",
             "result": {"tok_s": 50.0, "seconds": 1.0, "tokens": 4, "step_ms": 10.0, "thread_cpu_ms": 7.5,
                        "thread_nivcsw": 2.25, "thread_nvcsw": 0.5, "layers_router_ms": 1.25, "layers_gap_ms": 6.5,
-                       "layers_outside_ms": 2.0, "layers_per_step": 2.0,
+                       "layers_outside_ms": 2.0, "layers_per_step": 2.0, "cpu_calib_us": 0.85,
                        "summary_1": [s(0), s(0)], "summary_T1": [s(0), s(1)]}}
     child = {"config": "mmap-cache", "label": "mmap-cache-skewed", "has_summary": True, "tasks": [task],
              "outcome": "ok", "wall_s": 1, "events": [task], "cgroup": {}, "ready": {"ready_s": 1.0, "model_info": {}}}
@@ -491,7 +493,8 @@ def test_host_time_around_route_is_reported_per_step():
     assert ("native step 0.50] {between layers 2.00 (cpu 1.50), outside 3.00 (cpu 1.00), of them patch 4b 0.50; "
             "switches 1.5 forced, 0.5 waits}") in md, md
     assert row["thread_cpu_ms"] == 7.5 and row["layers_gap_ms"] == 6.5 and row["layers_per_step"] == 2.0
-    assert "| 10.00 (thread cpu 7.50, 2.2 forced) [routers 1.25, between them 6.50, outside 2.00] |" in md, md
+    assert "| 10.00 (thread cpu 7.50, 2.2 forced) {calib 0.85 us} [routers 1.25, between them 6.50, outside 2.00] |" in md, md
+    assert row["cpu_calib_us"] == 0.85
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
