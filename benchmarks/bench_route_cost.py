@@ -74,7 +74,7 @@ def _calls(steps: int, n: int, layers: int, device, seed: int = 9):
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=300)
@@ -106,8 +106,7 @@ def main(argv=None) -> int:
 
     try:
         if res.async_step is None or res._hy_sources is None:
-            print(f"no stream hybrid path here: {res.async_off}")
-            return 1
+            raise SystemExit(f"bench_route_cost: no stream hybrid path here ({res.async_off or 'no W4A16 host kernel'})")
         step_loop(20, True)
         step_loop(20, False)
         m0 = dict(res.metrics)
@@ -140,8 +139,8 @@ def main(argv=None) -> int:
     finally:
         res.close()
         eng.close()
-    return 0
+    return row
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

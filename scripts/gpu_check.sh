@@ -9,7 +9,8 @@
 # results.json, results.md, 3 PNGs): 8 files, the device tool's limit. kvikio wheels in .whl/ are
 # installed first. Knobs: BENCH_ARGS, BENCH_DEADLINE, WARMUP_GIB, TESTS_TIMEOUT, SKIP_REPACK=1, SKIP_WARMUP=1,
 # SKIP_MOE=1, LATENCY=1 (benchmarks/bench_latency.py into check.log), CONTENTION=1 (benchmarks/bench_launch_contention.py
-# into check.log; CONTENTION_ARGS, e.g. --scenarios "idle|host=7,copy=8").
+# into check.log; CONTENTION_ARGS, e.g. --scenarios "idle|host=7,copy=8"), ROUTE_COST=1 (benchmarks/bench_route_cost.py:
+# the launching thread's price per MoE layer of the hybrid decode path, into check.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -41,6 +42,10 @@ fi
 if [ "${CONTENTION:-0}" = 1 ]; then
 echo "== bench_launch_contention (vLLM's launching thread, stood in for, beside the hybrid path's threads)"
 timeout 120 python3 benchmarks/bench_launch_contention.py ${CONTENTION_ARGS:-} --out /tmp/contention 2>&1 | tail -14
+fi
+if [ "${ROUTE_COST:-0}" = 1 ]; then
+echo "== bench_route_cost (route() and patch 4b on vLLM's launching thread, per MoE layer)"
+timeout 120 python3 benchmarks/bench_route_cost.py --out /tmp/route-cost 2>&1 | tail -5
 fi
 if [ "${SKIP_WARMUP:-0}" != 1 ]; then
 echo "== bench_warmup"

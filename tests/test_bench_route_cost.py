@@ -1,0 +1,23 @@
+"""bench_route_cost.py on the CPU: a tiny run takes the stream hybrid path in every layer call, and its
+row (microseconds per layer on the launching thread) is written as printed. (The numbers are the GPU
+machine's business: BENCHMARKS.md, session 20.)"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_route_cost  # noqa: E402
+
+
+def test_a_tiny_run_takes_the_hybrid_path_in_every_call_and_writes_its_row(tmp_path):
+    row = bench_route_cost.main(["--device", "cpu", "--steps", "3", "--layers", "2", "--tokens", "3",
+                                 "--out", str(tmp_path)])
+    assert row["hybrid_calls"] == 3 * 2  # every measured layer call was a stream hybrid call
+    assert row["route_us"] >= row["hybrid_call_us"] >= row["enqueue_us"] > 0
+    assert row["add_host_us"] > 0 and row["step_us"] > 0 and row["floor_us"] > 0
+    assert row["ours_us"] == row["step_us"] - row["floor_us"]
+    assert json.loads((tmp_path / "route_cost.json").read_text()) == row
