@@ -58,18 +58,19 @@ def _residency(tmp: Path, device: torch.device, layers: tuple, slots: int):
 
 
 def _calls(steps: int, n: int, layers: int, device, seed: int = 9):
+    """Per step and layer: (ids [n, K] of the project's skewed trace, weights f32 [n, K], x bf16 [n, H])."""
+    from mmap_offload.traces import skewed_trace
+
+    trace = skewed_trace(steps, layers, E, K, batch=n, seed=seed)
     rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, E + 1) ** 1.1
-    p /= p.sum()
     out = []
-    for _ in range(steps):
+    for s in range(steps):
         row = []
-        for _ in range(layers):
-            ids = np.stack([rng.choice(E, size=K, replace=False, p=p) for _ in range(n)])
+        for l in range(layers):
             w = rng.random((n, K)).astype(np.float32)
-            w /= w.sum(1, keepdims=True)
             x = torch.from_numpy(rng.standard_normal((n, H)).astype(np.float32)).to(torch.bfloat16)
-            row.append((torch.from_numpy(ids).to(device), torch.from_numpy(w).to(device), x.to(device)))
+            row.append((torch.from_numpy(trace[s, l]).to(device), torch.from_numpy(w / w.sum(1, keepdims=True)).to(device),
+                        x.to(device)))
         out.append(row)
     return out
 
