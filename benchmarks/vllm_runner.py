@@ -854,8 +854,11 @@ class _Child:
         except Exception:  # noqa: BLE001 - no model reachable: the row goes without it
             self.routing_installed = 0
         seed = int(task.get("seed", 1000 + b))
+        # this thread's speed with the machine idle, before the warm-up: not between the warm-up and the timed
+        # runs, where the per-layer clock's first span of the 1-token run would count it (and its difference
+        # with the T-token run's would go below the truth: session 20's runs 2-3, ~0.1-0.15 ms per step)
+        calib = cpu_calibration(self.torch)
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
-        calib = cpu_calibration(self.torch)  # this thread's speed with the machine idle, before the timed runs
         prompts = self._prompts(b, plen, seed)
         t1, _, a0, a1 = self._timed(prompts, 1)
         th1, ly1 = self.last_thread, self.last_layers
