@@ -413,6 +413,8 @@ def rows_from_child(child: dict) -> list[dict]:
                 row["device_profile"] = r["device_profile"]
             s1, sT = r.get("summary_1") or [None, None], r.get("summary_T1") or [None, None]
             after = sT[1] or {}
+            if (sT[0] or {}).get("check_bg_done") is False:  # the background checksum pass still ran (it takes
+                row["bg_check_running"] = True  # the GIL for each expert's hash): this row's step is not clean
 
             def d(key):
                 return _delta(*sT, key) - _delta(*s1, key)
@@ -584,6 +586,41 @@ def _g(n, unit=GIB, nd=2):
     return "" if n is None else f"{n / unit:.{nd}f}"
 
 
+_BREAKDOWN = ("step_ms", "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "route_ms", "collect_ms", "check_ms",
+              "cpu_calib_us")
+
+
+def step_breakdown(rows: list[dict]) -> list[dict]:
+    """Where the decode steps go, per (configuration and variant, routing, workload): the means over
+    its children of the per-step columns in ``_BREAKDOWN``, and where a no-offload row of the same
+    routing and workload exists, the split of the step's excess over it: ``ours_ms`` (our calls on the
+    launching thread: ``route()`` and patch 4b, the end-of-step check in whichever it ran) and
+    ``vllm_extra_ms`` (the rest: vLLM's own code and waits running longer than without offload)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("tok_s") is None or not str(r.get("workload", "")).startswith("decode"):
+            continue
+        name = r["config"] + (f":{r['variant']}" if r.get("variant") else "")
+        groups.setdefault((name, r["routing"], r["workload"]), []).append(r)
+    out = []
+    for (name, routing, workload), rs in groups.items():
+        b = {"config": name, "routing": routing, "workload": workload, "children": len(rs)}
+        for k in _BREAKDOWN:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            if vals:
+                b[k] = round(sum(vals) / len(vals), 3)
+        out.append(b)
+    ref = {(b["routing"], b["workload"]): b for b in out if b["config"] == "noff"}
+    for b in out:
+        base = ref.get((b["routing"], b["workload"]))
+        if base is None or b is base or "route_ms" not in b:
+            continue
+        b["excess_ms"] = round(b["step_ms"] - base["step_ms"], 3)
+        b["ours_ms"] = round(b["route_ms"] + b.get("collect_ms", 0.0), 3)
+        b["vllm_extra_ms"] = round(b["excess_ms"] - b["ours_ms"], 3)
+    return out
+
+
 def markdown(res: dict) -> str:
     rows, cfgs = res["rows"], {c["config"] + ("/" + c["label"] if c["label"] != c["config"] else ""): c
                                 for c in res["configs"]}
@@ -638,6 +675,8 @@ def markdown(res: dict) -> str:
             step += f" (thread cpu {r['thread_cpu_ms']:.2f}, {r.get('thread_nivcsw', 0):.1f} forced)"
         if r.get("cpu_calib_us") is not None:  # this child's single-thread speed, idle (vllm_runner.cpu_calibration)
             step += f" {{calib {r['cpu_calib_us']:.2f} us}}"
+        if r.get("bg_check_running"):
+            step += " (background check running)"
         if r.get("layers_gap_ms") is not None:  # the same clock in every configuration (vllm_runner.TraceRouting)
             step += (f" [routers {r['layers_router_ms']:.2f}, between them {r['layers_gap_ms']:.2f}, "
                      f"outside {r['layers_outside_ms']:.2f}]")
@@ -653,6 +692,18 @@ def markdown(res: dict) -> str:
             detail = "mean of runs " + " / ".join(str(v) for v in b["runs"])
         L.append(f"| {b['bar']} | {b['value'] if b['value'] is not None else '-'}{' (' + detail + ')' if detail else ''} | "
                  f"{b['need']} | {met} |")
+    sb = [b for b in res.get("step_breakdown", []) if b.get("layers_gap_ms") is not None]
+    if sb:  # the means over each configuration's children, and the excess over no offload split
+        L += ["", "Where decode steps go (ms per step, the means over each configuration's children; excess over no "
+              "offload of the same routing and workload = ours (`route()` + patch 4b) + vLLM's extra):", "",
+              "| config | routing | workload | children | step | in routers | between them | outside them | route() | "
+              "patch 4b | calib us | excess | ours | vLLM's extra |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for b in sb:
+            f = (lambda k: f"{b[k]:.2f}" if b.get(k) is not None else "")
+            L.append(f"| {b['config']} | {b['routing']} | {b['workload']} | {b['children']} | {f('step_ms')} | "
+                     f"{f('layers_router_ms')} | {f('layers_gap_ms')} | {f('layers_outside_ms')} | {f('route_ms')} | "
+                     f"{f('collect_ms')} | {f('cpu_calib_us')} | {f('excess_ms')} | {f('ours_ms')} | {f('vllm_extra_ms')} |")
     mm = res.get("marlin_model") or {}
     if mm:
         L += ["", "Marlin reads under uva at prefill (a model from the kernel's tiling, not a measurement: "
@@ -950,7 +1001,8 @@ def main(argv=None) -> int:
         "trace_text": (f"{'Zipf s=' + str(trace_stats['zipf_s']) if 'zipf_s' in trace_stats else Path(trace_stats['path']).name}, reuse {trace_stats['reuse']:.2f} of the previous step's experts"
                        if trace_stats else None),
         "workloads": workloads(args), "decode_tokens": args.decode_tokens,
-        "rows": rows, "bars": bars(rows, prefill_name), "marlin_model": mm, "configs": cfgs,
+        "rows": rows, "bars": bars(rows, prefill_name), "step_breakdown": step_breakdown(rows), "marlin_model": mm,
+        "configs": cfgs,
         "synth_s": round(synth_s, 1), "wall_s": round(time.time() - t_start, 1), "deadline_s": args.deadline,
     }
     (out / "bench_vllm.json").write_text(json.dumps(res, indent=1, default=str))

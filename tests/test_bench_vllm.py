@@ -495,6 +495,49 @@ def test_host_time_around_route_is_reported_per_step():
     assert row["thread_cpu_ms"] == 7.5 and row["layers_gap_ms"] == 6.5 and row["layers_per_step"] == 2.0
     assert "| 10.00 (thread cpu 7.50, 2.2 forced) {calib 0.85 us} [routers 1.25, between them 6.50, outside 2.00] |" in md, md
     assert row["cpu_calib_us"] == 0.85
+    assert "bg_check_running" not in row  # no background check in these summaries
+    # the background checksum pass still running when the timed run began: the row says so
+    task["result"]["summary_T1"] = [{**s(0), "check_bg_done": False}, {**s(1), "check_bg_done": True}]
+    flagged = bench_vllm.rows_from_child(child)[0]
+    assert flagged["bg_check_running"] is True
+    assert "(background check running)" in bench_vllm.markdown({**res, "rows": [flagged]})
+
+
+def test_step_breakdown_splits_the_excess_over_no_offload():
+    """The means over each configuration's children (a variant apart, repeats together) and, beside a no-offload
+    row of the same routing and workload, its step's excess split into our calls (route() + patch 4b) and
+    the rest (vLLM's own code running longer); in the table of the markdown."""
+    import bench_vllm
+
+    def row(config, step, gap, route=None, collect=None, variant=None, workload="decode-8", calib=3.0):
+        r = {"config": config, "routing": "skewed", "workload": workload, "tok_s": 1.0, "step_ms": step,
+             "layers_router_ms": 1.0, "layers_gap_ms": gap, "layers_outside_ms": step - 1.0 - gap, "cpu_calib_us": calib}
+        if variant:
+            r["variant"] = variant
+        if route is not None:
+            r.update(route_ms=route, collect_ms=collect)
+        return r
+
+    rows = [row("noff", 10.0, 7.0), row("noff", 12.0, 8.0, calib=5.0), row("uva", 30.0, 9.0),
+            row("mmap-hybrid", 22.0, 13.0, route=2.0, collect=1.5), row("mmap-hybrid", 24.0, 14.0, route=2.5, collect=1.0),
+            row("mmap-hybrid", 26.0, 15.0, route=3.0, collect=2.0, variant="threads=5"),
+            row("mmap-hybrid", 15.0, 9.0, route=1.0, collect=0.1, workload="decode-1"),
+            {"config": "noff", "routing": "skewed", "workload": "prefill-2k", "tok_s": 1.0, "step_ms": 5.0}]
+    got = {(b["config"], b["workload"]): b for b in bench_vllm.step_breakdown(rows)}
+    assert set(got) == {("noff", "decode-8"), ("uva", "decode-8"), ("mmap-hybrid", "decode-8"),
+                        ("mmap-hybrid:threads=5", "decode-8"), ("mmap-hybrid", "decode-1")}
+    noff, hy, var = got[("noff", "decode-8")], got[("mmap-hybrid", "decode-8")], got[("mmap-hybrid:threads=5", "decode-8")]
+    assert noff["children"] == 2 and noff["step_ms"] == 11.0 and noff["cpu_calib_us"] == 4.0 and "excess_ms" not in noff
+    assert hy["children"] == 2 and hy["step_ms"] == 23.0 and hy["route_ms"] == 2.25 and hy["collect_ms"] == 1.25
+    assert hy["excess_ms"] == 12.0 and hy["ours_ms"] == 3.5 and hy["vllm_extra_ms"] == 8.5
+    assert var["excess_ms"] == 15.0 and var["ours_ms"] == 5.0 and var["vllm_extra_ms"] == 10.0
+    assert "excess_ms" not in got[("uva", "decode-8")]  # no route() of ours to split by
+    assert "excess_ms" not in got[("mmap-hybrid", "decode-1")]  # no no-offload row of that workload
+    res = {"rows": [], "bars": [], "configs": [], "workloads": ["decode-8"], "shapes_text": "W4A16 toy", "expert_bytes": 1,
+           "budget_bytes": 1, "budget_frac_text": "1 x", "layer_buffer_bytes": 1, "env": {},
+           "step_breakdown": bench_vllm.step_breakdown(rows)}
+    md = bench_vllm.markdown(res)
+    assert "| mmap-hybrid | skewed | decode-8 | 2 | 23.00 | 1.00 | 13.50 | 8.50 | 2.25 | 1.25 | 3.00 | 12.00 | 3.50 | 8.50 |" in md, md
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
