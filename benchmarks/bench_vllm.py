@@ -403,7 +403,7 @@ def rows_from_child(child: dict) -> list[dict]:
         if kind == "decode":
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
-            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw", "cpu_calib_us",  # the launching thread per step
+            for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw", "cpu_calib_us", "bg_check_wait_s",  # the launching thread per step
                       "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step"):  # and per layer
                 if r.get(k) is not None:
                     row[k] = r[k]

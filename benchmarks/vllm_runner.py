@@ -668,6 +668,17 @@ class _Child:
         except Exception:  # noqa: BLE001
             return None
 
+    def wait_background_check(self, timeout: float = 300.0) -> float:
+        """Seconds spent waiting for the mmap backend's background checksum pass (0 where there is
+        none or it is over): a decode task times steady serving, and the pass takes the GIL for each
+        expert's hash while it runs (it starts at post_init; on a large cache it outlasts start-up)."""
+        bg = getattr(self.offloader(), "_background_check", None)
+        if bg is None or bg.done:
+            return 0.0
+        t = time.perf_counter()
+        bg.wait(timeout)
+        return round(time.perf_counter() - t, 3)
+
     def summary(self) -> dict | None:
         off = self.offloader()
         if off is not None and hasattr(off, "summary"):
@@ -857,6 +868,7 @@ class _Child:
         # this thread's speed with the machine idle, before the warm-up: not between the warm-up and the timed
         # runs, where the per-layer clock's first span of the 1-token run would count it (and its difference
         # with the T-token run's would go below the truth: session 20's runs 2-3, ~0.1-0.15 ms per step)
+        bg_wait = self.wait_background_check()  # steady serving: the checksum pass over (it holds the GIL per hash)
         calib = cpu_calibration(self.torch)
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
         prompts = self._prompts(b, plen, seed)
@@ -874,7 +886,8 @@ class _Child:
                # (preempted) and voluntary (waited) context switches
                "thread_cpu_ms": round(1000 * (thT["cpu_s"] - th1["cpu_s"]) / T, 3),
                "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
-               "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2), "cpu_calib_us": calib}
+               "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2), "cpu_calib_us": calib,
+               "bg_check_wait_s": bg_wait}
         if lyT["router_calls"] > ly1["router_calls"]:  # per decode step, the same difference (TraceRouting.timing)
             res.update({f"layers_{k[:-2]}_ms": round(1000 * (lyT[k] - ly1[k]) / T, 3)
                         for k in ("router_s", "gap_s", "outside_s")})

@@ -358,6 +358,9 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert all(x["thread_cpu_ms"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
     # and its speed with the machine idle, measured in the same child (vllm_runner.cpu_calibration)
     assert all(x["cpu_calib_us"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
+    # the mmap configuration's background checksum pass was over before each timed decode run
+    assert not any(x.get("bg_check_running") for x in res["rows"]), res["rows"]
+    assert all(x["bg_check_wait_s"] >= 0 for x in res["rows"] if x["workload"].startswith("decode"))
     # and the same per-layer clock in every configuration (vllm_runner.TraceRouting): 2 MoE layers per step
     for x in (x for x in res["rows"] if x["workload"].startswith("decode")):
         assert x["layers_per_step"] == 2.0 and x["layers_router_ms"] > 0 and x["layers_gap_ms"] > 0, x
@@ -550,3 +553,29 @@ def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
             {"config": "uva", "routing": "skewed", "workload": "decode-1", "tok_s": 80.0, "repeat": 2, "label": "uva#2"}]
     bench_vllm.ratios(rows)
     assert [r["x_uva"] for r in rows] == [0.857, 1.0, 1.143]
+
+
+def test_a_decode_task_waits_for_the_background_check_first(tmp_path, monkeypatch):
+    """The runner waits for the mmap backend's background checksum pass before a decode task times
+    anything (the pass takes the GIL per hash), returns the seconds waited, and waits for nothing where
+    there is no pass or it is over."""
+    from types import SimpleNamespace
+
+    import vllm_runner
+
+    child = vllm_runner._Child({"events": str(tmp_path / "events.jsonl")})
+
+    class Pass:
+        done, waited = False, None
+
+        def wait(self, timeout):
+            self.waited, self.done = timeout, True
+            return True
+
+    bg = Pass()
+    monkeypatch.setattr(child, "offloader", lambda: SimpleNamespace(_background_check=bg))
+    assert child.wait_background_check(timeout=7.0) >= 0 and bg.waited == 7.0
+    bg.waited = None
+    assert child.wait_background_check() == 0.0 and bg.waited is None  # over: no wait
+    monkeypatch.setattr(child, "offloader", lambda: None)  # no offloader (no offload, uva)
+    assert child.wait_background_check() == 0.0
