@@ -865,10 +865,12 @@ class _Child:
         except Exception:  # noqa: BLE001 - no model reachable: the row goes without it
             self.routing_installed = 0
         seed = int(task.get("seed", 1000 + b))
+        # steady serving: the checksum pass over (it holds the GIL per hash), within the child's deadline
+        left = None if self.deadline_at is None else max(0.0, self.deadline_at - time.time())
+        bg_wait = self.wait_background_check(300.0 if left is None else min(300.0, left))
         # this thread's speed with the machine idle, before the warm-up: not between the warm-up and the timed
         # runs, where the per-layer clock's first span of the 1-token run would count it (and its difference
         # with the T-token run's would go below the truth: session 20's runs 2-3, ~0.1-0.15 ms per step)
-        bg_wait = self.wait_background_check()  # steady serving: the checksum pass over (it holds the GIL per hash)
         calib = cpu_calibration(self.torch)
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
         prompts = self._prompts(b, plen, seed)
