@@ -360,8 +360,8 @@ def _make_cgroup(name: str) -> tuple[Path, str]:
 
 
 def cpu_calibration(torch=None, iters: int = 400, repeats: int = 7) -> float:
-    """Microseconds per iteration of a fixed launching-thread-like loop (a Python call, a dict
-    update and one small in-place torch op: dispatcher work, no memory streaming), the best of
+    """Microseconds per iteration of a fixed launching-thread-like loop (a dict update and one
+    small in-place torch op: interpreter and dispatcher work, no memory streaming), the best of
     ``repeats``. A decode step in eager mode is this thread's CPU time, and on the H200's host that
     speed differed by up to 1.44x between two children of one run with nothing else running (no
     offload: 12.56 and 18.07 ms per step, session 20); the figure lets rows of different children
