@@ -404,7 +404,8 @@ def rows_from_child(child: dict) -> list[dict]:
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
             for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw", "cpu_calib_us", "bg_check_wait_s",  # the launching thread per step
-                      "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step"):  # and per layer
+                      "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step",  # and per layer
+                      "layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac"):  # the stream's side
                 if r.get(k) is not None:
                     row[k] = r[k]
             if r.get("host_profile"):  # MMO_SAMPLE_DECODE=1 (vllm_runner.HostSampler)
@@ -587,7 +588,7 @@ def _g(n, unit=GIB, nd=2):
 
 
 _BREAKDOWN = ("step_ms", "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "route_ms", "collect_ms", "check_ms",
-              "cpu_calib_us")
+              "cpu_calib_us", "layers_cpu_span_ms", "layers_gpu_span_ms", "stream_behind_frac")
 
 
 def step_breakdown(rows: list[dict]) -> list[dict]:
@@ -680,6 +681,9 @@ def markdown(res: dict) -> str:
         if r.get("layers_gap_ms") is not None:  # the same clock in every configuration (vllm_runner.TraceRouting)
             step += (f" [routers {r['layers_router_ms']:.2f}, between them {r['layers_gap_ms']:.2f}, "
                      f"outside {r['layers_outside_ms']:.2f}]")
+        if r.get("layers_gpu_span_ms") is not None:  # first to last router: the stream's span and the thread's
+            step += (f" <span stream {r['layers_gpu_span_ms']:.2f} / thread {r['layers_cpu_span_ms']:.2f}, "
+                     f"stream behind {100 * r.get('stream_behind_frac', 0):.0f}%>")
         L.append(f"| {name} | {r['routing']} | {r['workload']} | {r['tok_s']:.1f} | {r.get('x_uva', '')} | "
                  f"{step} | {host} | {r.get('mmap_mib_per_step', '')} | {hit} | {modes} | {_g(c.get('pinned_bytes'))} | "
                  f"{_g(c.get('peak_rss_bytes'))} | {_g(c.get('cgroup_peak_bytes'))} | {_g(c.get('vram_expert_bytes'))} | "
@@ -697,13 +701,17 @@ def markdown(res: dict) -> str:
         L += ["", "Where decode steps go (ms per step, the means over each configuration's children; excess over no "
               "offload of the same routing and workload = ours (`route()` + patch 4b) + vLLM's extra):", "",
               "| config | routing | workload | children | step | in routers | between them | outside them | route() | "
-              "patch 4b | calib us | excess | ours | vLLM's extra |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "patch 4b | calib us | excess | ours | vLLM's extra | first-to-last router: thread / stream | stream behind |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for b in sb:
             f = (lambda k: f"{b[k]:.2f}" if b.get(k) is not None else "")
+            span = (f"{b['layers_cpu_span_ms']:.2f} / {b['layers_gpu_span_ms']:.2f}"
+                    if b.get("layers_gpu_span_ms") is not None else "")
+            behind = f"{100 * b['stream_behind_frac']:.0f}%" if b.get("stream_behind_frac") is not None else ""
             L.append(f"| {b['config']} | {b['routing']} | {b['workload']} | {b['children']} | {f('step_ms')} | "
                      f"{f('layers_router_ms')} | {f('layers_gap_ms')} | {f('layers_outside_ms')} | {f('route_ms')} | "
-                     f"{f('collect_ms')} | {f('cpu_calib_us')} | {f('excess_ms')} | {f('ours_ms')} | {f('vllm_extra_ms')} |")
+                     f"{f('collect_ms')} | {f('cpu_calib_us')} | {f('excess_ms')} | {f('ours_ms')} | {f('vllm_extra_ms')} | "
+                     f"{span} | {behind} |")
     mm = res.get("marlin_model") or {}
     if mm:
         L += ["", "Marlin reads under uva at prefill (a model from the kernel's tiling, not a measurement: "

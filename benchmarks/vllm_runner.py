@@ -562,17 +562,75 @@ class TraceRouting:
     the same forward (vLLM's MoE kernel, the layer's other work, the next attention; with the mmap
     backend its patch 4b too), ``outside_s`` from the last MoE layer's router to the next forward's
     first (sampling, scheduling, the tail and head of the model). What separates vLLM's own per-layer
-    time under our threads from its time without them (no offload, uva)."""
+    time under our threads from its time without them (no offload, uva).
 
-    def __init__(self, num_experts: int = 1):
+    The stream's side of the same clock (``probe``: on where CUDA is, one timing event per MoE
+    layer): each router records an event on the current stream when the thread enters it, and asks
+    whether the stream has reached the previous layer's (``behind``/``probed``: the stream more than a
+    layer behind the thread); once a forward's events are done, its first-to-last router span on the
+    stream (``gpu_span_s``) and on the thread (``cpu_span_s``) are added (``spans`` forwards). A stream
+    span longer than the thread's is the stream falling behind through the layers (the step bound by
+    the device's work and the host functions on the stream); equal spans with the stream rarely behind
+    is a step bound by the launching thread."""
+
+    SETS = 4  # forwards whose events may be in flight at once (a forward's are read once done)
+
+    def __init__(self, num_experts: int = 1, probe: bool | None = None, event_factory=None):
         self.num_experts = num_experts
         self.trace = None
         self._dev = None  # (trace, device, traces.DeviceTrace): the trace on the router's device
         self.step = 0
         self.record = None  # list of per-layer numpy counts while recording
         self.routers: list = []
-        self.timing = {"router_s": 0.0, "gap_s": 0.0, "outside_s": 0.0, "router_calls": 0}
+        self.timing = {"router_s": 0.0, "gap_s": 0.0, "outside_s": 0.0, "router_calls": 0,
+                       "gpu_span_s": 0.0, "cpu_span_s": 0.0, "spans": 0, "behind": 0, "probed": 0}
         self._exit: float | None = None  # when the last router returned
+        self.probe = probe  # None: on where the model's first parameter is on CUDA (decided at install)
+        self._event_factory = event_factory
+        self._sets: list | None = None  # SETS lists of per-layer events
+        self._cur = 0  # the set this forward records into
+        self._n_rec = 0  # events recorded in this forward, in layer order
+        self._t_first = 0.0
+        self._pending: list = []  # (set, thread span) of finished forwards whose events may not be done yet
+
+    def _probe(self, pos: int, n_layers: int, t_in: float) -> None:
+        """The stream's side at router ``pos`` (see the class doc)."""
+        if self._sets is None:
+            if self._event_factory is None:
+                import torch
+
+                self._event_factory = lambda: torch.cuda.Event(enable_timing=True)
+            self._sets = [[self._event_factory() for _ in range(n_layers)] for _ in range(self.SETS)]
+        timing = self.timing
+        if pos == 0:
+            self.flush()
+            if len(self._pending) >= self.SETS - 1:  # not done after SETS - 1 forwards: its set is reused
+                self._pending.pop(0)
+            busy = {id(p[0]) for p in self._pending}
+            self._cur = next(i for i in range(self.SETS) if id(self._sets[i]) not in busy)
+            self._n_rec = 0
+            self._t_first = t_in
+        elif self._n_rec == pos:
+            timing["probed"] += 1
+            if not self._sets[self._cur][pos - 1].query():
+                timing["behind"] += 1
+        if self._n_rec != pos:  # a forward that skipped a layer (or began mid-way): not a span
+            return
+        evs = self._sets[self._cur]
+        evs[pos].record()
+        self._n_rec += 1
+        if pos == n_layers - 1:
+            self._pending.append((evs, t_in - self._t_first))
+
+    def flush(self) -> None:
+        """Adds the spans of the finished forwards whose events the stream has passed (in order: one
+        stream). The runner calls it after each timed run's sync, so a run's spans are its own."""
+        timing = self.timing
+        while self._pending and self._pending[0][0][-1].query():
+            evs, cpu = self._pending.pop(0)
+            timing["gpu_span_s"] += evs[0].elapsed_time(evs[-1]) / 1000.0
+            timing["cpu_span_s"] += cpu
+            timing["spans"] += 1
 
     def install(self, model) -> int:
         routers = []
@@ -581,6 +639,9 @@ class TraceRouting:
             if r is not None and hasattr(r, "select_experts") and hasattr(mod, "routed_experts"):
                 if all(r is not x for x in routers):
                     routers.append(r)
+        if self.probe is None:
+            self.probe = (any(p.is_cuda for p in model.parameters())
+                          and not os.environ.get("MMO_NO_STREAM_PROBE"))
         for pos, r in enumerate(routers):
             self._wrap(pos, r, len(routers))
         self.routers = routers
@@ -599,6 +660,8 @@ class TraceRouting:
             t_in = clock()
             if self._exit is not None:
                 timing["gap_s" if pos else "outside_s"] += t_in - self._exit
+            if self.probe:
+                self._probe(pos, n_layers, t_in)
             w, ids = orig(*args, **kwargs)
             if self.trace is not None:
                 if self._dev is None or self._dev[0] is not self.trace or self._dev[1] != ids.device:
@@ -842,11 +905,13 @@ class _Child:
         the thread that launches the model's GPU work)."""
         s0 = self.summary()
         self.sync()
+        self.routing.flush()
         ru0, c0, l0 = _thread_rusage(), time.thread_time(), dict(self.routing.timing)
         t = time.perf_counter()
         outs = self._gen(prompts, max_tokens)
         self.sync()
         dt = time.perf_counter() - t
+        self.routing.flush()
         c1, ru1, l1 = time.thread_time(), _thread_rusage(), self.routing.timing
         self.last_thread = {"cpu_s": c1 - c0, **{k: ru1[k] - ru0[k] for k in ru0}}
         self.last_layers = {k: l1[k] - l0[k] for k in l0}
@@ -894,6 +959,12 @@ class _Child:
             res.update({f"layers_{k[:-2]}_ms": round(1000 * (lyT[k] - ly1[k]) / T, 3)
                         for k in ("router_s", "gap_s", "outside_s")})
             res["layers_per_step"] = round((lyT["router_calls"] - ly1["router_calls"]) / T, 2)
+        spans, probed = lyT["spans"] - ly1["spans"], lyT["probed"] - ly1["probed"]
+        if spans > 0:  # per decode forward: first to last MoE router on the stream and on the thread
+            res["layers_gpu_span_ms"] = round(1000 * (lyT["gpu_span_s"] - ly1["gpu_span_s"]) / spans, 3)
+            res["layers_cpu_span_ms"] = round(1000 * (lyT["cpu_span_s"] - ly1["cpu_span_s"]) / spans, 3)
+        if probed > 0:  # routers entered with the stream not yet at the previous layer's
+            res["stream_behind_frac"] = round((lyT["behind"] - ly1["behind"]) / probed, 3)
         if sampler is not None:
             res["host_profile"] = sampler.stop()
         if os.environ.get("MMO_PROFILE_DECODE") and self.torch is not None and self.torch.cuda.is_available():

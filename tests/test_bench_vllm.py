@@ -93,8 +93,85 @@ def test_trace_routing_times_the_routers_and_the_gaps_between_them(monkeypatch):
             assert ids.tolist() == [[1, 2]]
         now[0] += 30.0
     # 6 routers; 4 gaps inside the forwards; one span between them (the first forward has none before it)
-    assert tr.timing == {"router_s": 12.0, "gap_s": 40.0, "outside_s": 30.0, "router_calls": 6}
+    assert {k: tr.timing[k] for k in ("router_s", "gap_s", "outside_s", "router_calls")} == {
+        "router_s": 12.0, "gap_s": 40.0, "outside_s": 30.0, "router_calls": 6}
     assert tr.step == 2
+    assert tr.probe is False and tr.timing["spans"] == 0  # no CUDA parameter: no stream probe
+
+
+class _FakeStream:
+    """A stream as the probe sees it: events recorded in order, done once ``done_upto`` records have
+    run; each event's device time set by the test when recorded."""
+
+    def __init__(self):
+        self.recorded, self.done_upto, self.next_time = [], 0, 0.0
+
+    def event(self):
+        stream = self
+
+        class Event:
+            def record(self):
+                self.seq, self.t = len(stream.recorded), stream.next_time
+                stream.recorded.append(self)
+
+            def query(self):
+                return self.seq < stream.done_upto
+
+            def elapsed_time(self, end):  # ms, as torch.cuda.Event's
+                assert self.query() and end.query()
+                return 1000.0 * (end.t - self.t)
+
+        return Event()
+
+
+def test_trace_routing_probe_measures_the_streams_span_against_the_threads(monkeypatch):
+    """The stream probe (on where the model is on CUDA; here fake events): per forward, the span from the
+    first MoE router to the last on the stream and on the thread, added once the forward's events are done
+    (a forward still in flight is read at a later forward's start or at flush()), and how often a router
+    is entered with the stream not yet past the previous layer's."""
+    import vllm_runner
+
+    now = [0.0]
+    monkeypatch.setattr(vllm_runner.time, "perf_counter", lambda: now[0])
+    st = _FakeStream()
+
+    class Router:
+        def select_experts(self, hidden_states):
+            return torch.ones(1, 2), torch.tensor([[1, 2]])
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.routed_experts = Router(), torch.nn.Identity()
+
+    model = torch.nn.Sequential(Moe(), Moe(), Moe())
+    tr = vllm_runner.TraceRouting(num_experts=4, probe=True, event_factory=st.event)
+    assert tr.install(model) == 3
+
+    def forward(thread_gap, stream_gap, stream_done_before_each):
+        for i, m in enumerate(model):
+            if i:
+                now[0] += thread_gap
+            if stream_done_before_each is not None:  # None: the stream stands still
+                st.done_upto = len(st.recorded) if stream_done_before_each else max(0, len(st.recorded) - 2)
+            st.next_time = (i * stream_gap) + 100.0 * tr.step
+            m.router.select_experts(hidden_states=None)
+
+    forward(1.0, 3.0, stream_done_before_each=False)  # the stream 2 records behind: behind at both later layers
+    assert tr.timing["spans"] == 0  # not done yet
+    forward(2.0, 2.0, stream_done_before_each=True)  # its start reads the first forward (done by then)
+    assert tr.timing["probed"] == 4 and tr.timing["behind"] == 2
+    assert tr.timing["spans"] == 1 and tr.timing["gpu_span_s"] == pytest.approx(6.0) and tr.timing["cpu_span_s"] == 2.0
+    tr.flush()  # the second forward's last event not done yet: nothing added
+    assert tr.timing["spans"] == 1
+    st.done_upto = len(st.recorded)
+    tr.flush()  # both forwards done: the stream's spans 6 and 4 s, the thread's 2 and 4 s
+    assert tr.timing["spans"] == 2
+    assert tr.timing["gpu_span_s"] == pytest.approx(10.0) and tr.timing["cpu_span_s"] == pytest.approx(6.0)
+    # a stream that stands still: the oldest forward's set is reused, never more than SETS in flight
+    for _ in range(6):
+        forward(1.0, 1.0, stream_done_before_each=None)
+    assert len(tr._pending) <= tr.SETS - 1 and tr.timing["spans"] == 2
 
 
 def test_make_trace_hits_the_reuse_target(tmp_path):
@@ -497,6 +574,12 @@ def test_host_time_around_route_is_reported_per_step():
             "switches 1.5 forced, 0.5 waits}") in md, md
     assert row["thread_cpu_ms"] == 7.5 and row["layers_gap_ms"] == 6.5 and row["layers_per_step"] == 2.0
     assert "| 10.00 (thread cpu 7.50, 2.2 forced) {calib 0.85 us} [routers 1.25, between them 6.50, outside 2.00] |" in md, md
+    task["result"].update(layers_gpu_span_ms=9.0, layers_cpu_span_ms=7.5, stream_behind_frac=0.25)
+    probed = bench_vllm.rows_from_child(child)[0]
+    assert probed["layers_gpu_span_ms"] == 9.0 and probed["stream_behind_frac"] == 0.25
+    assert "outside 2.00] <span stream 9.00 / thread 7.50, stream behind 25%> |" in bench_vllm.markdown({**res, "rows": [probed]})
+    for k in ("layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac"):
+        del task["result"][k]
     assert row["cpu_calib_us"] == 0.85
     assert "bg_check_running" not in row  # no background check in these summaries
     # the background checksum pass still running when the timed run began: the row says so
@@ -540,7 +623,12 @@ def test_step_breakdown_splits_the_excess_over_no_offload():
            "budget_bytes": 1, "budget_frac_text": "1 x", "layer_buffer_bytes": 1, "env": {},
            "step_breakdown": bench_vllm.step_breakdown(rows)}
     md = bench_vllm.markdown(res)
-    assert "| mmap-hybrid | skewed | decode-8 | 2 | 23.00 | 1.00 | 13.50 | 8.50 | 2.25 | 1.25 | 3.00 | 12.00 | 3.50 | 8.50 |" in md, md
+    assert "| mmap-hybrid | skewed | decode-8 | 2 | 23.00 | 1.00 | 13.50 | 8.50 | 2.25 | 1.25 | 3.00 | 12.00 | 3.50 | 8.50 |  |  |" in md, md
+    # the stream probe's columns, where the rows have them (means over the children)
+    for r, (cpu, gpu, behind) in zip(rows[3:5], ((10.0, 14.0, 0.5), (12.0, 16.0, 0.7))):
+        r.update(layers_cpu_span_ms=cpu, layers_gpu_span_ms=gpu, stream_behind_frac=behind)
+    md = bench_vllm.markdown({**res, "step_breakdown": bench_vllm.step_breakdown(rows)})
+    assert "| 12.00 | 3.50 | 8.50 | 11.00 / 15.00 | 60% |" in md, md
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
