@@ -135,7 +135,6 @@ typedef struct {
     float *wts;                      /* [cap] their route weights */
     host_job *jobs;                  /* [cap] */
     double share;                    /* of a call's misses computed on the host (adapted by collects) */
-    double bias;                     /* a collect that waited lowers the share by 1/(32 bias): 1 = even */
     int64_t parts;                   /* a call's parts: 0 the fewest that hold its admissions (misses the
                                       * staging cannot take go to the host), -1 a plain call's, n > 0 n */
     int started;                     /* a host job runs that no collect waited for yet */
@@ -187,7 +186,6 @@ mo_async *mo_async_create(void *memcpy_async, void *launch_host_func, void *cu_l
         return NULL;
     mo_async *a = calloc(1, sizeof(*a));
     if (!a) return NULL;
-    a->hy.bias = 1.0;
     a->memcpy_async = (fn_memcpy_async)memcpy_async;
     a->launch_host_func = (fn_launch_host_func)launch_host_func;
     a->cu_launch = (fn_cu_launch)cu_launch;
@@ -452,9 +450,8 @@ static void host_wait_started(mo_async *a, int adapt) { /* the started host job'
     a->stats[AS_HOST_WAIT_NS] += ns_now() - t0;
     a->stats[AS_HOST_READY] += (uint64_t)(ready != 0);
     if (rc) fail(a, A_ERR_HOST, -1, (uint64_t)(rc < 0 ? -rc : rc));
-    if (adapt && h->adapt) { /* the host was done first: it can take more; the stream waited for it: less
-                                (by 1/bias as much: the stream waits at bias / (1 + bias) of the calls) */
-        h->share += ready ? 1.0 / 32 : -1.0 / (32 * h->bias);
+    if (adapt && h->adapt) { /* the host was done first: it can take more; the stream waited for it: less */
+        h->share += ready ? 1.0 / 32 : -1.0 / 32;
         h->share = h->share < 0 ? 0 : h->share > 1 ? 1 : h->share;
     }
     pthread_mutex_unlock(&a->mu);
@@ -955,20 +952,6 @@ double mo_async_host_share(mo_async *a, double share) {
     double s = a->hy.share;
     pthread_mutex_unlock(&a->mu);
     return s;
-}
-
-/* The host share's bias (set: bias > 0 sets it; kept across mo_async_set_host). With bias b a collect
- * that waited for its host job lowers the share by 1/(32 b) where one done first raises it by 1/32:
- * the share settles where the stream waits for the host at b / (1 + b) of the calls (1: half, both
- * sides finishing together). b > 1 gives the host more of the misses than the time balance would:
- * each byte computed on the host crosses DRAM once, a copied one three times (read, staging, the
- * device's read), and vLLM's launching thread slows with DRAM traffic. */
-double mo_async_host_bias(mo_async *a, double bias) {
-    pthread_mutex_lock(&a->mu);
-    if (bias > 0) a->hy.bias = bias;
-    double b = a->hy.bias;
-    pthread_mutex_unlock(&a->mu);
-    return b;
 }
 
 /* Enqueue a hybrid sparse call: mo_async_run_sparse's call, of ``n_rows`` tokens (nk / n_rows ids

@@ -80,8 +80,6 @@ def _typed(lib) -> bool:
                                       _i64, _vp, ctypes.c_double, _i64]
     lib.mo_async_host_share.restype = ctypes.c_double
     lib.mo_async_host_share.argtypes = [_vp, ctypes.c_double]
-    lib.mo_async_host_bias.restype = ctypes.c_double
-    lib.mo_async_host_bias.argtypes = [_vp, ctypes.c_double]
     lib.mo_async_hybrid_parts.restype = _i64
     lib.mo_async_hybrid_parts.argtypes = [_vp, _i64]
     lib.mo_async_run_hybrid.restype = _i64
@@ -321,20 +319,6 @@ class AsyncStep:
     @host_share.setter
     def host_share(self, v: float) -> None:
         self.lib.mo_async_host_share(self.handle, float(v))
-
-    @property
-    def host_bias(self) -> float:
-        """How the collects adapt ``host_share`` (kept across ``set_host``): a collect that waited for
-        its host job lowers it by 1/(32 bias), one whose job was done raises it by 1/32, so the stream
-        waits for the host at bias / (1 + bias) of the calls; 1 (the default) balances the two sides'
-        times, > 1 sends the host more of the misses (each crosses DRAM once there, three times copied)."""
-        return float(self.lib.mo_async_host_bias(self.handle, -1.0))
-
-    @host_bias.setter
-    def host_bias(self, v: float) -> None:
-        if not float(v) > 0:
-            raise ValueError(f"host_bias={v}: use a number > 0 (1: the two sides' times balanced)")
-        self.lib.mo_async_host_bias(self.handle, float(v))
 
     @property
     def hybrid_parts(self) -> int:

@@ -220,11 +220,6 @@ def test_options_precedence_and_errors():
     assert MmapOptions.resolve({"hybrid_parts": "-1"}, env={}).hybrid_parts == -1
     with pytest.raises(UnsupportedError, match="hybrid_parts"):
         MmapOptions.resolve({"hybrid_parts": -2}, env={})
-    assert MmapOptions.resolve(None, env={}).hybrid_host_bias == 1.0
-    assert MmapOptions.resolve({"hybrid_host_bias": "3"}, env={}).hybrid_host_bias == 3.0
-    for bad in (0, -1, 100):
-        with pytest.raises(UnsupportedError, match="hybrid_host_bias must be in"):
-            MmapOptions.resolve({"hybrid_host_bias": bad}, env={})
     assert MmapOptions.resolve({"sparse_max_ids": "512"}, env={}).sparse_max_ids == 512
     with pytest.raises(UnsupportedError, match="sparse_max_ids"):
         MmapOptions.resolve({"sparse_max_ids": 5000}, env={})

@@ -72,13 +72,6 @@ class MmapOptions:
     # hybrid call may copy; 0 the fewest that hold its admissions into the pool (the misses beyond
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
-    # with hybrid_stream: the balance of the misses not admitted into the pool between the host and the
-    # copy path. The share computed on the host adapts per call, down when the stream waited for the
-    # host job, up when the job was done first; 1 settles where the stream waits at half the calls (both
-    # sides' times equal), b where it waits at b / (1 + b) of them: more of the misses on the host, less
-    # DRAM traffic (a miss computed on the host crosses DRAM once, a copied one three times) at the cost
-    # of a longer host job on the stream
-    hybrid_host_bias: float = 1.0
     host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
@@ -154,11 +147,6 @@ class MmapOptions:
             raise UnsupportedError(
                 f"mmap_offload sparse_max_ids must be in [0, 4096], got {self.sparse_max_ids}",
                 "pass 0 (the layer threshold decides) or the routed ids per call to serve sparse, e.g. 512",
-            )
-        if not 0.0 < self.hybrid_host_bias <= 64.0:
-            raise UnsupportedError(
-                f"mmap_offload hybrid_host_bias must be in (0, 64], got {self.hybrid_host_bias}",
-                "pass 1 (the host's and the copy path's times balanced) or e.g. 3 (the host takes more)",
             )
         if self.hybrid_parts < -1:
             raise UnsupportedError(

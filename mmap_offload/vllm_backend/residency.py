@@ -90,7 +90,6 @@ class Residency:
             else:
                 self.async_step = got
                 got.hybrid_parts = opts.hybrid_parts  # hybrid calls' parts (kept across set_host)
-                got.host_bias = opts.hybrid_host_bias  # the host share's balance (kept too)
         # ids per call the async step can take (at most one miss per id: the pool and its staging)
         self.async_fits = min(self.ec.slots_per_pool, self.async_step.max_experts) if self.async_step is not None else 0
         self._async_dirty = False  # a call was enqueued since the last wait
