@@ -391,6 +391,23 @@ def _thread_rusage() -> dict:
         return {"nvcsw": 0, "nivcsw": 0}
 
 
+def system_cpu(path: str = "/proc/stat") -> dict:
+    """The whole machine's CPU time so far, in seconds summed over its CPUs (/proc/stat's first line):
+    ``busy`` (user, nice, system, irq, softirq), ``idle`` (idle, iowait) and ``steal`` (time the
+    hypervisor ran something else while this guest's CPU wanted to run); {} where unreadable."""
+    try:
+        with open(path) as f:
+            head = f.readline().split()
+        tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    except (OSError, ValueError):
+        return {}
+    if not head or head[0] != "cpu":
+        return {}
+    v = [int(x) for x in head[1:9]] + [0] * max(0, 8 - len(head[1:9]))
+    user, nice, system, idle, iowait, irq, softirq, steal = v[:8]
+    return {"busy": (user + nice + system + irq + softirq) / tick, "idle": (idle + iowait) / tick, "steal": steal / tick}
+
+
 def file_stem(label: str) -> str:
     """``label`` as one file name (its child's spec, events, log and cgroup): characters other than
     letters, digits, ``.``, ``_``, ``-``, ``=``, ``:`` and ``,`` become ``_``, plus a short hash of the label
@@ -906,14 +923,15 @@ class _Child:
         s0 = self.summary()
         self.sync()
         self.routing.flush()
-        ru0, c0, l0 = _thread_rusage(), time.thread_time(), dict(self.routing.timing)
+        ru0, c0, l0, m0 = _thread_rusage(), time.thread_time(), dict(self.routing.timing), system_cpu()
         t = time.perf_counter()
         outs = self._gen(prompts, max_tokens)
         self.sync()
         dt = time.perf_counter() - t
         self.routing.flush()
-        c1, ru1, l1 = time.thread_time(), _thread_rusage(), self.routing.timing
+        c1, ru1, l1, m1 = time.thread_time(), _thread_rusage(), self.routing.timing, system_cpu()
         self.last_thread = {"cpu_s": c1 - c0, **{k: ru1[k] - ru0[k] for k in ru0}}
+        self.last_system = {k: m1[k] - m0[k] for k in m0 if k in m1}
         self.last_layers = {k: l1[k] - l0[k] for k in l0}
         return dt, outs, s0, self.summary()
 
@@ -940,10 +958,10 @@ class _Child:
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
         prompts = self._prompts(b, plen, seed)
         t1, _, a0, a1 = self._timed(prompts, 1)
-        th1, ly1 = self.last_thread, self.last_layers
+        th1, ly1, sy1 = self.last_thread, self.last_layers, self.last_system
         sampler = HostSampler() if os.environ.get("MMO_SAMPLE_DECODE") else None
         tT, outs, b0, b1 = self._timed(prompts, T + 1)
-        thT, lyT = self.last_thread, self.last_layers
+        thT, lyT, syT = self.last_thread, self.last_layers, self.last_system
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         dec = max(tT - t1, 1e-9)
         res = {"batch": b, "tokens": T, "generated": n, "seconds": round(dec, 4), "t_1": round(t1, 4),
@@ -955,6 +973,9 @@ class _Child:
                "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
                "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2), "cpu_calib_us": calib,
                "bg_check_wait_s": bg_wait}
+        if sy1 and syT:  # the whole machine per decode step (the same difference): CPUs busy, hypervisor steal
+            res["sys_busy_cpus"] = round((syT["busy"] - sy1["busy"]) / dec, 2)
+            res["sys_steal_ms"] = round(1000 * (syT["steal"] - sy1["steal"]) / T, 3)
         if lyT["router_calls"] > ly1["router_calls"]:  # per decode step, the same difference (TraceRouting.timing)
             res.update({f"layers_{k[:-2]}_ms": round(1000 * (lyT[k] - ly1[k]) / T, 3)
                         for k in ("router_s", "gap_s", "outside_s")})

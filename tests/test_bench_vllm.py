@@ -174,6 +174,24 @@ def test_trace_routing_probe_measures_the_streams_span_against_the_threads(monke
     assert len(tr._pending) <= tr.SETS - 1 and tr.timing["spans"] == 2
 
 
+def test_system_cpu_reads_busy_idle_and_steal_seconds(tmp_path):
+    """vllm_runner.system_cpu: /proc/stat's first line in seconds over all CPUs (busy = user + nice +
+    system + irq + softirq; idle = idle + iowait; steal); {} where the file is not that."""
+    import os
+
+    import vllm_runner
+
+    hz = os.sysconf("SC_CLK_TCK")
+    f = tmp_path / "stat"
+    f.write_text(f"cpu  {hz} {hz} {2 * hz} {10 * hz} {hz} 0 {hz} {3 * hz} 0 0\ncpu0 1 2 3\n")
+    assert vllm_runner.system_cpu(str(f)) == {"busy": 5.0, "idle": 11.0, "steal": 3.0}
+    f.write_text("intr 1 2 3\n")
+    assert vllm_runner.system_cpu(str(f)) == {}
+    assert vllm_runner.system_cpu(str(tmp_path / "missing")) == {}
+    live = vllm_runner.system_cpu()  # this machine's (Linux)
+    assert live["busy"] > 0 and live["idle"] >= 0 and live["steal"] >= 0
+
+
 def test_make_trace_hits_the_reuse_target(tmp_path):
     import bench_vllm
 
@@ -442,6 +460,8 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     for x in (x for x in res["rows"] if x["workload"].startswith("decode")):
         assert x["layers_per_step"] == 2.0 and x["layers_router_ms"] > 0 and x["layers_gap_ms"] > 0, x
         assert x["layers_outside_ms"] > 0, x
+        assert x["sys_busy_cpus"] > 0 and x["sys_steal_ms"] >= 0, x  # the machine's CPUs meanwhile
+        assert "layers_gpu_span_ms" not in x  # no CUDA: no stream probe
     mm = res["marlin_model"]["uva_prefill_model_routing"]
     assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
     assert res["trace"]["shape"][1:] == [2, 64, 2]  # layers, batch rows, top-k
@@ -574,11 +594,13 @@ def test_host_time_around_route_is_reported_per_step():
             "switches 1.5 forced, 0.5 waits}") in md, md
     assert row["thread_cpu_ms"] == 7.5 and row["layers_gap_ms"] == 6.5 and row["layers_per_step"] == 2.0
     assert "| 10.00 (thread cpu 7.50, 2.2 forced) {calib 0.85 us} [routers 1.25, between them 6.50, outside 2.00] |" in md, md
-    task["result"].update(layers_gpu_span_ms=9.0, layers_cpu_span_ms=7.5, stream_behind_frac=0.25)
+    task["result"].update(layers_gpu_span_ms=9.0, layers_cpu_span_ms=7.5, stream_behind_frac=0.25, sys_busy_cpus=11.5,
+                          sys_steal_ms=0.25)
     probed = bench_vllm.rows_from_child(child)[0]
-    assert probed["layers_gpu_span_ms"] == 9.0 and probed["stream_behind_frac"] == 0.25
-    assert "outside 2.00] <span stream 9.00 / thread 7.50, stream behind 25%> |" in bench_vllm.markdown({**res, "rows": [probed]})
-    for k in ("layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac"):
+    assert probed["layers_gpu_span_ms"] == 9.0 and probed["stream_behind_frac"] == 0.25 and probed["sys_steal_ms"] == 0.25
+    assert ("{calib 0.85 us} (machine: 11.5 CPUs busy, steal 0.25 ms) [routers 1.25, between them 6.50, outside 2.00] "
+            "<span stream 9.00 / thread 7.50, stream behind 25%> |") in bench_vllm.markdown({**res, "rows": [probed]})
+    for k in ("layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac", "sys_busy_cpus", "sys_steal_ms"):
         del task["result"][k]
     assert row["cpu_calib_us"] == 0.85
     assert "bg_check_running" not in row  # no background check in these summaries
