@@ -11,6 +11,13 @@ of a 20-27 ms step at batch 8 on the H200's host). The same loop without route/a
 
 Prints one table (microseconds per layer: route, of it the async hybrid call and its C enqueues,
 add_host, the stand-in step, the floor) and writes route_cost.json to --out. Not a test: no bar.
+
+The stand-in also makes ``--launches`` small device ops per layer (vLLM's own launches: half before the
+router, half after the MoE kernel), timed apart in both loops: their time beside ours against alone says
+whether our work on the stream (host-function callbacks, copy threads, host jobs) slows the launches of
+the code around it. In real vLLM (session 21) vLLM's own code ran ~1.3x slower beside ours at decode
+batch 1, where the copy path moves ~86 MiB per step (no DRAM pressure) and the host computes nothing:
+``--tokens 1 --slots 16`` takes that path (the async expert step, no host jobs).
 """
 
 from __future__ import annotations
@@ -82,6 +89,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--slots", type=int, default=6, help="pool slots per layer (fewer than a call's experts)")
+    ap.add_argument("--launches", type=int, default=24,
+                    help="small device ops per layer standing in for vLLM's own launches (half before the router, half "
+                         "after the MoE kernel), timed apart in both loops")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -92,18 +102,33 @@ def main(argv=None) -> dict:
     calls = _calls(16, a.tokens, a.layers, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def step_loop(n_steps: int, ours: bool) -> float:
-        t0 = time.perf_counter()
+    small = torch.ones(64, device=dev)
+    half = a.launches // 2
+    clock = time.perf_counter
+
+    def step_loop(n_steps: int, ours: bool) -> tuple[float, float]:
+        """(the loop's wall time, of it the stand-in's own launches)"""
+        t0, own = clock(), 0.0
         for s in range(n_steps):
             for t in targets:
                 ids, w, x = calls[s % len(calls)][t.index]
+                t1 = clock()
+                for _ in range(half):  # vLLM's own launches before the router (norms, attention)
+                    small.mul_(0.999)
+                own += clock() - t1
                 if ours:
                     w, ids = res.route(t, w, ids, x)
+                t1 = clock()
                 out = x @ w_kernel  # the stand-in MoE kernel: one launch
+                own += clock() - t1
                 if ours:
                     out = res.add_host(t, out)
+                t1 = clock()
+                for _ in range(a.launches - half):  # and after the MoE kernel
+                    small.mul_(0.999)
+                own += clock() - t1
             sync()  # the step's end: vLLM samples (a host sync)
-        return time.perf_counter() - t0
+        return clock() - t0, own
 
     try:
         if res.async_step is None or res._hy_sources is None:
@@ -112,10 +137,10 @@ def main(argv=None) -> dict:
         step_loop(20, False)
         m0 = dict(res.metrics)
         a0 = res.async_step.summary()
-        wall = step_loop(a.steps, True)
+        wall, own = step_loop(a.steps, True)
         m1 = res.metrics
         a1 = res.async_step.summary()
-        floor = min(step_loop(a.steps, False) for _ in range(2))
+        floor, own_floor = min(step_loop(a.steps, False) for _ in range(2))
         n = a.steps * len(targets)
 
         def us(key, src1=m1, src0=m0):
@@ -125,15 +150,21 @@ def main(argv=None) -> dict:
                    route_us=us("route_s"), hybrid_call_us=us("native_s"), enqueue_us=us("enqueue_s", a1, a0),
                    add_host_us=us("collect_s"), check_us=us("check_s"),
                    hybrid_calls=int(m1["hybrid_async_calls"] - m0["hybrid_async_calls"]),
-                   step_us=wall / n * 1e6, floor_us=floor / n * 1e6)
+                   async_calls=int(m1["async_calls"] - m0["async_calls"]),
+                   step_us=wall / n * 1e6, floor_us=floor / n * 1e6, launches=a.launches,
+                   standin_us=own / n * 1e6, standin_floor_us=own_floor / n * 1e6)
         row["ours_us"] = row["step_us"] - row["floor_us"]
+        row["standin_x"] = row["standin_us"] / max(row["standin_floor_us"], 1e-9)
         print(f"# the launching thread per MoE layer, {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'host'}),"
               f" {a.tokens} tokens x top-{K} of {E} experts, {a.slots} slots, {a.steps} steps x {a.layers} layers")
-        print("| route us | of it: hybrid call | of that: C enqueues | add_host us | of it: check | step us | floor us | ours us |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| route us | of it: hybrid call | of that: C enqueues | add_host us | of it: check | step us | floor us | ours us "
+              f"| stand-in's {a.launches + 1} launches us: beside ours / alone (x) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         print(f"| {row['route_us']:.1f} | {row['hybrid_call_us']:.1f} | {row['enqueue_us']:.1f} | {row['add_host_us']:.1f} "
-              f"| {row['check_us']:.1f} | {row['step_us']:.1f} | {row['floor_us']:.1f} | {row['ours_us']:.1f} |")
-        print(f"hybrid calls {row['hybrid_calls']} of {n}; ceiling: the floor (ours 0 us per layer)")
+              f"| {row['check_us']:.1f} | {row['step_us']:.1f} | {row['floor_us']:.1f} | {row['ours_us']:.1f} "
+              f"| {row['standin_us']:.1f} / {row['standin_floor_us']:.1f} ({row['standin_x']:.2f}) |")
+        print(f"hybrid calls {row['hybrid_calls']}, async expert calls {row['async_calls']} of {n}; ceiling: the floor "
+              "(ours 0 us per layer); the stand-in's x > 1 is vLLM's own launches slowed beside ours")
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "route_cost.json").write_text(json.dumps(row, indent=1))

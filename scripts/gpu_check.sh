@@ -46,6 +46,8 @@ fi
 if [ "${ROUTE_COST:-0}" = 1 ]; then
 echo "== bench_route_cost (route() and patch 4b on vLLM's launching thread, per MoE layer)"
 timeout 120 python3 benchmarks/bench_route_cost.py --out /tmp/route-cost 2>&1 | tail -5
+echo "== bench_route_cost at 1 token (the async expert step, no host job: does our stream work slow vLLM's launches?)"
+timeout 120 python3 benchmarks/bench_route_cost.py --tokens 1 --slots 16 --out /tmp/route-cost-1 2>&1 | tail -5
 fi
 if [ "${SKIP_WARMUP:-0}" != 1 ]; then
 echo "== bench_warmup"

@@ -20,4 +20,15 @@ def test_a_tiny_run_takes_the_hybrid_path_in_every_call_and_writes_its_row(tmp_p
     assert row["route_us"] >= row["hybrid_call_us"] >= row["enqueue_us"] > 0
     assert row["add_host_us"] > 0 and row["step_us"] > 0 and row["floor_us"] > 0
     assert row["ours_us"] == row["step_us"] - row["floor_us"]
+    assert row["standin_us"] > 0 and row["standin_floor_us"] > 0 and row["launches"] == 24
+    assert row["standin_x"] == row["standin_us"] / row["standin_floor_us"]
     assert json.loads((tmp_path / "route_cost.json").read_text()) == row
+
+
+def test_one_token_with_room_in_the_pool_takes_the_async_expert_step(tmp_path):
+    """--tokens 1 --slots 16: a call's 8 ids fit the pool, so every layer call takes the async expert step
+    (batch 1's path in vLLM: no host job), and the stand-in's launches are timed in both loops."""
+    row = bench_route_cost.main(["--device", "cpu", "--steps", "3", "--layers", "2", "--tokens", "1", "--slots", "16",
+                                 "--launches", "4"])
+    assert row["hybrid_calls"] == 0 and row["async_calls"] == 3 * 2
+    assert row["standin_us"] > 0 and row["standin_floor_us"] > 0 and row["launches"] == 4
