@@ -62,6 +62,24 @@ def test_device_trace_tiles_the_steps_rows_without_leaving_the_device():
         traces.DeviceTrace(tr, torch.device("cpu"), num_experts=10)
 
 
+def _three_moe_layers(now: list, router_s: float) -> torch.nn.Module:
+    """Three modules as TraceRouting finds MoE layers (a ``router`` with ``select_experts`` beside
+    ``routed_experts``); each router call advances the fake clock ``now[0]`` by ``router_s`` and returns
+    ids [[1, 2]]. No parameters: not on CUDA."""
+
+    class Router:
+        def select_experts(self, hidden_states):
+            now[0] += router_s
+            return torch.ones(1, 2), torch.tensor([[1, 2]])
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.routed_experts = Router(), torch.nn.Identity()
+
+    return torch.nn.Sequential(Moe(), Moe(), Moe())
+
+
 def test_trace_routing_times_the_routers_and_the_gaps_between_them(monkeypatch):
     """vllm_runner.TraceRouting.timing, the same clock for every configuration: time inside each MoE
     layer's router (and whatever it wraps), between one layer's router and the next one's, and from a
@@ -71,18 +89,7 @@ def test_trace_routing_times_the_routers_and_the_gaps_between_them(monkeypatch):
 
     now = [0.0]
     monkeypatch.setattr(vllm_runner.time, "perf_counter", lambda: now[0])
-
-    class Router:
-        def select_experts(self, hidden_states):
-            now[0] += 2.0
-            return torch.ones(1, 2), torch.tensor([[1, 2]])
-
-    class Moe(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router, self.routed_experts = Router(), torch.nn.Identity()
-
-    model = torch.nn.Sequential(Moe(), Moe(), Moe())
+    model = _three_moe_layers(now, router_s=2.0)
     tr = vllm_runner.TraceRouting(num_experts=4)
     assert tr.install(model) == 3
     for _ in range(2):  # two forwards of 3 MoE layers
@@ -134,17 +141,7 @@ def test_trace_routing_probe_measures_the_streams_span_against_the_threads(monke
     now = [0.0]
     monkeypatch.setattr(vllm_runner.time, "perf_counter", lambda: now[0])
     st = _FakeStream()
-
-    class Router:
-        def select_experts(self, hidden_states):
-            return torch.ones(1, 2), torch.tensor([[1, 2]])
-
-    class Moe(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router, self.routed_experts = Router(), torch.nn.Identity()
-
-    model = torch.nn.Sequential(Moe(), Moe(), Moe())
+    model = _three_moe_layers(now, router_s=0.0)
     tr = vllm_runner.TraceRouting(num_experts=4, probe=True, event_factory=st.event)
     assert tr.install(model) == 3
 
