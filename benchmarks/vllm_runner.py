@@ -403,8 +403,7 @@ def system_cpu(path: str = "/proc/stat") -> dict:
         return {}
     if not head or head[0] != "cpu":
         return {}
-    v = [int(x) for x in head[1:9]] + [0] * max(0, 8 - len(head[1:9]))
-    user, nice, system, idle, iowait, irq, softirq, steal = v[:8]
+    user, nice, system, idle, iowait, irq, softirq, steal = ([int(x) for x in head[1:9]] + [0] * 8)[:8]
     return {"busy": (user + nice + system + irq + softirq) / tick, "idle": (idle + iowait) / tick, "steal": steal / tick}
 
 
@@ -602,7 +601,7 @@ class TraceRouting:
         self.timing = {"router_s": 0.0, "gap_s": 0.0, "outside_s": 0.0, "router_calls": 0,
                        "gpu_span_s": 0.0, "cpu_span_s": 0.0, "spans": 0, "behind": 0, "probed": 0}
         self._exit: float | None = None  # when the last router returned
-        self.probe = probe  # None: on where the model's first parameter is on CUDA (decided at install)
+        self.probe = probe  # None: on where any of the model's parameters is on CUDA (decided at install)
         self._event_factory = event_factory
         self._sets: list | None = None  # SETS lists of per-layer events
         self._cur = 0  # the set this forward records into
