@@ -406,7 +406,7 @@ def rows_from_child(child: dict) -> list[dict]:
             for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw", "cpu_calib_us", "bg_check_wait_s",  # the launching thread per step
                       "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step",  # and per layer
                       "layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac",  # the stream's side
-                      "sys_busy_cpus", "sys_steal_ms"):  # the whole machine
+                      "sys_busy_cpus", "sys_steal_frac"):  # the whole machine
                 if r.get(k) is not None:
                     row[k] = r[k]
             if r.get("host_profile"):  # MMO_SAMPLE_DECODE=1 (vllm_runner.HostSampler)
@@ -679,8 +679,8 @@ def markdown(res: dict) -> str:
             step += f" {{calib {r['cpu_calib_us']:.2f} us}}"
         if r.get("bg_check_running"):
             step += " (background check running)"
-        if r.get("sys_busy_cpus") is not None:  # the machine's CPUs busy meanwhile, the hypervisor's steal per step
-            step += f" (machine: {r['sys_busy_cpus']:.1f} CPUs busy, steal {r.get('sys_steal_ms', 0):.2f} ms)"
+        if r.get("sys_busy_cpus") is not None:  # the machine's CPUs busy meanwhile, the hypervisor's share of them
+            step += f" (machine: {r['sys_busy_cpus']:.1f} CPUs busy, steal {100 * r.get('sys_steal_frac', 0):.1f}%)"
         if r.get("layers_gap_ms") is not None:  # the same clock in every configuration (vllm_runner.TraceRouting)
             step += (f" [routers {r['layers_router_ms']:.2f}, between them {r['layers_gap_ms']:.2f}, "
                      f"outside {r['layers_outside_ms']:.2f}]")

@@ -957,7 +957,7 @@ class _Child:
         self._gen(self._prompts(b, plen, seed + 7), int(task.get("warmup_tokens", 4)))  # this batch size's kernels
         prompts = self._prompts(b, plen, seed)
         t1, _, a0, a1 = self._timed(prompts, 1)
-        th1, ly1, sy1 = self.last_thread, self.last_layers, self.last_system
+        th1, ly1 = self.last_thread, self.last_layers
         sampler = HostSampler() if os.environ.get("MMO_SAMPLE_DECODE") else None
         tT, outs, b0, b1 = self._timed(prompts, T + 1)
         thT, lyT, syT = self.last_thread, self.last_layers, self.last_system
@@ -972,9 +972,10 @@ class _Child:
                "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
                "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2), "cpu_calib_us": calib,
                "bg_check_wait_s": bg_wait}
-        if sy1 and syT:  # the whole machine per decode step (the same difference): CPUs busy, hypervisor steal
-            res["sys_busy_cpus"] = round((syT["busy"] - sy1["busy"]) / dec, 2)
-            res["sys_steal_ms"] = round(1000 * (syT["steal"] - sy1["steal"]) / T, 3)
+        if syT:  # the whole machine over the T-token run (not a difference: /proc/stat counts 10 ms ticks)
+            tot = syT["busy"] + syT["idle"] + syT["steal"]
+            res["sys_busy_cpus"] = round(syT["busy"] / max(tT, 1e-9), 2)  # CPUs busy on average
+            res["sys_steal_frac"] = round(syT["steal"] / tot, 4) if tot > 0 else 0.0  # the hypervisor's share
         if lyT["router_calls"] > ly1["router_calls"]:  # per decode step, the same difference (TraceRouting.timing)
             res.update({f"layers_{k[:-2]}_ms": round(1000 * (lyT[k] - ly1[k]) / T, 3)
                         for k in ("router_s", "gap_s", "outside_s")})

@@ -457,7 +457,7 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     for x in (x for x in res["rows"] if x["workload"].startswith("decode")):
         assert x["layers_per_step"] == 2.0 and x["layers_router_ms"] > 0 and x["layers_gap_ms"] > 0, x
         assert x["layers_outside_ms"] > 0, x
-        assert x["sys_busy_cpus"] > 0 and x["sys_steal_ms"] >= 0, x  # the machine's CPUs meanwhile
+        assert x["sys_busy_cpus"] >= 0 and 0 <= x["sys_steal_frac"] <= 1, x  # the machine's CPUs meanwhile
         assert "layers_gpu_span_ms" not in x  # no CUDA: no stream probe
     mm = res["marlin_model"]["uva_prefill_model_routing"]
     assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
@@ -592,12 +592,12 @@ def test_host_time_around_route_is_reported_per_step():
     assert row["thread_cpu_ms"] == 7.5 and row["layers_gap_ms"] == 6.5 and row["layers_per_step"] == 2.0
     assert "| 10.00 (thread cpu 7.50, 2.2 forced) {calib 0.85 us} [routers 1.25, between them 6.50, outside 2.00] |" in md, md
     task["result"].update(layers_gpu_span_ms=9.0, layers_cpu_span_ms=7.5, stream_behind_frac=0.25, sys_busy_cpus=11.5,
-                          sys_steal_ms=0.25)
+                          sys_steal_frac=0.025)
     probed = bench_vllm.rows_from_child(child)[0]
-    assert probed["layers_gpu_span_ms"] == 9.0 and probed["stream_behind_frac"] == 0.25 and probed["sys_steal_ms"] == 0.25
-    assert ("{calib 0.85 us} (machine: 11.5 CPUs busy, steal 0.25 ms) [routers 1.25, between them 6.50, outside 2.00] "
+    assert probed["layers_gpu_span_ms"] == 9.0 and probed["stream_behind_frac"] == 0.25 and probed["sys_steal_frac"] == 0.025
+    assert ("{calib 0.85 us} (machine: 11.5 CPUs busy, steal 2.5%) [routers 1.25, between them 6.50, outside 2.00] "
             "<span stream 9.00 / thread 7.50, stream behind 25%> |") in bench_vllm.markdown({**res, "rows": [probed]})
-    for k in ("layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac", "sys_busy_cpus", "sys_steal_ms"):
+    for k in ("layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac", "sys_busy_cpus", "sys_steal_frac"):
         del task["result"][k]
     assert row["cpu_calib_us"] == 0.85
     assert "bg_check_running" not in row  # no background check in these summaries
