@@ -17,7 +17,9 @@ router, half after the MoE kernel), timed apart in both loops: their time beside
 whether our work on the stream (host-function callbacks, copy threads, host jobs) slows the launches of
 the code around it. In real vLLM (session 21) vLLM's own code ran ~1.3x slower beside ours at decode
 batch 1, where the copy path moves ~86 MiB per step (no DRAM pressure) and the host computes nothing:
-``--tokens 1 --slots 16`` takes that path (the async expert step, no host jobs).
+``--tokens 1 --slots 16`` takes that path (the async expert step, no host jobs). On CUDA a third loop
+puts ``--host-funcs`` no-op host functions per layer where the router is, and nothing else of ours:
+whether the callbacks alone slow the launches around them.
 """
 
 from __future__ import annotations
@@ -82,6 +84,27 @@ def _calls(steps: int, n: int, layers: int, device, seed: int = 9):
     return out
 
 
+def _noop_host_func():
+    """f(stream): enqueue a host function that does nothing (libc's ``free(NULL)``) on ``stream``, through
+    the CUDA runtime torch loaded; the cost of a callback on the stream and on CUDA's thread, no work."""
+    import ctypes
+
+    from mmap_offload.transfer.native_pool import _cuda_runtime_api
+
+    api = _cuda_runtime_api()
+    if api is None or api[7] is None:
+        raise SystemExit("bench_route_cost: cudaLaunchHostFunc not found (pass --host-funcs 0)")
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(api[7])
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p).value
+
+    def enqueue(stream: int) -> None:
+        err = launch(stream, free, None)
+        if err:
+            raise RuntimeError(f"cudaLaunchHostFunc failed ({err})")
+
+    return enqueue
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -92,6 +115,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--launches", type=int, default=24,
                     help="small device ops per layer standing in for vLLM's own launches (half before the router, half "
                          "after the MoE kernel), timed apart in both loops")
+    ap.add_argument("--host-funcs", type=int, default=2,
+                    help="a third loop, CUDA only: the stand-in with this many no-op host functions per layer at the "
+                         "router's place (cudaLaunchHostFunc of libc's free(NULL)) and nothing of ours: what the "
+                         "callbacks alone cost the launches around them (0: no such loop)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -106,9 +133,12 @@ def main(argv=None) -> dict:
     half = a.launches // 2
     clock = time.perf_counter
 
-    def step_loop(n_steps: int, ours: bool) -> tuple[float, float]:
+    host_func = _noop_host_func() if dev.type == "cuda" and a.host_funcs > 0 else None
+
+    def step_loop(n_steps: int, ours: bool, host_funcs: int = 0) -> tuple[float, float]:
         """(the loop's wall time, of it the stand-in's own launches)"""
         t0, own = clock(), 0.0
+        stream = torch.cuda.current_stream(dev).cuda_stream if host_funcs else None
         for s in range(n_steps):
             for t in targets:
                 ids, w, x = calls[s % len(calls)][t.index]
@@ -118,6 +148,8 @@ def main(argv=None) -> dict:
                 own += clock() - t1
                 if ours:
                     w, ids = res.route(t, w, ids, x)
+                for _ in range(host_funcs):
+                    host_func(stream)
                 t1 = clock()
                 out = x @ w_kernel  # the stand-in MoE kernel: one launch
                 own += clock() - t1
@@ -141,6 +173,7 @@ def main(argv=None) -> dict:
         m1 = res.metrics
         a1 = res.async_step.summary()
         floor, own_floor = min(step_loop(a.steps, False) for _ in range(2))
+        hf = min(step_loop(a.steps, False, a.host_funcs) for _ in range(2)) if host_func is not None else None
         n = a.steps * len(targets)
 
         def us(key, src1=m1, src0=m0):
@@ -155,6 +188,8 @@ def main(argv=None) -> dict:
                    standin_us=own / n * 1e6, standin_floor_us=own_floor / n * 1e6)
         row["ours_us"] = row["step_us"] - row["floor_us"]
         row["standin_x"] = row["standin_us"] / max(row["standin_floor_us"], 1e-9)
+        if hf is not None:  # the stand-in beside no-op host functions alone
+            row.update(host_funcs=a.host_funcs, host_funcs_step_us=hf[0] / n * 1e6, standin_host_funcs_us=hf[1] / n * 1e6)
         print(f"# the launching thread per MoE layer, {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'host'}),"
               f" {a.tokens} tokens x top-{K} of {E} experts, {a.slots} slots, {a.steps} steps x {a.layers} layers")
         print("| route us | of it: hybrid call | of that: C enqueues | add_host us | of it: check | step us | floor us | ours us "
@@ -165,6 +200,10 @@ def main(argv=None) -> dict:
               f"| {row['standin_us']:.1f} / {row['standin_floor_us']:.1f} ({row['standin_x']:.2f}) |")
         print(f"hybrid calls {row['hybrid_calls']}, async expert calls {row['async_calls']} of {n}; ceiling: the floor "
               "(ours 0 us per layer); the stand-in's x > 1 is vLLM's own launches slowed beside ours")
+        if hf is not None:
+            print(f"beside {a.host_funcs} no-op host functions per layer and nothing else of ours: step "
+                  f"{row['host_funcs_step_us']:.1f} us, the stand-in's launches {row['standin_host_funcs_us']:.1f} us "
+                  f"(x {row['standin_host_funcs_us'] / max(row['standin_floor_us'], 1e-9):.2f} alone)")
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "route_cost.json").write_text(json.dumps(row, indent=1))

@@ -22,6 +22,7 @@ def test_a_tiny_run_takes_the_hybrid_path_in_every_call_and_writes_its_row(tmp_p
     assert row["ours_us"] == row["step_us"] - row["floor_us"]
     assert row["standin_us"] > 0 and row["standin_floor_us"] > 0 and row["launches"] == 24
     assert row["standin_x"] == row["standin_us"] / row["standin_floor_us"]
+    assert "host_funcs_step_us" not in row  # the no-op host functions' loop is CUDA's only
     assert json.loads((tmp_path / "route_cost.json").read_text()) == row
 
 
