@@ -89,12 +89,13 @@ def _noop_host_func():
     the CUDA runtime torch loaded; the cost of a callback on the stream and on CUDA's thread, no work."""
     import ctypes
 
-    from mmap_offload.transfer.native_pool import _cuda_runtime_api
+    from mmap_offload.async_step import _host_func  # the address the async step enqueues its callbacks with
 
-    api = _cuda_runtime_api()
-    if api is None or api[7] is None:
-        raise SystemExit("bench_route_cost: cudaLaunchHostFunc not found (pass --host-funcs 0)")
-    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(api[7])
+    try:
+        addr = _host_func()
+    except RuntimeError as e:
+        raise SystemExit(f"bench_route_cost: {e} (pass --host-funcs 0)") from None
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(addr)
     free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p).value
 
     def enqueue(stream: int) -> None:

@@ -398,7 +398,7 @@ def system_cpu(path: str = "/proc/stat") -> dict:
     try:
         with open(path) as f:
             head = f.readline().split()
-        tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        tick = float(os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError):
         return {}
     if not head or head[0] != "cpu":
@@ -607,7 +607,7 @@ class TraceRouting:
         self._cur = 0  # the set this forward records into
         self._n_rec = 0  # events recorded in this forward, in layer order
         self._t_first = 0.0
-        self._pending: list = []  # (set, thread span) of finished forwards whose events may not be done yet
+        self._pending: list = []  # (set index, thread span) of finished forwards whose events may not be done yet
 
     def _probe(self, pos: int, n_layers: int, t_in: float) -> None:
         """The stream's side at router ``pos`` (see the class doc)."""
@@ -622,8 +622,8 @@ class TraceRouting:
             self.flush()
             if len(self._pending) >= self.SETS - 1:  # not done after SETS - 1 forwards: its set is reused
                 self._pending.pop(0)
-            busy = {id(p[0]) for p in self._pending}
-            self._cur = next(i for i in range(self.SETS) if id(self._sets[i]) not in busy)
+            busy = {i for i, _ in self._pending}
+            self._cur = next(i for i in range(self.SETS) if i not in busy)
             self._n_rec = 0
             self._t_first = t_in
         elif self._n_rec == pos:
@@ -632,18 +632,18 @@ class TraceRouting:
                 timing["behind"] += 1
         if self._n_rec != pos:  # a forward that skipped a layer (or began mid-way): not a span
             return
-        evs = self._sets[self._cur]
-        evs[pos].record()
+        self._sets[self._cur][pos].record()
         self._n_rec += 1
         if pos == n_layers - 1:
-            self._pending.append((evs, t_in - self._t_first))
+            self._pending.append((self._cur, t_in - self._t_first))
 
     def flush(self) -> None:
         """Adds the spans of the finished forwards whose events the stream has passed (in order: one
         stream). The runner calls it after each timed run's sync, so a run's spans are its own."""
         timing = self.timing
-        while self._pending and self._pending[0][0][-1].query():
-            evs, cpu = self._pending.pop(0)
+        while self._pending and self._sets[self._pending[0][0]][-1].query():
+            i, cpu = self._pending.pop(0)
+            evs = self._sets[i]
             timing["gpu_span_s"] += evs[0].elapsed_time(evs[-1]) / 1000.0
             timing["cpu_span_s"] += cpu
             timing["spans"] += 1
