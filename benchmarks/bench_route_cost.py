@@ -19,7 +19,8 @@ the code around it. In real vLLM (session 21) vLLM's own code ran ~1.3x slower b
 batch 1, where the copy path moves ~86 MiB per step (no DRAM pressure) and the host computes nothing:
 ``--tokens 1 --slots 16`` takes that path (the async expert step, no host jobs). On CUDA a third loop
 puts ``--host-funcs`` no-op host functions per layer where the router is, and nothing else of ours:
-whether the callbacks alone slow the launches around them.
+whether the callbacks alone slow the launches around them. On the H200 (session 22) they did not
+(1.01x at 1 token, 1.06x at 8); beside our whole path the stand-in ran 1.13x and 1.03x.
 """
 
 from __future__ import annotations
