@@ -39,7 +39,11 @@ per-sequence reuse of the previous step's experts tuned to ``--reuse`` (0.4)): i
 configuration through the backend's own ``routing_trace`` option, elsewhere through
 ``vllm_runner.TraceRouting`` (the same rows: step and layer position modulo the trace, its batch
 rows tiled over the step's tokens). Rows with a trace are labelled ``skewed``; their tokens are not
-the model's. Prefill is measured with the model's own routing only (``--prefill-skewed`` adds it).
+the model's. ``uniform-trace`` (``--routings``, not in the default) does the same with a trace of
+independent uniform picks (``traces.uniform_trace``): the random router's decode tokens route alike from
+step to step (session 22: its pool hit 58% of distinct experts where independent picks allow ~38%), so
+this is the uniform routing issue 15's bar names. Prefill is measured with the model's own routing only
+(``--prefill-skewed`` adds it, with each trace).
 
 Workloads: decode at batch 1, 8, 64 (16-token prompts; tokens/s = batch x T / (time of T+1 tokens -
 time of 1 token)) and prefill of one 2048-token prompt (1 output token, median of 3).
@@ -87,6 +91,8 @@ POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sy
                 "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
+ROUTINGS = ("uniform", "uniform-trace", "skewed")  # the model's router, then the traces
+TRACE_ROUTINGS = ROUTINGS[1:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +129,23 @@ def make_trace(path, *, steps: int, layers: int, num_experts: int, top_k: int, b
                f"batch {batch}, {num_experts} experts, top-{top_k}, Zipf s={zipf_s}, sticky_p={sticky}\n"
                f"measured: reuse of the previous step's experts {stats['reuse']:.3f} (uniform {top_k / num_experts:.3f}), "
                f"top expert share {stats['top_expert_share']:.3f} (fair {1 / num_experts:.4f})\n"
+               "rows: step,layer,expert ids (one row per sequence of the step's batch)")
+    traces.write_csv(tr, path, comment=comment)
+    return stats
+
+
+def make_uniform_trace(path, *, steps: int, layers: int, num_experts: int, top_k: int, batch: int,
+                       seed: int = 0) -> dict:
+    """Write a trace of independent uniform picks (``traces.uniform_trace``: no popularity, no reuse
+    beyond chance) and return its stats, as ``make_trace`` does."""
+    from mmap_offload import traces
+
+    tr = traces.uniform_trace(steps, layers, num_experts, top_k, batch=batch, seed=seed)
+    stats = {**traces.trace_stats(tr, num_experts), "reuse": traces.reuse_fraction(tr),
+             "reuse_uniform": top_k / num_experts, "shape": list(tr.shape), "seed": seed, "path": str(path)}
+    comment = (f"synthetic uniform routing trace (benchmarks/bench_vllm.py make_uniform_trace): steps {steps}, "
+               f"layers {layers}, batch {batch}, {num_experts} experts, top-{top_k}, independent picks\n"
+               f"measured: reuse of the previous step's experts {stats['reuse']:.3f} (chance {top_k / num_experts:.3f})\n"
                "rows: step,layer,expert ids (one row per sequence of the step's batch)")
     traces.write_csv(tr, path, comment=comment)
     return stats
@@ -247,8 +270,10 @@ def prefill_tasks(args, routing: str) -> list[dict]:
 
 
 def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes: int, layer_bytes: int,
-                deadline_at: float) -> list[dict]:
-    """One spec per child, in run order (the cold cache is built by the first mmap child)."""
+                deadline_at: float, uniform_trace: Path | None = None) -> list[dict]:
+    """One spec per child, in run order (the cold cache is built by the first mmap child). ``trace``:
+    the skewed routing's CSV, ``uniform_trace`` the uniform-trace routing's (each used where its
+    routing is asked for)."""
     cuda = args.device == "cuda"
     common = dict(model=str(ckpt), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
                   max_model_len=args.prefill_tokens + 256, enable_prefix_caching=False,
@@ -258,7 +283,7 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                       kv_cache_memory_bytes=int(args.kv_cache_gib * GIB))
     budget = budget_bytes(args, expert_bytes)
     routings = [r for r in args.routings.split(",") if r]
-    skewed = "skewed" in routings and trace is not None
+    traced = [(r, p) for r, p in (("skewed", trace), ("uniform-trace", uniform_trace)) if r in routings and p is not None]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     base = {"num_experts": args.experts_n, "vocab_size": args.vocab, "deadline_at": deadline_at, "env": env}
 
@@ -268,9 +293,9 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
             t += decode_tasks(args, "uniform") + prefill_tasks(args, "uniform")
             if record and prefill_tasks(args, "uniform"):
                 t.append({"kind": "record", "name": "record/prefill", "tokens": args.prefill_tokens})
-        if skewed:
-            t.append({"kind": "trace", "name": "trace/on", "path": str(trace)})
-            t += decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else [])
+        for routing, path in traced:
+            t.append({"kind": "trace", "name": "trace/on", "path": str(path)})
+            t += decode_tasks(args, routing) + (prefill_tasks(args, routing) if args.prefill_skewed else [])
         return t
 
     mm = {"cache_dir": str(cache), "lookahead": 1, **mmap_options(args.mmap_option)}
@@ -302,11 +327,11 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
                 pool["native_step"] = False
             if cfg == "mmap-cache-sync":  # the same pool; the native step waits for each layer's ids
                 pool["async_step"] = False
-            if skewed:  # the trace goes through the backend's own option: one engine per routing
-                out.append({**base, "label": f"{cfg}-skewed", "config": cfg, "register_backend": True,
-                           "tasks": decode_tasks(args, "skewed") + (prefill_tasks(args, "skewed") if args.prefill_skewed else []),
+            for routing, path in traced:  # a trace goes through the backend's own option: one engine per routing
+                out.append({**base, "label": f"{cfg}-{routing}", "config": cfg, "register_backend": True,
+                           "tasks": decode_tasks(args, routing) + (prefill_tasks(args, routing) if args.prefill_skewed else []),
                            "llm": {**common, "offload_backend": "mmap",
-                                   "additional_config": {"mmap_offload": {**pool, "routing_trace": str(trace)}}}})
+                                   "additional_config": {"mmap_offload": {**pool, "routing_trace": str(path)}}}})
             if "uniform" in routings:
                 out.append({**base, "label": cfg, "config": cfg, "register_backend": True,
                            "tasks": decode_tasks(args, "uniform") + prefill_tasks(args, "uniform"),
@@ -566,12 +591,15 @@ def bars(rows: list[dict], prefill_name: str) -> list[dict]:
             out.append(ceiling)
     for cfg in ("mmap-cache", "mmap-layer"):
         out.append(_bar(f"{prefill_name} uniform: {cfg} / uva", rows, cfg, "uniform", prefill_name, BARS["prefill"]))
-    for routing, need in (("uniform", 1.0), ("skewed", 1.5)):  # issue 15's bars for host compute
+    issue15 = [("uniform", 1.0), ("skewed", 1.5)]
+    if any(r["routing"] == "uniform-trace" for r in rows):  # the uniform bar on independent picks too
+        issue15.insert(1, ("uniform-trace", 1.0))
+    for routing, need in issue15:  # issue 15's bars for host compute
         for b in (1, 8):
             out.append(_bar(f"decode-{b} {routing}: mmap-hybrid / uva (issue 15)", rows, "mmap-hybrid", routing,
                             f"decode-{b}", need))
     pairs = []
-    for routing in ("uniform", "skewed"):
+    for routing in ROUTINGS:
         for b in DECODE_BATCHES:
             c = _find(rows, "mmap-cache", routing, f"decode-{b}")
             lay = _find(rows, "mmap-layer", routing, f"decode-{b}")
@@ -631,17 +659,19 @@ def markdown(res: dict) -> str:
         by_cfg.setdefault(c["config"], c)
     L = [f"Shapes: {res['shapes_text']}; expert bytes {_g(res['expert_bytes'])} GiB; VRAM budget for expert weights "
          f"B = {_g(res['budget_bytes'])} GiB ({res['budget_frac_text']}); mmap layer buffers "
-         f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}.",
+         f"{_g(res['layer_buffer_bytes'])} GiB on top. Routing `skewed` = trace {res.get('trace_text', '-')}"
+         + (f"; `uniform-trace` = {res['uniform_trace_text']}" if res.get("uniform_trace_text") else "") + ".",
          "",
          "| config | routing | workload | tokens/s | x uva | step ms (launching thread's CPU ms, forced switches) [per step: in MoE routers, between them, outside them] | host ms/step: route / sync / ensure / stall | mmap MiB/step | pool hit | layer modes | pinned GiB | peak RSS GiB | cgroup peak GiB | VRAM experts GiB | ready s |",
          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     order = {c: i for i, c in enumerate(CONFIGS)}
     wl = {w: i for i, w in enumerate(res["workloads"])}
-    for r in sorted(rows, key=lambda r: (r["routing"] != "uniform", wl.get(r["workload"], 99), order.get(r["config"], 99),
+    rt = {r: i for i, r in enumerate(ROUTINGS)}
+    for r in sorted(rows, key=lambda r: (rt.get(r["routing"], 99), wl.get(r["workload"], 99), order.get(r["config"], 99),
                                          r.get("repeat", 1))):
         c = by_cfg.get(r["config"], {})
-        if r["routing"] == "skewed" and r["config"] in POOL_CONFIGS:
-            c = cfgs.get(f"{r['config']}/{r['config']}-skewed", c)
+        if r["routing"] in TRACE_ROUTINGS and r["config"] in POOL_CONFIGS:
+            c = cfgs.get(f"{r['config']}/{r['config']}-{r['routing']}", c)
         if r.get("repeat"):
             c = cfgs.get(f"{r['config']}/{r.get('label')}", c)
         name = (f"{r['config']}:{r['variant']}" if r.get("variant")
@@ -774,7 +804,7 @@ def plot(res: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"no plot: {e}"
-    routings = [r for r in ("uniform", "skewed") if any(x["routing"] == r for x in res["rows"])]
+    routings = [r for r in ROUTINGS if any(x["routing"] == r for x in res["rows"])]
     if not routings:
         return "no plot: no rows"
     cfgs = [c for c in CONFIGS if any(x["config"] == c and "x_uva" in x for x in res["rows"])]
@@ -799,7 +829,7 @@ def plot(res: dict, path: Path) -> str | None:
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.set_ylabel("tokens/s / uva's (mean of runs)")
-        ax.set_title(f"{routing} routing" + (" (trace)" if routing == "skewed" else " (model's router)"))
+        ax.set_title(f"{routing} routing" + (" (trace)" if routing in TRACE_ROUTINGS else " (model's router)"))
         ax.legend(fontsize=8)
     fig.suptitle(f"real vLLM {res['env'].get('vllm', '')}: {res['shapes_text']}, B = {_g(res['budget_bytes'])} GiB", fontsize=9)
     fig.tight_layout()
@@ -863,7 +893,9 @@ def parse_args(argv=None):
                         "followed by ':KEY=VALUE' pairs runs as a variant with those backend options "
                         "(e.g. mmap-hybrid:threads=6:host_threads=9; env.NAME=VALUE sets a variable of its "
                         "children, e.g. any config:env.MMO_PROFILE_DECODE=1)")
-    p.add_argument("--routings", default="uniform,skewed")
+    p.add_argument("--routings", default="uniform,skewed",
+                   help=f"some of {','.join(ROUTINGS)}: the model's router, a trace of independent uniform picks, "
+                        "the skewed trace")
     p.add_argument("--workloads", default="decode-1,decode-8,decode-64,prefill-2k")
     p.add_argument("--decode-tokens", type=int, default=96,
                    help="timed decode steps per batch size (32 until session 10: ~0.6 s at batch 1, where one "
@@ -889,6 +921,9 @@ def parse_args(argv=None):
                         "repeat for several; values are JSON where they parse as JSON")
     p.add_argument("--write-traces", default=None, metavar="DIR", help="write the sample traces into DIR and exit")
     a = p.parse_args(argv)
+    bad = [r for r in a.routings.split(",") if r and r not in ROUTINGS]
+    if bad:
+        p.error(f"--routings: unknown {', '.join(bad)}; use some of {','.join(ROUTINGS)}")
     shp = TINY_SHAPES if a.tiny else SHAPES[a.shapes]
     a.experts_n = a.experts_n or shp["experts"]
     a.hidden = a.hidden or shp["hidden"]
@@ -931,12 +966,13 @@ def main(argv=None) -> int:
     log(f"checkpoint {ckpt}: {n_layers} layers x {args.experts_n} experts x {expert_nbytes / MIB:.2f} MiB = "
         f"{expert_bytes / GIB:.2f} GiB of experts ({synth_s:.1f} s)")
     trace, trace_stats = None, None
-    if "skewed" in args.routings:
+    # the traces' length: about the decode steps the run's decode tasks take, their warm-up included
+    n_dec = sum(1 for w in workloads(args) if w.startswith("decode-"))
+    trace_steps = max(64, n_dec * (args.decode_tokens + 8) + 32)
+    if "skewed" in args.routings.split(","):
         if args.trace == "auto":
-            n_dec = sum(1 for w in workloads(args) if w.startswith("decode-"))
-            steps = max(64, n_dec * (args.decode_tokens + 8) + 32)
             trace = work / "trace.csv"
-            trace_stats = make_trace(trace, steps=steps, layers=n_layers, num_experts=args.experts_n, top_k=args.top_k,
+            trace_stats = make_trace(trace, steps=trace_steps, layers=n_layers, num_experts=args.experts_n, top_k=args.top_k,
                                      batch=max(DECODE_BATCHES), zipf_s=args.zipf_s, reuse=args.reuse, seed=0)
         else:
             from mmap_offload import traces
@@ -950,8 +986,16 @@ def main(argv=None) -> int:
         if trace_stats["shape"][2] < big:
             log(f"WARNING: the trace has {trace_stats['shape'][2]} sequences per step, decode-{big} repeats them "
                 "(fewer distinct experts than real sequences would route)")
+    uniform_trace, uniform_stats = None, None
+    if "uniform-trace" in args.routings.split(","):
+        uniform_trace = work / "trace-uniform.csv"
+        uniform_stats = make_uniform_trace(uniform_trace, steps=trace_steps,
+                                           layers=n_layers, num_experts=args.experts_n, top_k=args.top_k,
+                                           batch=max(DECODE_BATCHES), seed=0)
+        log(f"uniform trace {uniform_trace}: reuse {uniform_stats['reuse']:.3f}, "
+            f"{uniform_stats['distinct_per_call']:.1f} distinct experts per call")
     cache = work / "cache"
-    specs = child_specs(args, ckpt, cache, trace, expert_bytes, layer_bytes, deadline_at - 15)
+    specs = child_specs(args, ckpt, cache, trace, expert_bytes, layer_bytes, deadline_at - 15, uniform_trace)
     children, rows, cfgs = [], [], []
     for spec in specs:
         left = deadline_at - time.time()
@@ -1009,6 +1053,9 @@ def main(argv=None) -> int:
         "budget_frac_text": f"{budget_bytes(args, expert_bytes) / expert_bytes:.2f} x expert bytes",
         "layer_buffer_bytes": 2 * layer_bytes,
         "trace": trace_stats,
+        "uniform_trace": uniform_stats,
+        "uniform_trace_text": (f"independent uniform picks, reuse {uniform_stats['reuse']:.2f} of the previous step's "
+                               "experts (chance)" if uniform_stats else None),
         "trace_text": (f"{'Zipf s=' + str(trace_stats['zipf_s']) if 'zipf_s' in trace_stats else Path(trace_stats['path']).name}, reuse {trace_stats['reuse']:.2f} of the previous step's experts"
                        if trace_stats else None),
         "workloads": workloads(args), "decode_tokens": args.decode_tokens,

