@@ -620,9 +620,21 @@ _BREAKDOWN = ("step_ms", "layers_router_ms", "layers_gap_ms", "layers_outside_ms
               "cpu_calib_us", "layers_cpu_span_ms", "layers_gpu_span_ms", "stream_behind_frac")
 
 
-def step_breakdown(rows: list[dict]) -> list[dict]:
+def miss_dram_gbps(row: dict, expert_nbytes: int) -> float | None:
+    """The host DRAM traffic of a pool row's misses per second, a model (GB/s): each copied byte crosses
+    DRAM three times (the page cache read, the staging write, the device's read of the staging) and each
+    byte the host kernel computes on once; an upper bound where the staging is still in the CPU caches
+    when the device reads it. None without the row's copied bytes (uva, no offload)."""
+    if row.get("mmap_mib_per_step") is None or not row.get("step_ms"):
+        return None
+    moved = 3 * row["mmap_mib_per_step"] * MIB + (row.get("async_host_experts_per_step") or 0) * expert_nbytes
+    return round(moved / (row["step_ms"] / 1e3) / 1e9, 2)
+
+
+def step_breakdown(rows: list[dict], expert_nbytes: int = 0) -> list[dict]:
     """Where the decode steps go, per (configuration and variant, routing, workload): the means over
-    its children of the per-step columns in ``_BREAKDOWN``, and where a no-offload row of the same
+    its children of the per-step columns in ``_BREAKDOWN`` and of ``miss_dram_gbps`` (the misses' DRAM
+    traffic, a model; host rows count only with ``expert_nbytes``), and where a no-offload row of the same
     routing and workload exists, the split of the step's excess over it: ``ours_ms`` (our calls on the
     launching thread: ``route()`` and patch 4b, the end-of-step check in whichever it ran) and
     ``vllm_extra_ms`` (the rest: vLLM's own code and waits running longer than without offload)."""
@@ -635,6 +647,9 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
     out = []
     for (name, routing, workload), rs in groups.items():
         b = {"config": name, "routing": routing, "workload": workload, "children": len(rs)}
+        dram = [v for v in (miss_dram_gbps(r, expert_nbytes) for r in rs) if v is not None]
+        if dram:
+            b["miss_dram_gbps"] = round(sum(dram) / len(dram), 2)
         for k in _BREAKDOWN:
             vals = [r[k] for r in rs if r.get(k) is not None]
             if vals:
@@ -732,10 +747,12 @@ def markdown(res: dict) -> str:
     sb = [b for b in res.get("step_breakdown", []) if b.get("layers_gap_ms") is not None]
     if sb:  # the means over each configuration's children, and the excess over no offload split
         L += ["", "Where decode steps go (ms per step, the means over each configuration's children; excess over no "
-              "offload of the same routing and workload = ours (`route()` + patch 4b) + vLLM's extra):", "",
+              "offload of the same routing and workload = ours (`route()` + patch 4b) + vLLM's extra; the misses' DRAM "
+              "traffic is a model: 3 x the bytes copied + the bytes the host computed on, per second, an upper bound):", "",
               "| config | routing | workload | children | step | in routers | between them | outside them | route() | "
-              "patch 4b | calib us | excess | ours | vLLM's extra | first-to-last router: thread / stream | stream behind |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "patch 4b | calib us | excess | ours | vLLM's extra | first-to-last router: thread / stream | stream behind | "
+              "misses' DRAM GB/s |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for b in sb:
             f = (lambda k: f"{b[k]:.2f}" if b.get(k) is not None else "")
             span = (f"{b['layers_cpu_span_ms']:.2f} / {b['layers_gpu_span_ms']:.2f}"
@@ -744,7 +761,7 @@ def markdown(res: dict) -> str:
             L.append(f"| {b['config']} | {b['routing']} | {b['workload']} | {b['children']} | {f('step_ms')} | "
                      f"{f('layers_router_ms')} | {f('layers_gap_ms')} | {f('layers_outside_ms')} | {f('route_ms')} | "
                      f"{f('collect_ms')} | {f('cpu_calib_us')} | {f('excess_ms')} | {f('ours_ms')} | {f('vllm_extra_ms')} | "
-                     f"{span} | {behind} |")
+                     f"{span} | {behind} | {f('miss_dram_gbps')} |")
     mm = res.get("marlin_model") or {}
     if mm:
         L += ["", "Marlin reads under uva at prefill (a model from the kernel's tiling, not a measurement: "
@@ -1059,7 +1076,7 @@ def main(argv=None) -> int:
         "trace_text": (f"{'Zipf s=' + str(trace_stats['zipf_s']) if 'zipf_s' in trace_stats else Path(trace_stats['path']).name}, reuse {trace_stats['reuse']:.2f} of the previous step's experts"
                        if trace_stats else None),
         "workloads": workloads(args), "decode_tokens": args.decode_tokens,
-        "rows": rows, "bars": bars(rows, prefill_name), "step_breakdown": step_breakdown(rows), "marlin_model": mm,
+        "rows": rows, "bars": bars(rows, prefill_name), "step_breakdown": step_breakdown(rows, expert_nbytes), "marlin_model": mm,
         "configs": cfgs,
         "synth_s": round(synth_s, 1), "wall_s": round(time.time() - t_start, 1), "deadline_s": args.deadline,
     }

@@ -704,12 +704,37 @@ def test_step_breakdown_splits_the_excess_over_no_offload():
            "budget_bytes": 1, "budget_frac_text": "1 x", "layer_buffer_bytes": 1, "env": {},
            "step_breakdown": bench_vllm.step_breakdown(rows)}
     md = bench_vllm.markdown(res)
-    assert "| mmap-hybrid | skewed | decode-8 | 2 | 23.00 | 1.00 | 13.50 | 8.50 | 2.25 | 1.25 | 3.00 | 12.00 | 3.50 | 8.50 |  |  |" in md, md
+    assert "| mmap-hybrid | skewed | decode-8 | 2 | 23.00 | 1.00 | 13.50 | 8.50 | 2.25 | 1.25 | 3.00 | 12.00 | 3.50 | 8.50 |  |  |  |" in md, md
     # the stream probe's columns, where the rows have them (means over the children)
     for r, (cpu, gpu, behind) in zip(rows[3:5], ((10.0, 14.0, 0.5), (12.0, 16.0, 0.7))):
         r.update(layers_cpu_span_ms=cpu, layers_gpu_span_ms=gpu, stream_behind_frac=behind)
     md = bench_vllm.markdown({**res, "step_breakdown": bench_vllm.step_breakdown(rows)})
-    assert "| 12.00 | 3.50 | 8.50 | 11.00 / 15.00 | 60% |" in md, md
+    assert "| 12.00 | 3.50 | 8.50 | 11.00 / 15.00 | 60% |  |" in md, md
+
+
+def test_step_breakdown_models_the_misses_dram_traffic():
+    """Each pool row's misses cross the host's DRAM 3 times per copied byte and once per byte the host
+    computes on: GB/s over the row's step, the mean over the children; host experts count only with the
+    expert size; rows without copied bytes (uva, no offload) have none."""
+    import bench_vllm
+
+    MIB = 1 << 20
+    rows = [{"config": "uva", "routing": "skewed", "workload": "decode-8", "tok_s": 1.0, "step_ms": 40.0},
+            {"config": "mmap-hybrid", "routing": "skewed", "workload": "decode-8", "tok_s": 1.0, "step_ms": 40.0,
+             "mmap_mib_per_step": 1000.0, "async_host_experts_per_step": 100.0},
+            {"config": "mmap-hybrid", "routing": "skewed", "workload": "decode-8", "tok_s": 1.0, "step_ms": 20.0,
+             "mmap_mib_per_step": 500.0},
+            {"config": "mmap-cache", "routing": "skewed", "workload": "decode-1", "tok_s": 1.0, "step_ms": 10.0,
+             "mmap_mib_per_step": 0.0}]
+    assert bench_vllm.miss_dram_gbps(rows[0], 10 * MIB) is None
+    one = (3 * 1000 * MIB + 100 * 10 * MIB) / 0.040 / 1e9
+    assert bench_vllm.miss_dram_gbps(rows[1], 10 * MIB) == round(one, 2)
+    assert bench_vllm.miss_dram_gbps(rows[1], 0) == round(3 * 1000 * MIB / 0.040 / 1e9, 2)
+    got = {(b["config"], b["workload"]): b for b in bench_vllm.step_breakdown(rows, 10 * MIB)}
+    two = round(3 * 500 * MIB / 0.020 / 1e9, 2)
+    assert got[("mmap-hybrid", "decode-8")]["miss_dram_gbps"] == round((round(one, 2) + two) / 2, 2)
+    assert got[("mmap-cache", "decode-1")]["miss_dram_gbps"] == 0.0
+    assert "miss_dram_gbps" not in got[("uva", "decode-8")]
 
 
 def test_ratios_take_the_mean_of_uvas_runs_and_show_each():
