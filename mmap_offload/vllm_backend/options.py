@@ -78,7 +78,8 @@ class MmapOptions:
     # False (default): they take the async expert step, copying every miss: on the H200 (PCIe Gen5,
     # ~38 GB/s through the staging) the host kernel is no faster than the copy. On a slower link (the
     # user's PCIe Gen4, ~25 GB/s, against 40-60 GB/s of host compute) computing misses on the host
-    # should shorten batch 1's step; not measured on a GPU yet (CPU-tested)
+    # should shorten batch 1's step (not measured on Gen4). On the H200 it lost on the skewed trace
+    # (sessions 14, 17) and was ahead within the drift on independent uniform picks (session 23)
     hybrid_small_calls: bool = False
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
