@@ -488,6 +488,12 @@ class AsyncStep:
         m["admitted"] += int(d[_ADMITTED])
         self.sparse_miss_bytes += int(d[_SPARSE_MISSES]) * nb
 
+    def decided(self) -> tuple[int, int]:
+        """(calls, misses) decided on the stream so far, expert-mode and sparse ones together (a hybrid
+        call's misses counted before the host takes its share), as of the last ``wait``'s fold."""
+        f = self._folded
+        return int(f[_CALLS] + f[_SPARSE]), int(f[_MISSES] + f[_SPARSE_MISSES])
+
     def summary(self) -> dict[str, Any]:
         if self.handle:  # after close(): its last counters
             self.lib.mo_async_stats(self.handle, self._stats.ctypes.data)

@@ -489,6 +489,77 @@ def test_hybrid_small_calls_send_misses_of_calls_that_fit_the_pool_to_the_host(t
         eng.close()
 
 
+def test_hybrid_small_calls_auto_follows_the_misses_per_call(tmp_path):
+    """hybrid_small_calls="auto" (the default): calls that fit the pool take the async expert step until
+    the end-of-step check has seen them miss hybrid_small_mib per call on average, then the hybrid
+    form (misses to the host); once they hit (the same experts step after step) and the average falls
+    under 3/4 of it, the expert step again. The output equals every pair from the cache throughout."""
+    cache = make_marlin_cache(tmp_path / "size", hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS)
+    nbytes = sum(s.nbytes for s in cache.expert_specs)
+    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=8, hybrid_small_mib=0.5 * nbytes / (1 << 20))
+    try:
+        assert res.hybrid_small_auto and res.ec.expert_nbytes == nbytes  # half an expert per call
+        assert not res.hybrid_small
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        rng = np.random.default_rng(21)
+        fixed = torch.tensor([[0, 1, 2]])
+        modes = []
+        for i in range(16):
+            step = []
+            for t in targets:
+                ids = torch.from_numpy(rng.choice(E, size=(1, SLOTS), replace=False)) if i < 2 else fixed
+                w = torch.full((1, SLOTS), 1.0 / SLOTS)
+                x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32)).to(torch.bfloat16)
+                for b in bufs[t.layer].values():
+                    b.zero_()
+                hy0 = res.metrics["hybrid_async_calls"]
+                wk, ik = res.route(t, w, ids, x)
+                hybrid = res.metrics["hybrid_async_calls"] > hy0  # the kernel reads the layer buffer, else the pool
+                step.append(hybrid)
+                out = _moe(x, ik, wk, bufs[t.layer] if hybrid else res.ec.slots(t.layer))
+                out = res.add_host(t, out.to(torch.bfloat16))
+                want = _moe(x, ids, w, refs[t.layer])
+                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item(), (i, hybrid)
+            assert len(set(step)) == 1, (i, step)  # decided per step
+            modes.append("hybrid" if step[0] else "expert")
+        s = res.summary()
+        # step 0 the expert step (its check sees its misses: random picks); from step 1 on hybrid; the
+        # fixed ids become hits and the average decays under 3/4 of the threshold: the expert step
+        # again, and it stays
+        assert modes[0] == "expert" and modes[1] == "hybrid", modes
+        back = modes.index("expert", 1)
+        assert 3 < back < 15, modes
+        assert all(m == "hybrid" for m in modes[1:back]) and all(m == "expert" for m in modes[back:]), modes
+        assert s["small_auto_switches"] == 2 and s["small_hybrid_steps"] == back - 1, s
+        assert not s["small_calls_hybrid"] and s["small_miss_mib"] < 0.75 * 0.5 * nbytes / (1 << 20), s
+    finally:
+        res.close()
+        eng.close()
+
+
+def test_hybrid_small_calls_off_and_a_high_threshold_keep_the_expert_step(tmp_path):
+    """hybrid_small_calls="off", and "auto" whose calls miss less than hybrid_small_mib: every call that
+    fits the pool takes the async expert step, whatever it misses."""
+    for opts in (dict(hybrid_small_calls="off"), dict(hybrid_small_mib=1024.0)):
+        res, eng, cache, bufs, targets = _hybrid_residency(tmp_path / str(len(opts)) / next(iter(opts)), seed=9, **opts)
+        try:
+            refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+            for step in _calls(6, 1, seed=23):
+                for t in targets:
+                    ids, w, x = step[t.index]
+                    ids, w = ids[:, :SLOTS], w[:, :SLOTS]
+                    wk, slots = res.route(t, w, ids, x)
+                    out = res.add_host(t, _moe(x, slots, wk, res.ec.slots(t.layer)).to(torch.bfloat16))
+                    want = _moe(x, ids, w, refs[t.layer])
+                    assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+            s = res.summary()
+            assert s["async_calls"] == 6 * len(LAYERS) and s["hybrid_async_calls"] == 0, (opts, s)
+            assert s["small_auto_switches"] == 0 and not s["small_calls_hybrid"], (opts, s)
+        finally:
+            res.close()
+            eng.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel):

@@ -668,6 +668,11 @@ def test_host_time_around_route_is_reported_per_step():
     flagged = bench_vllm.rows_from_child(child)[0]
     assert flagged["bg_check_running"] is True
     assert "(background check running)" in bench_vllm.markdown({**res, "rows": [flagged]})
+    # hybrid_small_calls=auto: the misses per small call it averaged and the mode it ended in
+    task["result"]["summary_T1"] = [s(0), {**s(1), "residency_small_miss_mib": 55.64, "residency_small_calls_hybrid": True}]
+    auto = bench_vllm.rows_from_child(child)[0]
+    assert auto["small_miss_mib"] == 55.6 and auto["small_calls_hybrid"] is True
+    assert "<small calls 55.6 MiB missed each, hybrid>" in bench_vllm.markdown({**res, "rows": [auto]})
 
 
 def test_step_breakdown_splits_the_excess_over_no_offload():

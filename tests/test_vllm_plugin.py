@@ -189,9 +189,20 @@ def test_launcher_translates_flags_and_adds_backend():
     i = argv.index("--additional-config")
     assert json.loads(argv[i + 1]) == {"x": 1, CONFIG_KEY: {"engine": "pread", "cache_dir": "/c", "lookahead": 2,
                                                            "verify_in_background": False, "hybrid": True,
-                                                           "host_threads": 6, "hybrid_small_calls": True}}
+                                                           "host_threads": 6, "hybrid_small_calls": "on"}}
     assert argv[argv.index("--offload-backend") + 1] == "mmap"
     assert "--enforce-eager" in argv
+
+
+def test_launcher_hybrid_small_calls_takes_a_mode_and_a_threshold():
+    """``--mmap-hybrid-small-calls`` bare is "on"; with a value auto | on | off; a bad one exits with argparse's
+    line naming the choices; ``--mmap-hybrid-small-mib`` is the auto mode's threshold."""
+    for flag, want in ((["--mmap-hybrid-small-calls", "off"], "off"), (["--mmap-hybrid-small-calls=auto"], "auto")):
+        argv = launcher_argv(["serve", "/m", *flag, "--mmap-hybrid-small-mib", "8"])
+        got = json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY]
+        assert got == {"hybrid_small_calls": want, "hybrid_small_mib": 8.0}
+    with pytest.raises(SystemExit):
+        launcher_argv(["serve", "/m", "--mmap-hybrid-small-calls", "sometimes"])
 
 
 def test_launcher_keeps_user_choices():
@@ -223,6 +234,16 @@ def test_options_precedence_and_errors():
     assert MmapOptions.resolve({"sparse_max_ids": "512"}, env={}).sparse_max_ids == 512
     with pytest.raises(UnsupportedError, match="sparse_max_ids"):
         MmapOptions.resolve({"sparse_max_ids": 5000}, env={})
+    # hybrid_small_calls: auto | on | off, from bools and their spellings too (config JSON, env, bench configs)
+    assert MmapOptions.resolve(None, env={}).hybrid_small_calls == "auto"
+    assert MmapOptions().hybrid_small_calls == "auto" and MmapOptions(hybrid_small_calls=True).hybrid_small_calls == "on"
+    for raw, want in ((True, "on"), (False, "off"), ("1", "on"), ("0", "off"), ("AUTO", "auto"), ("off", "off")):
+        assert MmapOptions.resolve({"hybrid_small_calls": raw}, env={}).hybrid_small_calls == want, raw
+    assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_HYBRID_SMALL_CALLS": "true"}).hybrid_small_calls == "on"
+    with pytest.raises(UnsupportedError, match="hybrid_small_calls must be auto, on or off"):
+        MmapOptions.resolve({"hybrid_small_calls": "sometimes"}, env={})
+    with pytest.raises(UnsupportedError, match="hybrid_small_mib"):
+        MmapOptions.resolve({"hybrid_small_mib": -1}, env={})
 
 
 def test_copy_threads_default_to_six_with_hybrid_and_eight_without():

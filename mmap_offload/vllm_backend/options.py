@@ -75,12 +75,18 @@ class MmapOptions:
     host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
-    # False (default): they take the async expert step, copying every miss: on the H200 (PCIe Gen5,
-    # ~38 GB/s through the staging) the host kernel is no faster than the copy. On a slower link (the
-    # user's PCIe Gen4, ~25 GB/s, against 40-60 GB/s of host compute) computing misses on the host
-    # should shorten batch 1's step (not measured on Gen4). On the H200 it lost on the skewed trace
-    # (sessions 14, 17) and was ahead within the drift on independent uniform picks (session 23)
-    hybrid_small_calls: bool = False
+    # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
+    # "auto" (default): the expert step until the end-of-step check has seen such calls miss
+    # hybrid_small_mib or more per call (an average over steps), then the hybrid form until they
+    # miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
+    # each (independent uniform picks: 0.834x uva against 0.670x, session 24; ahead in sessions 23's
+    # runs too) and lost where they missed ~11 MiB (the skewed trace at the user's shapes, sessions
+    # 14 and 17): "auto" takes each side's winner (BENCHMARKS.md "Real vLLM", session 24)
+    hybrid_small_calls: str = "auto"
+    # with hybrid_small_calls="auto": the misses per small call (MiB) from which they go hybrid. 32:
+    # between the measured losses (~11 MiB) and wins (35 MiB and up) on the H200's PCIe Gen5 link; a
+    # slower link (Gen4) copies each MiB in twice the time and likely wants less (not measured)
+    hybrid_small_mib: float = 32.0
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
     # where layer_stream_fraction would stream the whole layer. 512 = decode batch 64 at top-8: the
@@ -98,6 +104,9 @@ class MmapOptions:
     check_after_experts: bool = True
     # benchmark only: replace the router's top-k ids by a trace's (CSV: step,layer,expert ids...)
     routing_trace: str | None = None
+
+    def __post_init__(self) -> None:
+        self.hybrid_small_calls = _mode(self.hybrid_small_calls)
 
     @classmethod
     def resolve(cls, extra: dict | None = None, env: dict | None = None) -> "MmapOptions":
@@ -118,6 +127,7 @@ class MmapOptions:
             if raw is None:
                 continue
             setattr(out, name, _coerce(name, f.type, raw))
+        out.hybrid_small_calls = _mode(out.hybrid_small_calls)
         out.check()
         return out
 
@@ -149,6 +159,12 @@ class MmapOptions:
                 f"mmap_offload sparse_max_ids must be in [0, 4096], got {self.sparse_max_ids}",
                 "pass 0 (the layer threshold decides) or the routed ids per call to serve sparse, e.g. 512",
             )
+        if self.hybrid_small_calls not in ("auto", "on", "off"):
+            raise UnsupportedError(f"mmap_offload hybrid_small_calls must be auto, on or off, got {self.hybrid_small_calls!r}",
+                                   "pass auto (the default), on or off")
+        if not self.hybrid_small_mib >= 0:
+            raise UnsupportedError(f"mmap_offload hybrid_small_mib must be >= 0, got {self.hybrid_small_mib}",
+                                   "pass the misses per decode call (MiB) from which they go to the host, e.g. 32")
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",
@@ -169,6 +185,16 @@ class MmapOptions:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _mode(v: Any) -> Any:
+    """An auto | on | off option's value from a bool or its spellings (else ``v``, which check() refuses)."""
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, str):
+        low = v.lower()
+        return {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(low, low)
+    return v
 
 
 def _coerce(name: str, typ: Any, raw: Any) -> Any:

@@ -137,8 +137,14 @@ class Residency:
         self.check_late = bool(opts.check_after_experts) and self.host is not None
         self._check_due = False
         self._last = len(off.targets) - 1  # the index of a forward's last MoE layer
-        # calls whose ids fit the pool take the hybrid sparse form too (option hybrid_small_calls)
-        self.hybrid_small = self._hy_sources is not None and opts.hybrid_small_calls
+        # calls whose ids fit the pool take the hybrid sparse form too (option hybrid_small_calls: "on";
+        # "auto": while such calls miss hybrid_small_mib or more each, _note_small_misses)
+        self.hybrid_small = self._hy_sources is not None and opts.hybrid_small_calls == "on"
+        self.hybrid_small_auto = self._hy_sources is not None and opts.hybrid_small_calls == "auto"
+        self._small_on_bytes = float(opts.hybrid_small_mib) * (1 << 20)
+        self._small_step = False  # the step's calls fit the pool (set by each route())
+        self._small_seen = (0, 0)  # the async step's (calls, misses) at the last check
+        self._small_miss_bytes: float | None = None  # misses per small call, bytes: an average over steps
         # route_s: host time in route() (ids_s getting the routed ids to the host, sync_s of it
         # waiting for them, ensure_s in the pool's ensure, misses' copies included, map_s the
         # slot map and slot ids after it, check_s the end-of-step check of stream-ordered reads,
@@ -159,6 +165,7 @@ class Residency:
                                             between_s=0.0, outside_s=0.0, between_cpu_s=0.0, outside_cpu_s=0.0,
                                             thread_nvcsw=0, thread_nivcsw=0, collect_s=0.0, late_checks=0,
                                             sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
+                                            small_hybrid_steps=0, small_auto_switches=0,
                                             trace=bool(self.trace is not None))
 
     # -- binding --------------------------------------------------------------------------------
@@ -273,6 +280,7 @@ class Residency:
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
+            self._small_step = n * k <= self.async_fits
             if self._expected_distinct(n, k) > self.threshold and not self.async_fits < n * k <= self.sparse_ids:
                 out = self._layer_mode(t, topk_ids, ahead=True)
             else:
@@ -479,6 +487,26 @@ class Residency:
             self.ec.check_ordered()
         finally:
             self.metrics["check_s"] += time.perf_counter() - t0
+        if self.hybrid_small_auto:
+            self._note_small_misses()
+
+    def _note_small_misses(self) -> None:
+        """Option hybrid_small_calls="auto", at the end-of-step check (the async step's counters are
+        folded there): the misses per call of a step whose calls fit the pool, hybrid or not (the
+        stream counts a call's misses before the host takes its share), averaged over such steps
+        (weight 0.3 to the newest); the hybrid form from hybrid_small_mib on, the expert step again
+        below 3/4 of it."""
+        calls, misses = self.async_step.decided()
+        prev, self._small_seen = self._small_seen, (calls, misses)
+        if not self._small_step or calls <= prev[0]:
+            return
+        per_call = (misses - prev[1]) / (calls - prev[0]) * self.ec.expert_nbytes
+        avg = self._small_miss_bytes
+        avg = self._small_miss_bytes = per_call if avg is None else 0.7 * avg + 0.3 * per_call
+        was = self.hybrid_small
+        self.hybrid_small = avg >= (0.75 if was else 1.0) * self._small_on_bytes
+        self.metrics["small_auto_switches"] += int(self.hybrid_small != was)
+        self.metrics["small_hybrid_steps"] += int(was)
 
     def _layer_mode(self, t, ids: torch.Tensor, ahead: bool) -> torch.Tensor:
         self.metrics["layer_calls"] += 1
@@ -622,6 +650,9 @@ class Residency:
         if self.async_step is not None:
             out.update({f"async_{k}": v for k, v in asum.items()})
         out["async_off"] = self.async_off
+        out["small_calls_hybrid"] = self.hybrid_small  # calls that fit the pool take the hybrid form now
+        if self._small_miss_bytes is not None:
+            out["small_miss_mib"] = self._small_miss_bytes / (1 << 20)
         out["pool_slots_per_layer"] = self.slots
         out["pool_bytes"] = self.ec.capacity_bytes
         out["layer_stream_threshold"] = self.threshold
