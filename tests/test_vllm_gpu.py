@@ -138,6 +138,23 @@ def test_hybrid_sparse_calls_on_the_stream_give_the_same_tokens(run):
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 
+def test_hybrid_small_calls_auto_switches_and_keeps_the_tokens(run):
+    """hybrid_small_calls=auto (the default) at hybrid_small_mib 0: after the first decode step's check
+    the calls that fit the pool take the hybrid form on the stream (AsyncStep.run_hybrid) instead of
+    the async expert step, once for the run; tokens as test_hybrid_tokens_equal_no_offload's rule.
+    W4A16 only (bf16 has no stream hybrid path)."""
+    from token_match import assert_equal_up_to_a_near_tie
+
+    if run["quant"] != "w4a16":
+        pytest.skip("the stream hybrid path is W4A16's")
+    hy, ref = run["cases"]["mmap_hybrid_small"], run["cases"]["ref"]
+    s = hy["summary"]
+    assert s["residency_small_auto_switches"] == 1 and s["residency_small_calls_hybrid"] is True, s
+    assert s["residency_small_hybrid_steps"] > 0 and s["residency_hybrid_async_calls"] > 0, s
+    assert s["residency_async_calls"] > 0, s  # the steps before the switch: the async expert step
+    assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
+
+
 def test_pinned_host_memory_is_small(run):
     for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto", "mmap_sparse",
                  "mmap_hybrid_sparse"):

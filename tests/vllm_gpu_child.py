@@ -16,6 +16,9 @@ QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy
                  calls decided on the stream, async_step.py)
     mmap_hybrid_sparse  mmap_sparse with hybrid: W4A16 sparse calls on the stream send part of
                  their misses to the host kernel (AsyncStep.run_hybrid); bf16 takes the Python path
+    mmap_hybrid_small   (W4A16 only) mmap_experts' pool with hybrid, hybrid_small_calls=auto at
+                 hybrid_small_mib 0: decode calls that fit the pool switch to the hybrid form after
+                 the first step's check
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready. OUT.json is rewritten after
 every case ("complete": false until the last), so a child cut short still reports the cases it ran.
@@ -170,6 +173,9 @@ def main() -> int:
                   # 2 slots per layer, 4 ids per decode call: sparse calls, decided on the stream
                   ("mmap_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0}),
                   ("mmap_hybrid_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0, "hybrid": True}))
+    if quant == "w4a16":  # hybrid_small_calls=auto with a threshold of 0: from the first step's check on,
+        # the decode calls that fit the 6-slot pool take the hybrid form on the stream (W4A16 only)
+        pool_cases += (("mmap_hybrid_small", {"expert_cache_gib": g, "hybrid": True, "hybrid_small_mib": 0.0}),)
     for case, extra in pool_cases:
         if only and case not in only:
             continue
