@@ -79,7 +79,7 @@ class MmapOptions:
     # "auto" (default): the expert step until the end-of-step check has seen such calls miss
     # hybrid_small_mib or more per call (an average over steps), then the hybrid form until they
     # miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
-    # each (independent uniform picks: 0.834x uva against 0.670x, session 24; ahead in sessions 23's
+    # each (independent uniform picks: 0.834x uva against 0.670x, session 24; ahead in session 23's
     # runs too) and lost where they missed ~11 MiB (the skewed trace at the user's shapes, sessions
     # 14 and 17): "auto" takes each side's winner (BENCHMARKS.md "Real vLLM", session 24)
     hybrid_small_calls: str = "auto"
