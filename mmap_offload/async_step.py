@@ -488,6 +488,33 @@ class AsyncStep:
         m["admitted"] += int(d[_ADMITTED])
         self.sparse_miss_bytes += int(d[_SPARSE_MISSES]) * nb
 
+    def link_h2d_bps(self, nbytes: int = 32 << 20, reps: int = 3) -> float | None:
+        """This GPU's host -> device rate (bytes/s) out of pinned memory: copies out of the staging
+        (pinned already, so nothing more is pinned for it) on a side stream, the best of ``reps``
+        after one unmeasured; None on the CPU or where CUDA fails (the caller keeps a reference)."""
+        if not self.cuda or not self.handle:
+            return None
+        n = int(min(nbytes, self.staging_bytes))
+        dev = self.step.device
+        try:
+            dst = torch.empty(n, dtype=torch.uint8, device=dev)
+            side = torch.cuda.Stream(dev)
+            best = None
+            with torch.cuda.stream(side):
+                for i in range(reps + 1):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record(side)
+                    dst.copy_(self._staging[:n], non_blocking=True)
+                    b.record(side)
+                    b.synchronize()
+                    ms = a.elapsed_time(b)
+                    if i and ms > 0 and (best is None or ms < best):
+                        best = ms
+            del dst
+            return None if best is None else n / (best * 1e-3)
+        except RuntimeError:
+            return None
+
     def decided(self) -> tuple[int, int]:
         """(calls, misses) decided on the stream so far, expert-mode and sparse ones together (a hybrid
         call's misses counted before the host takes its share), as of the last ``wait``'s fold."""

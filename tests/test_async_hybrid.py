@@ -491,14 +491,18 @@ def test_hybrid_small_calls_send_misses_of_calls_that_fit_the_pool_to_the_host(t
 
 def test_hybrid_small_calls_auto_follows_the_misses_per_call(tmp_path):
     """hybrid_small_calls="auto" (the default): calls that fit the pool take the async expert step until
-    the end-of-step check has seen them miss hybrid_small_mib per call on average, then the hybrid
+    the end-of-step check has seen them miss hybrid_small_ms of link time per call on average, then the hybrid
     form (misses to the host); once they hit (the same experts step after step) and the average falls
     under 3/4 of it, the expert step again. The output equals every pair from the cache throughout."""
+    from mmap_offload.vllm_backend.residency import REFERENCE_LINK_BPS
+
     cache = make_marlin_cache(tmp_path / "size", hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS)
     nbytes = sum(s.nbytes for s in cache.expert_specs)
-    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=8, hybrid_small_mib=0.5 * nbytes / (1 << 20))
+    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=8, hybrid_small_ms=0.5 * nbytes / REFERENCE_LINK_BPS * 1e3)
     try:
-        assert res.hybrid_small_auto and res.ec.expert_nbytes == nbytes  # half an expert per call
+        # the CPU has no link to time: the threshold is hybrid_small_ms at the reference rate (half an expert)
+        assert res.hybrid_small_auto and res.ec.expert_nbytes == nbytes and res.link_bps is None
+        assert abs(res._small_on_bytes - 0.5 * nbytes) < 1e-6 * nbytes
         assert not res.hybrid_small
         refs = {l: _cache_tensors(cache, l) for l in LAYERS}
         rng = np.random.default_rng(21)
@@ -532,15 +536,16 @@ def test_hybrid_small_calls_auto_follows_the_misses_per_call(tmp_path):
         assert all(m == "hybrid" for m in modes[1:back]) and all(m == "expert" for m in modes[back:]), modes
         assert s["small_auto_switches"] == 2 and s["small_hybrid_steps"] == back - 1, s
         assert not s["small_calls_hybrid"] and s["small_miss_mib"] < 0.75 * 0.5 * nbytes / (1 << 20), s
+        assert abs(s["small_on_mib"] - 0.5 * nbytes / (1 << 20)) < 1e-6 and s["link_h2d_gbps"] == 0.0, s
     finally:
         res.close()
         eng.close()
 
 
 def test_hybrid_small_calls_off_and_a_high_threshold_keep_the_expert_step(tmp_path):
-    """hybrid_small_calls="off", and "auto" whose calls miss less than hybrid_small_mib: every call that
+    """hybrid_small_calls="off", and "auto" whose calls miss less than hybrid_small_ms of link time: every call that
     fits the pool takes the async expert step, whatever it misses."""
-    for opts in (dict(hybrid_small_calls="off"), dict(hybrid_small_mib=1024.0)):
+    for opts in (dict(hybrid_small_calls="off"), dict(hybrid_small_ms=1000.0)):
         res, eng, cache, bufs, targets = _hybrid_residency(tmp_path / str(len(opts)) / next(iter(opts)), seed=9, **opts)
         try:
             refs = {l: _cache_tensors(cache, l) for l in LAYERS}

@@ -441,6 +441,31 @@ def test_async_step_reports_after_close(cache):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_link_rate_is_timed_out_of_the_staging(tmp_path):
+    """CUDA: ``link_h2d_bps`` (hybrid_small_calls="auto"'s threshold scales with it) times host -> device
+    copies out of the async step's pinned staging: a rate a PCIe link can have (1-200 GB/s), with no
+    more pinned memory than the step had, and the staging's bytes as they were. On the CPU: None."""
+    from fakes import cuda_engine
+
+    specs = [("w13_weight", "bfloat16", (256, 128)), ("w2_weight", "bfloat16", (128, 136))]
+    c = make_cache(tmp_path, layers=(0, 1), num_experts=16, specs=specs)
+    eng = cuda_engine("ordered")
+    try:
+        ec = ExpertCache(c, eng, torch.device("cuda"), capacity_experts=8, stream_ordered=True)
+        a = AsyncStep.create(ExpertStep.create(ec), max_experts=4)
+        assert isinstance(a, AsyncStep), a
+        a._staging.random_(0, 256)
+        before, pinned = a._staging.clone(), a.pinned_bytes
+        bps = a.link_h2d_bps()
+        assert bps is not None and 1e9 < bps < 200e9, bps
+        assert a.pinned_bytes == pinned and torch.equal(a._staging, before)
+        a.close()
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_async_sparse_calls_exact_under_a_busy_stream(tmp_path):
     """CUDA: sparse calls (8 ids, at least 5 distinct experts, 4 slots per layer) of 4 layers
     enqueued behind device work with no host wait, cut into parts of 2 misses: the kernels copy the

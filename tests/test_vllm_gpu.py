@@ -139,7 +139,7 @@ def test_hybrid_sparse_calls_on_the_stream_give_the_same_tokens(run):
 
 
 def test_hybrid_small_calls_auto_switches_and_keeps_the_tokens(run):
-    """hybrid_small_calls=auto (the default) at hybrid_small_mib 0: after the first decode step's check
+    """hybrid_small_calls=auto (the default) at hybrid_small_ms 0: after the first decode step's check
     the calls that fit the pool take the hybrid form on the stream (AsyncStep.run_hybrid) instead of
     the async expert step, once for the run; tokens as test_hybrid_tokens_equal_no_offload's rule.
     W4A16 only (bf16 has no stream hybrid path)."""
@@ -152,6 +152,7 @@ def test_hybrid_small_calls_auto_switches_and_keeps_the_tokens(run):
     assert s["residency_small_auto_switches"] == 1 and s["residency_small_calls_hybrid"] is True, s
     assert s["residency_small_hybrid_steps"] > 0 and s["residency_hybrid_async_calls"] > 0, s
     assert s["residency_async_calls"] > 0, s  # the steps before the switch: the async expert step
+    assert 1.0 < s["residency_link_h2d_gbps"] < 200.0, s  # the link timed at start (the threshold's scale)
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 

@@ -196,11 +196,11 @@ def test_launcher_translates_flags_and_adds_backend():
 
 def test_launcher_hybrid_small_calls_takes_a_mode_and_a_threshold():
     """``--mmap-hybrid-small-calls`` bare is "on"; with a value auto | on | off; a bad one exits with argparse's
-    line naming the choices; ``--mmap-hybrid-small-mib`` is the auto mode's threshold."""
+    line naming the choices; ``--mmap-hybrid-small-ms`` is the auto mode's threshold."""
     for flag, want in ((["--mmap-hybrid-small-calls", "off"], "off"), (["--mmap-hybrid-small-calls=auto"], "auto")):
-        argv = launcher_argv(["serve", "/m", *flag, "--mmap-hybrid-small-mib", "8"])
+        argv = launcher_argv(["serve", "/m", *flag, "--mmap-hybrid-small-ms", "0.25"])
         got = json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY]
-        assert got == {"hybrid_small_calls": want, "hybrid_small_mib": 8.0}
+        assert got == {"hybrid_small_calls": want, "hybrid_small_ms": 0.25}
     with pytest.raises(SystemExit):
         launcher_argv(["serve", "/m", "--mmap-hybrid-small-calls", "sometimes"])
 
@@ -242,8 +242,8 @@ def test_options_precedence_and_errors():
     assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_HYBRID_SMALL_CALLS": "true"}).hybrid_small_calls == "on"
     with pytest.raises(UnsupportedError, match="hybrid_small_calls must be auto, on or off"):
         MmapOptions.resolve({"hybrid_small_calls": "sometimes"}, env={})
-    with pytest.raises(UnsupportedError, match="hybrid_small_mib"):
-        MmapOptions.resolve({"hybrid_small_mib": -1}, env={})
+    with pytest.raises(UnsupportedError, match="hybrid_small_ms"):
+        MmapOptions.resolve({"hybrid_small_ms": -1}, env={})
 
 
 def test_copy_threads_default_to_six_with_hybrid_and_eight_without():

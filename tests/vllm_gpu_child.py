@@ -17,7 +17,7 @@ QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy
     mmap_hybrid_sparse  mmap_sparse with hybrid: W4A16 sparse calls on the stream send part of
                  their misses to the host kernel (AsyncStep.run_hybrid); bf16 takes the Python path
     mmap_hybrid_small   (W4A16 only) mmap_experts' pool with hybrid, hybrid_small_calls=auto at
-                 hybrid_small_mib 0: decode calls that fit the pool switch to the hybrid form after
+                 hybrid_small_ms 0: decode calls that fit the pool switch to the hybrid form after
                  the first step's check
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready. OUT.json is rewritten after
@@ -175,7 +175,7 @@ def main() -> int:
                   ("mmap_hybrid_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0, "hybrid": True}))
     if quant == "w4a16":  # hybrid_small_calls=auto with a threshold of 0: from the first step's check on,
         # the decode calls that fit the 6-slot pool take the hybrid form on the stream (W4A16 only)
-        pool_cases += (("mmap_hybrid_small", {"expert_cache_gib": g, "hybrid": True, "hybrid_small_mib": 0.0}),)
+        pool_cases += (("mmap_hybrid_small", {"expert_cache_gib": g, "hybrid": True, "hybrid_small_ms": 0.0}),)
     for case, extra in pool_cases:
         if only and case not in only:
             continue

@@ -31,7 +31,7 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     # bare: "on"; or auto | on | off
     "--mmap-hybrid-small-calls": ("hybrid_small_calls", {"nargs": "?", "const": "on", "default": None,
                                                          "choices": ("auto", "on", "off")}),
-    "--mmap-hybrid-small-mib": ("hybrid_small_mib", {"type": float}),
+    "--mmap-hybrid-small-ms": ("hybrid_small_ms", {"type": float}),
 }
 
 

@@ -77,16 +77,18 @@ class MmapOptions:
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
     # "auto" (default): the expert step until the end-of-step check has seen such calls miss
-    # hybrid_small_mib or more per call (an average over steps), then the hybrid form until they
-    # miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
+    # hybrid_small_ms of link time or more per call (an average over steps), then the hybrid form until
+    # they miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
     # each (independent uniform picks: 0.834x uva against 0.670x, session 24; ahead in session 23's
     # runs too) and lost where they missed ~11 MiB (the skewed trace at the user's shapes, sessions
     # 14 and 17): "auto" takes each side's winner (BENCHMARKS.md "Real vLLM", session 24)
     hybrid_small_calls: str = "auto"
-    # with hybrid_small_calls="auto": the misses per small call (MiB) from which they go hybrid. 32:
-    # between the measured losses (~11 MiB) and wins (35 MiB and up) on the H200's PCIe Gen5 link; a
-    # slower link (Gen4) copies each MiB in twice the time and likely wants less (not measured)
-    hybrid_small_mib: float = 32.0
+    # with hybrid_small_calls="auto": the misses' link time per small call (ms: missed bytes / this GPU's
+    # pinned host -> device rate, measured when the backend starts) from which they go hybrid. 0.6 ms
+    # = 31.5 MiB at the H200's 55 GB/s: between the measured losses (~11 MiB, 0.21 ms) and wins (35 MiB
+    # and up, 0.67 ms). On PCIe Gen4 (~25 GB/s) it is ~14 MiB: a slower link sends misses to the host
+    # sooner (the H200's decisions carried over by link time; not measured on Gen4)
+    hybrid_small_ms: float = 0.6
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
     # where layer_stream_fraction would stream the whole layer. 512 = decode batch 64 at top-8: the
@@ -162,9 +164,9 @@ class MmapOptions:
         if self.hybrid_small_calls not in ("auto", "on", "off"):
             raise UnsupportedError(f"mmap_offload hybrid_small_calls must be auto, on or off, got {self.hybrid_small_calls!r}",
                                    "pass auto (the default), on or off")
-        if not self.hybrid_small_mib >= 0:
-            raise UnsupportedError(f"mmap_offload hybrid_small_mib must be >= 0, got {self.hybrid_small_mib}",
-                                   "pass the misses per decode call (MiB) from which they go to the host, e.g. 32")
+        if not self.hybrid_small_ms >= 0:
+            raise UnsupportedError(f"mmap_offload hybrid_small_ms must be >= 0, got {self.hybrid_small_ms}",
+                                   "pass the misses' link time per decode call (ms) from which they go to the host, e.g. 0.6")
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",

@@ -52,6 +52,10 @@ from ..async_step import AsyncStep
 from ..expert_cache import ExpertCache
 from ..expert_step import ExpertStep
 from .patches import log
+
+# the H200's pinned host -> device rate (docs/TRANSFER.md: 54.5-55.4 GB/s), the link on which
+# hybrid_small_calls="auto"'s threshold was measured (options.py hybrid_small_ms)
+REFERENCE_LINK_BPS = 55e9
 from ..transfer import Copy
 
 
@@ -138,10 +142,13 @@ class Residency:
         self._check_due = False
         self._last = len(off.targets) - 1  # the index of a forward's last MoE layer
         # calls whose ids fit the pool take the hybrid sparse form too (option hybrid_small_calls: "on";
-        # "auto": while such calls miss hybrid_small_mib or more each, _note_small_misses)
+        # "auto": while such calls miss hybrid_small_ms of link time or more each, _note_small_misses)
         self.hybrid_small = self._hy_sources is not None and opts.hybrid_small_calls == "on"
         self.hybrid_small_auto = self._hy_sources is not None and opts.hybrid_small_calls == "auto"
-        self._small_on_bytes = float(opts.hybrid_small_mib) * (1 << 20)
+        # its threshold: hybrid_small_ms of link time per call, at this GPU's pinned host -> device rate
+        # measured here (the reference rate on the CPU, or where the measurement failed)
+        self.link_bps = self.async_step.link_h2d_bps() if self.hybrid_small_auto else None
+        self._small_on_bytes = float(opts.hybrid_small_ms) * 1e-3 * (self.link_bps or REFERENCE_LINK_BPS)
         self._small_step = False  # the step's calls fit the pool (set by each route())
         self._small_seen = (0, 0)  # the async step's (calls, misses) at the last check
         self._small_miss_bytes: float | None = None  # misses per small call, bytes: an average over steps
@@ -494,8 +501,8 @@ class Residency:
         """Option hybrid_small_calls="auto", at the end-of-step check (the async step's counters are
         folded there): the misses per call of a step whose calls fit the pool, hybrid or not (the
         stream counts a call's misses before the host takes its share), averaged over such steps
-        (weight 0.3 to the newest); the hybrid form from hybrid_small_mib on, the expert step again
-        below 3/4 of it."""
+        (weight 0.3 to the newest); the hybrid form from the threshold on (hybrid_small_ms of link time
+        per call, in bytes), the expert step again below 3/4 of it."""
         calls, misses = self.async_step.decided()
         prev, self._small_seen = self._small_seen, (calls, misses)
         if not self._small_step or calls <= prev[0]:
@@ -651,6 +658,9 @@ class Residency:
             out.update({f"async_{k}": v for k, v in asum.items()})
         out["async_off"] = self.async_off
         out["small_calls_hybrid"] = self.hybrid_small  # calls that fit the pool take the hybrid form now
+        if self.hybrid_small_auto:  # its threshold (MiB of misses per call) and the link rate it came from
+            out["small_on_mib"] = self._small_on_bytes / (1 << 20)
+            out["link_h2d_gbps"] = (self.link_bps or 0.0) / 1e9
         if self._small_miss_bytes is not None:
             out["small_miss_mib"] = self._small_miss_bytes / (1 << 20)
         out["pool_slots_per_layer"] = self.slots
