@@ -494,7 +494,10 @@ def rows_from_child(child: dict) -> list[dict]:
             if "residency_async_host_experts" in after:  # hybrid calls on the stream: experts computed on the host
                 row["async_host_experts_per_step"] = round(d("residency_async_host_experts") / steps, 1)
                 row["async_host_share"] = after.get("residency_async_host_share")
-            if "residency_small_miss_mib" in after:  # hybrid_small_calls=auto: its average and where it stands
+            if "residency_small_on_mib" in after:  # hybrid_small_calls=auto: its threshold, from the link timed at start
+                row["small_on_mib"] = round(after["residency_small_on_mib"], 1)
+                row["link_h2d_gbps"] = round(after.get("residency_link_h2d_gbps") or 0.0, 1)
+            if "residency_small_miss_mib" in after:  # ... its average and where it stands
                 row["small_miss_mib"] = round(after["residency_small_miss_mib"], 1)
                 row["small_calls_hybrid"] = bool(after.get("residency_small_calls_hybrid"))
         rows.append(row)
@@ -714,8 +717,10 @@ def markdown(res: dict) -> str:
             host += (f" <host {r['async_host_experts_per_step']:.1f} experts, {r.get('async_host_ms', 0):.2f} ms, "
                      f"waited {r.get('async_host_wait_ms', 0):.2f}, share {r.get('async_host_share') or 0:.2f}>")
         if r.get("small_miss_mib") is not None:  # hybrid_small_calls=auto: misses per small call, the mode at the end
-            host += (f" <small calls {r['small_miss_mib']:.1f} MiB missed each, "
-                     f"{'hybrid' if r.get('small_calls_hybrid') else 'expert step'}>")
+            host += (f" <small calls {r['small_miss_mib']:.1f} MiB missed each"
+                     + (f" (hybrid from {r['small_on_mib']:.1f}: link {r.get('link_h2d_gbps', 0):.1f} GB/s)"
+                        if r.get("small_on_mib") is not None else "")
+                     + f", {'hybrid' if r.get('small_calls_hybrid') else 'expert step'}>")
         if r.get("between_ms") is not None:  # vLLM's own host time between MoE layers, and around them
             cpu = (lambda k: f" (cpu {r[k]:.2f})" if r.get(k) is not None else "")
             host += (f" {{between layers {r['between_ms']:.2f}{cpu('between_cpu_ms')}, "

@@ -669,10 +669,13 @@ def test_host_time_around_route_is_reported_per_step():
     assert flagged["bg_check_running"] is True
     assert "(background check running)" in bench_vllm.markdown({**res, "rows": [flagged]})
     # hybrid_small_calls=auto: the misses per small call it averaged and the mode it ended in
-    task["result"]["summary_T1"] = [s(0), {**s(1), "residency_small_miss_mib": 55.64, "residency_small_calls_hybrid": True}]
+    task["result"]["summary_T1"] = [s(0), {**s(1), "residency_small_miss_mib": 55.64, "residency_small_calls_hybrid": True,
+                                           "residency_small_on_mib": 31.47, "residency_link_h2d_gbps": 55.01}]
     auto = bench_vllm.rows_from_child(child)[0]
     assert auto["small_miss_mib"] == 55.6 and auto["small_calls_hybrid"] is True
-    assert "<small calls 55.6 MiB missed each, hybrid>" in bench_vllm.markdown({**res, "rows": [auto]})
+    assert auto["small_on_mib"] == 31.5 and auto["link_h2d_gbps"] == 55.0
+    assert ("<small calls 55.6 MiB missed each (hybrid from 31.5: link 55.0 GB/s), hybrid>"
+            in bench_vllm.markdown({**res, "rows": [auto]}))
 
 
 def test_step_breakdown_splits_the_excess_over_no_offload():
