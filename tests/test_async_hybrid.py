@@ -542,6 +542,31 @@ def test_hybrid_small_calls_auto_follows_the_misses_per_call(tmp_path):
         eng.close()
 
 
+def test_hybrid_small_calls_auto_threshold_scales_with_the_timed_link(tmp_path, monkeypatch):
+    """The auto mode's threshold is hybrid_small_ms of link time at the rate timed at start: a link half
+    the H200's (PCIe Gen4) halves the MiB per call from which small calls go hybrid; an untimed link
+    (the CPU, or a timing that failed) takes the reference rate. "on" / "off" time nothing."""
+    from mmap_offload.vllm_backend.residency import REFERENCE_LINK_BPS
+
+    timed = []
+    monkeypatch.setattr(AsyncStep, "link_h2d_bps", lambda self: timed.append(1) or REFERENCE_LINK_BPS / 2)
+    res, eng, *_ = _hybrid_residency(tmp_path / "auto", seed=3, hybrid_small_ms=0.6)
+    try:
+        assert timed == [1] and res.link_bps == REFERENCE_LINK_BPS / 2
+        assert abs(res._small_on_bytes - 0.6e-3 * REFERENCE_LINK_BPS / 2) < 1.0  # ~15.7 MiB, not 31.5
+        s = res.summary()
+        assert abs(s["small_on_mib"] - 0.3e-3 * REFERENCE_LINK_BPS / (1 << 20)) < 1e-6 and s["link_h2d_gbps"] == 27.5, s
+    finally:
+        res.close()
+        eng.close()
+    res, eng, *_ = _hybrid_residency(tmp_path / "on", seed=3, hybrid_small_calls="on")
+    try:
+        assert timed == [1] and res.hybrid_small and not res.hybrid_small_auto and "small_on_mib" not in res.summary()
+    finally:
+        res.close()
+        eng.close()
+
+
 def test_hybrid_small_calls_off_and_a_high_threshold_keep_the_expert_step(tmp_path):
     """hybrid_small_calls="off", and "auto" whose calls miss less than hybrid_small_ms of link time: every call that
     fits the pool takes the async expert step, whatever it misses."""
