@@ -122,9 +122,8 @@ def make_trace(path, *, steps: int, layers: int, num_experts: int, top_k: int, b
     sticky = best[1]
     tr = traces.skewed_trace(steps, layers, num_experts, top_k, batch=batch, zipf_s=zipf_s, sticky_p=sticky,
                              seed=seed)
-    stats = {**traces.trace_stats(tr, num_experts), "reuse": traces.reuse_fraction(tr),
-             "reuse_uniform": top_k / num_experts, "zipf_s": zipf_s, "sticky_p": sticky,
-             "target_reuse": reuse, "shape": list(tr.shape), "seed": seed, "path": str(path)}
+    stats = trace_summary(tr, num_experts, path, reuse_uniform=top_k / num_experts, zipf_s=zipf_s, sticky_p=sticky,
+                          target_reuse=reuse, seed=seed)
     comment = (f"synthetic skewed routing trace (benchmarks/bench_vllm.py make_trace): steps {steps}, layers {layers}, "
                f"batch {batch}, {num_experts} experts, top-{top_k}, Zipf s={zipf_s}, sticky_p={sticky}\n"
                f"measured: reuse of the previous step's experts {stats['reuse']:.3f} (uniform {top_k / num_experts:.3f}), "
@@ -134,6 +133,15 @@ def make_trace(path, *, steps: int, layers: int, num_experts: int, top_k: int, b
     return stats
 
 
+def trace_summary(tr, num_experts: int, path, **extra) -> dict:
+    """A trace's stats as the run records them: ``traces.trace_stats``, its step-to-step reuse, its
+    shape and path, and ``extra``."""
+    from mmap_offload import traces
+
+    return {**traces.trace_stats(tr, num_experts), "reuse": traces.reuse_fraction(tr), **extra,
+            "shape": list(tr.shape), "path": str(path)}
+
+
 def make_uniform_trace(path, *, steps: int, layers: int, num_experts: int, top_k: int, batch: int,
                        seed: int = 0) -> dict:
     """Write a trace of independent uniform picks (``traces.uniform_trace``: no popularity, no reuse
@@ -141,8 +149,7 @@ def make_uniform_trace(path, *, steps: int, layers: int, num_experts: int, top_k
     from mmap_offload import traces
 
     tr = traces.uniform_trace(steps, layers, num_experts, top_k, batch=batch, seed=seed)
-    stats = {**traces.trace_stats(tr, num_experts), "reuse": traces.reuse_fraction(tr),
-             "reuse_uniform": top_k / num_experts, "shape": list(tr.shape), "seed": seed, "path": str(path)}
+    stats = trace_summary(tr, num_experts, path, reuse_uniform=top_k / num_experts, seed=seed)
     comment = (f"synthetic uniform routing trace (benchmarks/bench_vllm.py make_uniform_trace): steps {steps}, "
                f"layers {layers}, batch {batch}, {num_experts} experts, top-{top_k}, independent picks\n"
                f"measured: reuse of the previous step's experts {stats['reuse']:.3f} (chance {top_k / num_experts:.3f})\n"
@@ -282,7 +289,7 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
         common.update(attention_config={"backend": "TRITON_ATTN"}, gpu_memory_utilization=args.gpu_util,
                       kv_cache_memory_bytes=int(args.kv_cache_gib * GIB))
     budget = budget_bytes(args, expert_bytes)
-    routings = [r for r in args.routings.split(",") if r]
+    routings = args.routings
     traced = [(r, p) for r, p in (("skewed", trace), ("uniform-trace", uniform_trace)) if r in routings and p is not None]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     base = {"num_experts": args.experts_n, "vocab_size": args.vocab, "deadline_at": deadline_at, "env": env}
@@ -949,7 +956,8 @@ def parse_args(argv=None):
                         "repeat for several; values are JSON where they parse as JSON")
     p.add_argument("--write-traces", default=None, metavar="DIR", help="write the sample traces into DIR and exit")
     a = p.parse_args(argv)
-    bad = [r for r in a.routings.split(",") if r and r not in ROUTINGS]
+    a.routings = tuple(r for r in a.routings.split(",") if r)  # parsed once: the names the run takes
+    bad = [r for r in a.routings if r not in ROUTINGS]
     if bad:
         p.error(f"--routings: unknown {', '.join(bad)}; use some of {','.join(ROUTINGS)}")
     shp = TINY_SHAPES if a.tiny else SHAPES[a.shapes]
@@ -997,7 +1005,7 @@ def main(argv=None) -> int:
     # the traces' length: about the decode steps the run's decode tasks take, their warm-up included
     n_dec = sum(1 for w in workloads(args) if w.startswith("decode-"))
     trace_steps = max(64, n_dec * (args.decode_tokens + 8) + 32)
-    if "skewed" in args.routings.split(","):
+    if "skewed" in args.routings:
         if args.trace == "auto":
             trace = work / "trace.csv"
             trace_stats = make_trace(trace, steps=trace_steps, layers=n_layers, num_experts=args.experts_n, top_k=args.top_k,
@@ -1006,16 +1014,14 @@ def main(argv=None) -> int:
             from mmap_offload import traces
 
             trace = Path(args.trace)
-            tr = traces.read_csv(trace)
-            trace_stats = {**traces.trace_stats(tr, args.experts_n), "reuse": traces.reuse_fraction(tr),
-                           "shape": list(tr.shape), "path": str(trace)}
+            trace_stats = trace_summary(traces.read_csv(trace), args.experts_n, trace)
         log(f"trace {trace}: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in trace_stats.items()})}")
         big = max((int(w.split("-")[1]) for w in workloads(args) if w.startswith("decode-")), default=1)
         if trace_stats["shape"][2] < big:
             log(f"WARNING: the trace has {trace_stats['shape'][2]} sequences per step, decode-{big} repeats them "
                 "(fewer distinct experts than real sequences would route)")
     uniform_trace, uniform_stats = None, None
-    if "uniform-trace" in args.routings.split(","):
+    if "uniform-trace" in args.routings:
         uniform_trace = work / "trace-uniform.csv"
         uniform_stats = make_uniform_trace(uniform_trace, steps=trace_steps,
                                            layers=n_layers, num_experts=args.experts_n, top_k=args.top_k,
