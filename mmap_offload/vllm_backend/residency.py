@@ -52,11 +52,11 @@ from ..async_step import AsyncStep
 from ..expert_cache import ExpertCache
 from ..expert_step import ExpertStep
 from .patches import log
+from ..transfer import Copy
 
 # the H200's pinned host -> device rate (docs/TRANSFER.md: 54.5-55.4 GB/s), the link on which
 # hybrid_small_calls="auto"'s threshold was measured (options.py hybrid_small_ms)
 REFERENCE_LINK_BPS = 55e9
-from ..transfer import Copy
 
 
 class Residency:
