@@ -77,8 +77,8 @@ class MmapOptions:
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
     # "auto" (default): the expert step until the end-of-step check has seen such calls miss
-    # hybrid_small_ms of link time or more per call (an average over steps), then the hybrid form until
-    # they miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
+    # hybrid_small_ms of link time or more per call (an average over their steps, from 0, weight 0.1 to
+    # the newest), then the hybrid form until they miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
     # each (independent uniform picks: 0.834x uva against 0.670x, session 24; ahead in session 23's
     # runs too) and lost where they missed ~11 MiB (the skewed trace at the user's shapes, sessions
     # 14 and 17): "auto" takes each side's winner (BENCHMARKS.md "Real vLLM", session 24)

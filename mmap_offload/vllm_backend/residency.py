@@ -501,15 +501,16 @@ class Residency:
         """Option hybrid_small_calls="auto", at the end-of-step check (the async step's counters are
         folded there): the misses per call of a step whose calls fit the pool, hybrid or not (the
         stream counts a call's misses before the host takes its share), averaged over such steps
-        (weight 0.3 to the newest); the hybrid form from the threshold on (hybrid_small_ms of link time
+        (weight 0.1 to the newest, from 0); the hybrid form from the threshold on (hybrid_small_ms of link time
         per call, in bytes), the expert step again below 3/4 of it."""
         calls, misses = self.async_step.decided()
         prev, self._small_seen = self._small_seen, (calls, misses)
         if not self._small_step or calls <= prev[0]:
             return
         per_call = (misses - prev[1]) / (calls - prev[0]) * self.ec.expert_nbytes
-        avg = self._small_miss_bytes
-        avg = self._small_miss_bytes = per_call if avg is None else 0.7 * avg + 0.3 * per_call
+        # from 0 (the expert step's side): the first steps, whose pool is still empty, miss every
+        # expert and would switch at once; it takes a few steps of many misses to switch
+        avg = self._small_miss_bytes = 0.9 * (self._small_miss_bytes or 0.0) + 0.1 * per_call
         was = self.hybrid_small
         self.hybrid_small = avg >= (0.75 if was else 1.0) * self._small_on_bytes
         self.metrics["small_auto_switches"] += int(self.hybrid_small != was)
