@@ -330,25 +330,33 @@ def test_hybrid_calls_reuse_their_views_until_a_new_set_host(cache, kernel):
         ea.close()
 
 
-def _hybrid_residency(tmp_path, seed: int, **options):
+def _expert_nbytes(tmp_path) -> int:
+    """One expert's bytes in the caches these tests make (H, INTER, GROUP)."""
+    c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=1, layers=(0,))
+    return sum(s.nbytes for s in c.expert_specs)
+
+
+def _hybrid_residency(tmp_path, seed: int, experts: int = E, layers: tuple = LAYERS, slots: int = SLOTS,
+                      host_threads: int = 2, **options):
     """The vLLM backend's Residency over a Marlin cache (every expert checked) with a stand-in
-    offloader, hybrid with 2 host threads, SLOTS slots per layer: (res, engine, cache, bufs, targets)."""
+    offloader, hybrid with ``host_threads`` host threads, ``slots`` slots per layer:
+    (res, engine, cache, bufs, targets)."""
     from types import SimpleNamespace
 
     from mmap_offload.vllm_backend.options import MmapOptions
     from mmap_offload.vllm_backend.residency import Residency
 
-    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=seed)
-    for layer in LAYERS:
-        cache.check_experts_once(layer, list(range(E)))
+    cache = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=experts, layers=layers, seed=seed)
+    for layer in layers:
+        cache.check_experts_once(layer, list(range(experts)))
     eng = _ordered_engine()
-    bufs = {l: _buffer(cache) for l in LAYERS}
-    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
-    opts = MmapOptions(hybrid=True, host_threads=2, layer_stream_fraction=1.0, **options)
+    bufs = {l: _buffer_of(cache, experts) for l in layers}
+    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(layers)]
+    opts = MmapOptions(hybrid=True, host_threads=host_threads, layer_stream_fraction=1.0, **options)
     off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets,
                           tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer, event=True: (bufs[layer], None)))
     nbytes = sum(s.nbytes for s in cache.expert_specs)
-    return Residency(off, capacity_bytes=SLOTS * len(LAYERS) * nbytes), eng, cache, bufs, targets
+    return Residency(off, capacity_bytes=slots * len(layers) * nbytes), eng, cache, bufs, targets
 
 
 def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypatch):
@@ -500,8 +508,7 @@ def test_hybrid_small_calls_auto_follows_the_misses_per_call(tmp_path):
     under 3/4 of it, the expert step again. The output equals every pair from the cache throughout."""
     from mmap_offload.vllm_backend.residency import REFERENCE_LINK_BPS
 
-    cache = make_marlin_cache(tmp_path / "size", hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS)
-    nbytes = sum(s.nbytes for s in cache.expert_specs)
+    nbytes = _expert_nbytes(tmp_path / "size")
     res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=8, hybrid_small_ms=0.5 * nbytes / REFERENCE_LINK_BPS * 1e3)
     try:
         # the CPU has no link to time: the threshold is hybrid_small_ms at the reference rate (half an expert)
@@ -589,28 +596,18 @@ def test_hybrid_small_calls_auto_on_the_bench_traces_picks_the_measured_winners(
     if bench not in sys.path:
         sys.path.insert(0, bench)
     import bench_vllm
-    from test_expert_step import _ordered_engine as engine
 
     from mmap_offload import traces
-    from mmap_offload.vllm_backend.options import MmapOptions
-    from mmap_offload.vllm_backend.residency import REFERENCE_LINK_BPS, Residency
-    from types import SimpleNamespace
+    from mmap_offload.vllm_backend.residency import REFERENCE_LINK_BPS
 
     n_exp, mib = {"default": (64, 9.3), "user": (160, 5.8)}[shapes]
     layers, steps = tuple(range(8)), 150
-    cache = make_marlin_cache(tmp_path / "c", hidden=H, inter=INTER, group=GROUP, experts=n_exp, layers=layers, seed=1)
-    for layer in layers:
-        cache.check_experts_once(layer, list(range(n_exp)))
-    nb = sum(s.nbytes for s in cache.expert_specs)
+    nb = _expert_nbytes(tmp_path / "size")
     thr_experts = 0.6e-3 * REFERENCE_LINK_BPS / (mib * (1 << 20))  # 31.5 MiB in experts of these shapes
-    bufs = {l: _buffer_of(cache, n_exp) for l in layers}
-    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(layers)]
-    opts = MmapOptions(hybrid=True, host_threads=1, layer_stream_fraction=1.0,
-                       hybrid_small_ms=thr_experts * nb / REFERENCE_LINK_BPS * 1e3)
-    eng = engine()
-    off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets, tp_size=1,
-                          _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer, event=True: (bufs[layer], None)))
-    res = Residency(off, capacity_bytes=(n_exp // 4) * len(layers) * nb)
+    res, eng, cache, bufs, targets = _hybrid_residency(
+        tmp_path / "c", seed=1, experts=n_exp, layers=layers, slots=n_exp // 4, host_threads=1,
+        hybrid_small_ms=thr_experts * nb / REFERENCE_LINK_BPS * 1e3)
+    assert res.ec.expert_nbytes == nb
     make = bench_vllm.make_trace if routing == "skewed" else bench_vllm.make_uniform_trace
     make(tmp_path / "t.csv", steps=steps, layers=len(layers), num_experts=n_exp, top_k=8, batch=64, seed=0)
     tr = traces.read_csv(tmp_path / "t.csv")
