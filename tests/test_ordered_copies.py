@@ -336,3 +336,57 @@ def test_a_read_fault_fails_only_its_batch(tmp_path):
     lines, err = run_child(code, str(tmp_path))
     assert err.startswith("ERR") and "a.bin" in err and "layer 3 expert 5" in err and "SIGBUS" in err, lines
     assert "B True" in lines
+
+
+class _Piece(ctypes.Structure):  # csrc/copy_pool.c mo_piece: source address, offset in base, bytes
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("n", ctypes.c_uint64)]
+
+
+def _fills_max_active(cap: int, batches: int, stop_at: int = 0) -> tuple[int, bool]:
+    """Queue ``batches`` fills (mo_fill_queue, the async step's call) of 16 pieces of 1 MiB with
+    ``cap`` on a pool of 4 fill threads; returns the most threads seen filling one at once (the
+    pool's ordered_max_active) and whether every byte landed. Stops early once that reaches
+    ``stop_at`` (> 0)."""
+    eng = engine(slot=1 << 20, slots=4, threads=4)
+    pool = eng._pool
+    lib = pool.lib
+    lib.mo_fill_queue.restype = ctypes.c_void_p
+    lib.mo_fill_queue.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.mo_fill_finish.restype = ctypes.c_int
+    lib.mo_fill_finish.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    n, mib = 16, 1 << 20
+    src = np.random.default_rng(cap).integers(0, 256, n * mib, dtype=np.uint8)
+    dst = np.zeros(n * mib, dtype=np.uint8)
+    pieces = (_Piece * n)(*[_Piece(src.ctypes.data + i * mib, i * mib, mib) for i in range(n)])
+    flags = np.zeros(n, dtype=np.uint64)
+    fault = ctypes.c_uint64(0)
+    exact, peak = True, 0
+    try:
+        for _ in range(batches):
+            dst[:] = 0
+            h = lib.mo_fill_queue(pool.handle, dst.ctypes.data, ctypes.addressof(pieces), n, flags.ctypes.data, 1, cap)
+            assert h, "mo_fill_queue refused a fill"
+            assert lib.mo_fill_finish(pool.handle, h, ctypes.byref(fault)) == 0
+            exact = exact and bool(np.array_equal(dst, src)) and bool((flags == 1).all())
+            peak = pool.ordered_stats()["ordered_max_active"]
+            if stop_at and peak >= stop_at:
+                break
+    finally:
+        eng.close()
+    return peak, exact
+
+
+def test_a_capped_fill_never_runs_on_more_threads_than_its_cap():
+    """A hybrid call's fill (csrc/async_step.c queue_fill, ``hybrid_fill_threads``) is capped so the
+    fill threads it leaves idle are the host job's cores: however many fill threads the pool has, at
+    most ``cap`` copy one capped batch at once, and every byte still lands. Uncapped, the same fills
+    run on more than one thread (shown first, so the cap is what keeps the count down)."""
+    peak, exact = _fills_max_active(0, 200, stop_at=2)
+    assert exact
+    if peak < 2:
+        pytest.skip("this machine never ran two fill threads at once in 200 fills: the cap cannot be told apart")
+    for cap in (1, 2):
+        peak, exact = _fills_max_active(cap, 60)
+        assert exact, f"cap {cap}: the fill's bytes differ"
+        assert 1 <= peak <= cap, f"cap {cap}: {peak} threads filled one batch at once"

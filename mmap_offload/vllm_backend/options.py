@@ -73,6 +73,11 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
+    # with hybrid_stream: at most this many of the copy pool's fill threads copy a hybrid call's misses
+    # while its host job runs (the others leave their cores to the host); 0 = every fill thread. A
+    # count > 0 also sets host_threads' default: the cores less these fill threads (not `threads`,
+    # which stays the copy threads of layer streaming and of calls with nothing for the host)
+    hybrid_fill_threads: int = 0
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
@@ -167,6 +172,11 @@ class MmapOptions:
         if not self.hybrid_small_ms >= 0:
             raise UnsupportedError(f"mmap_offload hybrid_small_ms must be >= 0, got {self.hybrid_small_ms}",
                                    "pass the misses' link time per decode call (ms) from which they go to the host, e.g. 0.6")
+        if self.hybrid_fill_threads < 0:
+            raise UnsupportedError(
+                f"mmap_offload hybrid_fill_threads must be >= 0, got {self.hybrid_fill_threads}",
+                "pass 0 (every fill thread) or a count of threads",
+            )
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",
@@ -184,6 +194,11 @@ class MmapOptions:
         if self.threads > 0:
             return self.threads
         return HYBRID_COPY_THREADS if self.hybrid else COPY_THREADS
+
+    def host_side_copy_threads(self) -> int:
+        """The copy threads that run beside a hybrid call's host job: ``hybrid_fill_threads`` where it
+        caps them, else every copy thread; host_threads' default leaves these their cores."""
+        return self.hybrid_fill_threads if self.hybrid_fill_threads > 0 else self.copy_threads()
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
