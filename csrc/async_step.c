@@ -942,8 +942,6 @@ int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int6
     return 0;
 }
 
-/* A hybrid call's parts from the next call on (mo_hybrid.parts: 0 the fewest, -1 a plain call's,
- * n > 0 n); returns the setting. Any value < -1 reads it. */
 /* The fill threads of a hybrid call that gave the host a share, from the next call on: at most
  * ``cap`` of the copy pool's fill threads copy its misses while the host computes (cap > 0), the
  * rest leave their cores to the host job; 0 every fill thread. Calls with nothing for the host
@@ -953,6 +951,8 @@ int64_t mo_async_fill_cap(mo_async *a, int64_t cap) {
     return __atomic_load_n(&a->fill_cap, __ATOMIC_RELAXED);
 }
 
+/* A hybrid call's parts from the next call on (mo_hybrid.parts: 0 the fewest, -1 a plain call's,
+ * n > 0 n); returns the setting. Any value < -1 reads it. */
 int64_t mo_async_hybrid_parts(mo_async *a, int64_t parts) {
     pthread_mutex_lock(&a->mu);
     if (parts >= -1) a->hy.parts = parts;

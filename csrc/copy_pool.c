@@ -1022,8 +1022,8 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
  * or 2 if its read failed or the pool closed. ``movsb``: 1 cached stores (the device reads the
  * bytes right after: they may still be in the last-level cache), 0 streaming stores, -1 the pool's
  * rule. ``cap`` > 0: at most that many of the threads fill it at once, the others wait (a hybrid
- * call's fill, while the host computes its share: the threads it leaves idle are the host's cores;
- * 0 every thread. Returns a handle for mo_fill_finish, or NULL (no ordered threads, out of memory, or the
+ * call's fill while the host computes its share: the threads it leaves idle are the host's cores);
+ * 0: every thread. Returns a handle for mo_fill_finish, or NULL (no ordered threads, out of memory, or the
  * pool is closing: then every flag is 2). */
 void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64_t *flags, int movsb, int cap) {
     if (!p || !base || !n || !in || !p->g_nthreads) goto refuse;
