@@ -269,6 +269,9 @@ def test_hybrid_fill_threads_cap_the_copy_threads_beside_the_host_and_set_its_de
     o = MmapOptions.resolve({"hybrid": True, "hybrid_fill_threads": "3"}, env={})
     assert (o.hybrid_fill_threads, o.host_side_copy_threads(), o.copy_threads()) == (3, 3, 6)
     assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_HYBRID_FILL_THREADS": "2"}).host_side_copy_threads() == 2
+    # the Python hybrid path (no stream) copies with every thread: the cap does not apply there
+    assert MmapOptions.resolve({"hybrid": True, "hybrid_fill_threads": 3, "hybrid_stream": False},
+                               env={}).host_side_copy_threads() == 6
     with pytest.raises(UnsupportedError, match="hybrid_fill_threads must be >= 0"):
         MmapOptions.resolve({"hybrid_fill_threads": -1}, env={})
     argv = launcher_argv(["serve", "/m", "--mmap-hybrid", "--mmap-hybrid-fill-threads", "3"])

@@ -197,8 +197,11 @@ class MmapOptions:
 
     def host_side_copy_threads(self) -> int:
         """The copy threads that run beside a hybrid call's host job: ``hybrid_fill_threads`` where it
-        caps them, else every copy thread; host_threads' default leaves these their cores."""
-        return self.hybrid_fill_threads if self.hybrid_fill_threads > 0 else self.copy_threads()
+        caps them (hybrid calls on the stream: ``hybrid_stream`` and ``async_step``; the Python path
+        copies with every thread), else every copy thread; host_threads' default leaves these their cores."""
+        if self.hybrid_fill_threads > 0 and self.hybrid_stream and self.async_step:
+            return self.hybrid_fill_threads
+        return self.copy_threads()
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
