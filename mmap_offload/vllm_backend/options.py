@@ -83,16 +83,18 @@ class MmapOptions:
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
     # "auto" (default): the expert step until the end-of-step check has seen such calls miss
     # hybrid_small_ms of link time or more per call (an average over their steps, from 0, weight 0.1 to
-    # the newest), then the hybrid form until they miss under 3/4 of it. On the H200 in real vLLM "on" won where batch 1's calls missed 35-56 MiB
-    # each (independent uniform picks: 0.834x uva against 0.670x, session 24; ahead in session 23's
-    # runs too) and lost where they missed ~11 MiB (the skewed trace at the user's shapes, sessions
-    # 14 and 17): "auto" takes each side's winner (BENCHMARKS.md "Real vLLM", session 24)
+    # the newest), then the hybrid form until they miss under 3/4 of it. On the H200 in real vLLM the
+    # hybrid form won where batch 1's calls missed ~56 MiB each (independent uniform picks at the
+    # default shapes: sessions 23-25, 4 runs of 4; 0.834x uva against 0.670x in session 24), tied at
+    # ~35 MiB (the user's shapes: ahead in session 23, behind in 25) and lost at ~11 MiB (the skewed
+    # trace at the user's shapes, sessions 14 and 17): "auto" takes each side's winner
+    # (BENCHMARKS.md "Real vLLM", sessions 24-25)
     hybrid_small_calls: str = "auto"
     # with hybrid_small_calls="auto": the misses' link time per small call (ms: missed bytes / this GPU's
     # pinned host -> device rate, measured when the backend starts) from which they go hybrid. 0.6 ms
-    # = 31.5 MiB at the H200's 55 GB/s: between the measured losses (~11 MiB, 0.21 ms) and wins (35 MiB
-    # and up, 0.67 ms). On PCIe Gen4 (~25 GB/s) it is ~14 MiB: a slower link sends misses to the host
-    # sooner (the H200's decisions carried over by link time; not measured on Gen4)
+    # = 31.5 MiB at the H200's 55 GB/s: between the measured losses (~11 MiB, 0.21 ms) and wins (~56
+    # MiB, 1.07 ms), below the tie at ~35 MiB. On PCIe Gen4 (~25 GB/s) it is ~14 MiB: a slower link
+    # sends misses to the host sooner (the H200's decisions carried over by link time; not measured on Gen4)
     hybrid_small_ms: float = 0.6
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
