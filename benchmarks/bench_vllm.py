@@ -507,9 +507,6 @@ def rows_from_child(child: dict) -> list[dict]:
             if "residency_small_miss_mib" in after:  # ... its average and where it stands
                 row["small_miss_mib"] = round(after["residency_small_miss_mib"], 1)
                 row["small_calls_hybrid"] = bool(after.get("residency_small_calls_hybrid"))
-            if after.get("residency_async_capped_fills"):  # hybrid_fill_threads: fills capped beside a host job
-                row["capped_fills_per_step"] = round(d("residency_async_capped_fills") / steps, 2)
-                row["fill_max_threads"] = int(after.get("engine_ordered_max_active") or 0)  # most at once, any fill
         rows.append(row)
     return rows
 

@@ -64,7 +64,7 @@ typedef int (*fn_cu_launch)(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
 
 /* copy_pool.c */
 typedef struct { uint64_t src, dst, n; } fill_piece;
-void *mo_fill_queue(void *p, char *base, const fill_piece *in, size_t n, uint64_t *flags, int movsb, int cap);
+void *mo_fill_queue(void *p, char *base, const fill_piece *in, size_t n, uint64_t *flags, int movsb);
 int mo_fill_finish(void *p, void *handle, uint64_t *fault);
 
 enum { AJ_JOBS = 128, AJ_MAX_T = 16 };
@@ -83,9 +83,8 @@ enum { A_ERR_NONE = 0, A_ERR_FILL = 1, A_ERR_PROMISE = 2, A_ERR_LAUNCH = 3, A_ER
 enum { AS_CALLS, AS_HITS, AS_MISSES, AS_EVICTIONS, AS_HINT_USED, AS_HINT_WASTED, AS_MISS_BYTES, AS_FILL_NS,
        AS_CB_NS, AS_WAIT_NS, AS_WAITS, AS_ENQ, AS_USED, AS_FILLS, AS_SPARSE, AS_SPARSE_HITS, AS_SPARSE_MISSES,
        AS_ADMITTED, AS_PARTS, AS_HYBRID, AS_HOST_EXPERTS, AS_HOST_ROWS, AS_HOST_NS, AS_HOST_WAIT_NS, AS_HOST_READY,
-       AS_HOST_CALLS, AS_ENQ_NS, AS_CAPPED_FILLS, AS_LEN };
-/* AS_ENQ_NS: the caller's (vLLM's launching thread's) time in mo_async_run / run_sparse /
- * mo_async_collect; AS_CAPPED_FILLS: fills queued on at most mo_async_fill_cap threads */
+       AS_HOST_CALLS, AS_ENQ_NS, AS_LEN }; /* AS_ENQ_NS: the caller's (vLLM's launching thread's) time in
+                                             * mo_async_run / run_sparse / mo_async_collect */
 
 typedef struct mo_async mo_async;
 typedef struct {
@@ -156,8 +155,6 @@ struct mo_async {
     int64_t max_pieces, cap;
     unsigned grid, block;
     int fill_movsb;         /* the fills' stores: 1 cached, 0 streaming, -1 by call (async_step.py) */
-    int fill_cap;           /* a hybrid call's fill threads while its host job runs (0: all; mo_async_fill_cap) */
-    int host_on;            /* the call being filled gave the host a share (callbacks only: one thread) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t enq, done;
@@ -276,9 +273,7 @@ static int64_t queue_fill(mo_async *a, mo_ajob *j) {
     if (!j->nfp) return A_ERR_NONE;
     for (int64_t i = 0; i < j->nfp; i++) j->flags[j->first_fill + i] = 0; /* before the queue */
     int movsb = a->fill_movsb >= 0 ? a->fill_movsb : j->rows[0] != 0; /* auto: sparse calls' fills cached */
-    int cap = a->host_on ? __atomic_load_n(&a->fill_cap, __ATOMIC_RELAXED) : 0;
-    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill, movsb, cap);
-    if (j->fill && cap > 0) __atomic_add_fetch(&a->stats[AS_CAPPED_FILLS], 1, __ATOMIC_RELAXED);
+    j->fill = mo_fill_queue(a->pool, a->staging, j->fp, (size_t)j->nfp, j->flags + j->first_fill, movsb);
     if (j->fill) {
         a->inflight = j;
         return A_ERR_NONE;
@@ -397,7 +392,6 @@ static void async_cb(void *arg) {
             slot_ids[i] = (uint64_t)st->lut[mo_step_read_id(j->ids, i, isz)];
     }
     job_head(j, np, nk, st);
-    a->host_on = 0; /* a plain call: no host job beside its fill */
     if (!err) err = queue_fill(a, j);
     pthread_mutex_lock(&a->mu);
     if (err != A_ERR_PROMISE) {
@@ -668,7 +662,6 @@ static void sparse_cb(void *arg) {
         if (err) memset(host_e, 0, (size_t)st->E);
         hybrid_blk(a, j, host_e, dummy);
     }
-    a->host_on = j->hy && !err && nhost > 0; /* this call's parts fill beside its host job */
     if (err) { /* nothing decided (the checks precede every commit): no part copies anything */
         for (int64_t k = 0; k < K; k++) { part[k]->nfp = 0; job_head(part[k], 0, 0, st); }
     } else {
@@ -940,15 +933,6 @@ int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int6
     h->adapt = adapt != 0;
     h->started = 0;
     return 0;
-}
-
-/* The fill threads of a hybrid call that gave the host a share, from the next call on: at most
- * ``cap`` of the copy pool's fill threads copy its misses while the host computes (cap > 0), the
- * rest leave their cores to the host job; 0 every fill thread. Calls with nothing for the host
- * fill with every thread. Any value < 0 reads it; returns the setting. */
-int64_t mo_async_fill_cap(mo_async *a, int64_t cap) {
-    if (cap >= 0) __atomic_store_n(&a->fill_cap, (int)cap, __ATOMIC_RELAXED);
-    return __atomic_load_n(&a->fill_cap, __ATOMIC_RELAXED);
 }
 
 /* A hybrid call's parts from the next call on (mo_hybrid.parts: 0 the fewest, -1 a plain call's,

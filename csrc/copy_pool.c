@@ -30,7 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MO_POOL_ABI 8
+#define MO_POOL_ABI 7
 int mo_pool_abi(void) { return MO_POOL_ABI; }
 
 /* --- the CUDA runtime calls the pool makes (cudaError_t = int, cudaStream_t/Event_t = void *) */
@@ -104,7 +104,6 @@ typedef struct gbatch {      /* one group */
     uint64_t *flags;         /* mo_fill_queue: per chunk, 1 (filled) or 2 (failed), stored once it is done */
     int fill_err;            /* mo_fill_queue: the batch's first error, set when it is filled */
     int movsb;               /* mo_fill_queue: 1 cached stores (rep movsb), 0 streaming (nt4), -1 the pool's rule */
-    int cap, active;         /* mo_fill_queue: at most cap threads fill it at once (0: all); how many do now */
     uint64_t fill_fault;
 } gbatch;
 
@@ -161,7 +160,6 @@ struct mo_pool {
     uint64_t st_g_fill_waits; /* fills queued by mo_fill_queue */
     uint64_t st_g_ungated; /* batches whose gate could not be launched (the submit waited) */
     uint64_t st_g_submit_ns; /* time inside mo_gate_submit (the caller's thread) */
-    uint64_t st_g_max_active; /* the most threads seen filling one batch at once */
 };
 
 void mo_pool_shutdown(mo_pool *p);
@@ -731,14 +729,10 @@ static void *gworker(void *arg) {
     guard_addr = NULL;
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        /* a capped batch (mo_fill_queue's cap) at its cap: the threads beyond it wait for one of its
-         * chunks to end, or for the next batch at the head */
-        while (!p->closing && (!p->g_head_q || (p->g_head_q->cap > 0 && p->g_head_q->active >= p->g_head_q->cap)))
-            pthread_cond_wait(&p->g_work_cv, &p->mu);
+        while (!p->g_head_q && !p->closing) pthread_cond_wait(&p->g_work_cv, &p->mu);
         gbatch *b = p->g_head_q;
         if (!b) break;
         uint32_t ci = b->taken++;
-        if ((uint64_t)++b->active > p->st_g_max_active) p->st_g_max_active = (uint64_t)b->active;
         if (b->taken == b->nchunks) {
             p->g_head_q = b->next;
             if (!p->g_head_q) p->g_tail_q = NULL;
@@ -764,7 +758,6 @@ static void *gworker(void *arg) {
             p->st_g_fill_ns += dt;
             p->st_g_bytes += err ? 0 : bytes;
         }
-        if (--b->active < b->cap) pthread_cond_broadcast(&p->g_work_cv); /* before b may be freed */
         gchunk_finished(p, b, err, fault);
     }
     pthread_mutex_unlock(&p->mu);
@@ -1021,11 +1014,9 @@ int64_t mo_gate_submit(mo_pool *p, const mo_piece *in, size_t n, size_t chunk_by
  * is waited for. ``flags`` (may be NULL): flags[i] is stored (release) once piece i is there: 1,
  * or 2 if its read failed or the pool closed. ``movsb``: 1 cached stores (the device reads the
  * bytes right after: they may still be in the last-level cache), 0 streaming stores, -1 the pool's
- * rule. ``cap`` > 0: at most that many of the threads fill it at once, the others wait (a hybrid
- * call's fill while the host computes its share: the threads it leaves idle are the host's cores);
- * 0: every thread. Returns a handle for mo_fill_finish, or NULL (no ordered threads, out of memory, or the
+ * rule. Returns a handle for mo_fill_finish, or NULL (no ordered threads, out of memory, or the
  * pool is closing: then every flag is 2). */
-void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64_t *flags, int movsb, int cap) {
+void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64_t *flags, int movsb) {
     if (!p || !base || !n || !in || !p->g_nthreads) goto refuse;
     gbatch *b = calloc(1, sizeof(*b));
     gparent *par = calloc(1, sizeof(*par) + ST_GATED_LEN * sizeof(int64_t));
@@ -1043,7 +1034,6 @@ void *mo_fill_queue(mo_pool *p, char *base, const mo_piece *in, size_t n, uint64
     b->base = base;
     b->flags = flags;
     b->movsb = movsb;
-    b->cap = cap > 0 ? cap : 0;
     b->parent = par;
     b->refs = 2; /* its fill's end and mo_fill_finish */
     par->status = (int64_t *)(par + 1); /* freed with par, after the fill; finish reads b's copy */
@@ -1096,14 +1086,13 @@ static int gates_drained(mo_pool *p, int seconds) {
 
 /* stream-ordered batches: batches, bytes filled, fill_ns, gates run, gates that waited for their
  * fill, ns they waited (the stream's stall), arena bytes, fill threads, batches without a gate,
- * ns spent in mo_gate_submit, the most threads seen filling one batch at once */
+ * ns spent in mo_gate_submit */
 void mo_gate_stats(mo_pool *p, uint64_t *out) {
     pthread_mutex_lock(&p->mu);
     out[0] = p->st_g_batches; out[1] = p->st_g_bytes; out[2] = p->st_g_fill_ns;
     out[3] = p->st_g_gates; out[4] = p->st_g_gates_waited; out[5] = p->st_g_gate_wait_ns;
     out[6] = p->g_size; out[7] = (uint64_t)p->g_nthreads; out[8] = p->st_g_ungated;
     out[9] = __atomic_load_n(&p->st_g_submit_ns, __ATOMIC_RELAXED);
-    out[10] = p->st_g_max_active;
     pthread_mutex_unlock(&p->mu);
 }
 

@@ -46,8 +46,8 @@ __all__ = ["AsyncStep"]
 _vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 (_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
  _ENQ, _USED, _FILLS, _SPARSE, _SPARSE_HITS, _SPARSE_MISSES, _ADMITTED, _PARTS, _HYBRID, _HOST_EXPERTS, _HOST_ROWS,
- _HOST_NS, _HOST_WAIT_NS, _HOST_READY, _HOST_CALLS, _ENQ_NS, _CAPPED_FILLS) = range(28)
-_N = 28  # csrc/async_step.c AS_LEN
+ _HOST_NS, _HOST_WAIT_NS, _HOST_READY, _HOST_CALLS, _ENQ_NS) = range(27)
+_N = 27  # csrc/async_step.c AS_LEN
 _JOBS = 128  # csrc/async_step.c AJ_JOBS
 _HIT_CHUNK = 1 << 20  # csrc/async_step.c HIT_CHUNK
 _ERR_FILL, _ERR_PROMISE, _ERR_LAUNCH, _ERR_KERNEL, _ERR_HOST = 1, 2, 3, 4, 5
@@ -82,8 +82,6 @@ def _typed(lib) -> bool:
     lib.mo_async_host_share.argtypes = [_vp, ctypes.c_double]
     lib.mo_async_hybrid_parts.restype = _i64
     lib.mo_async_hybrid_parts.argtypes = [_vp, _i64]
-    lib.mo_async_fill_cap.restype = _i64
-    lib.mo_async_fill_cap.argtypes = [_vp, _i64]
     lib.mo_async_run_hybrid.restype = _i64
     lib.mo_async_run_hybrid.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp]
     lib.mo_async_collect.restype = _i64
@@ -336,19 +334,6 @@ class AsyncStep:
             raise ValueError(f"hybrid_parts={v}: use 0 (the fewest), -1 (a plain call's) or a count")
         self.lib.mo_async_hybrid_parts(self.handle, int(v))
 
-    @property
-    def hybrid_fill_threads(self) -> int:
-        """The copy pool's fill threads that copy a hybrid call's misses while its host job runs (a
-        call that gave the host a share): at most this many, the others leave their cores to the
-        host; 0 (the default) every fill thread. Calls with nothing for the host use every one."""
-        return int(self.lib.mo_async_fill_cap(self.handle, -1))
-
-    @hybrid_fill_threads.setter
-    def hybrid_fill_threads(self, v: int) -> None:
-        if int(v) < 0:
-            raise ValueError(f"hybrid_fill_threads={v}: use 0 (every fill thread) or a count")
-        self.lib.mo_async_fill_cap(self.handle, int(v))
-
     def run_hybrid(self, layer: int, ids: torch.Tensor, rows: dict[str, torch.Tensor], weights: torch.Tensor,
                    x: torch.Tensor, sources: np.ndarray, max_admit: int = 4):
         """``run_sparse``'s call of ``x.shape[0]`` tokens (ids ``[n, k]``) where part of the misses
@@ -551,8 +536,7 @@ class AsyncStep:
                    hybrid_calls=int(s[_HYBRID]), host_calls=int(s[_HOST_CALLS]), host_experts=int(s[_HOST_EXPERTS]),
                    host_rows=int(s[_HOST_ROWS]), host_s=float(s[_HOST_NS]) / 1e9,
                    host_wait_s=float(s[_HOST_WAIT_NS]) / 1e9, host_ready=int(s[_HOST_READY]),
-                   host_share=self.host_share if self.handle else 0.0, enqueue_s=float(s[_ENQ_NS]) / 1e9,
-                   capped_fills=int(s[_CAPPED_FILLS]))
+                   host_share=self.host_share if self.handle else 0.0, enqueue_s=float(s[_ENQ_NS]) / 1e9)
         return out
 
     def close(self) -> None:

@@ -259,26 +259,6 @@ def test_copy_threads_default_to_six_with_hybrid_and_eight_without():
         MmapOptions.resolve({"host_threads": -2}, env={})
 
 
-def test_hybrid_fill_threads_cap_the_copy_threads_beside_the_host_and_set_its_default():
-    """hybrid_fill_threads: 0 (the default) caps nothing, and the host's default threads leave every
-    copy thread its core; a count is what runs beside a host job (host_side_copy_threads) while the
-    copy threads of layer streaming stay as they were; negative is refused with the fix; the
-    launcher's flag reaches the config."""
-    o = MmapOptions.resolve({"hybrid": True}, env={})
-    assert o.hybrid_fill_threads == 0 and o.host_side_copy_threads() == o.copy_threads() == 6
-    o = MmapOptions.resolve({"hybrid": True, "hybrid_fill_threads": "3"}, env={})
-    assert (o.hybrid_fill_threads, o.host_side_copy_threads(), o.copy_threads()) == (3, 3, 6)
-    assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_HYBRID_FILL_THREADS": "2"}).host_side_copy_threads() == 2
-    # the Python hybrid path (no stream) copies with every thread: the cap does not apply there
-    assert MmapOptions.resolve({"hybrid": True, "hybrid_fill_threads": 3, "hybrid_stream": False},
-                               env={}).host_side_copy_threads() == 6
-    with pytest.raises(UnsupportedError, match="hybrid_fill_threads must be >= 0"):
-        MmapOptions.resolve({"hybrid_fill_threads": -1}, env={})
-    argv = launcher_argv(["serve", "/m", "--mmap-hybrid", "--mmap-hybrid-fill-threads", "3"])
-    assert json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY] == {"hybrid": True,
-                                                                                    "hybrid_fill_threads": 3}
-
-
 def test_expert_cache_size_option():
     """None = auto (from what vLLM leaves free), 0 = layer streaming only, else GiB."""
     assert MmapOptions.resolve(None, env={}).expert_cache_gib is None

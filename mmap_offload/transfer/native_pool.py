@@ -26,7 +26,7 @@ _ERR_CANCELLED, _ERR_FAULT = -1, -2  # status[_ST_ERROR] below 0; above 0 it is 
 # mo_gate_submit refusals (nothing queued; the caller takes the ordinary path)
 _GATE_UNSUPPORTED, _GATE_TOO_BIG, _GATE_OTHER_STREAM = -3, -4, -5
 
-NATIVE_POOL_ABI = 8  # csrc/copy_pool.c MO_POOL_ABI
+NATIVE_POOL_ABI = 7  # csrc/copy_pool.c MO_POOL_ABI
 _native_lock = threading.Lock()
 
 
@@ -320,7 +320,7 @@ class _NativePool:
         h = self._enter(closing_ok=True)
         if not h:
             return {k: v for k, v in self._final.items() if k.startswith("ordered_")}
-        out = np.zeros(11, dtype=np.uint64)
+        out = np.zeros(10, dtype=np.uint64)
         try:
             self.lib.mo_gate_stats(h, out.ctypes.data)
         finally:
@@ -329,7 +329,7 @@ class _NativePool:
                     ordered_fill_seconds=int(out[2]) / 1e9, ordered_gates=int(out[3]),
                     ordered_gates_waited=int(out[4]), ordered_gate_wait_seconds=int(out[5]) / 1e9,
                     ordered_arena_bytes=int(out[6]), ordered_threads=int(out[7]), ordered_ungated=int(out[8]),
-                    ordered_submit_seconds=int(out[9]) / 1e9, ordered_max_active=int(out[10]))
+                    ordered_submit_seconds=int(out[9]) / 1e9)
 
     def wait(self, ticket: Ticket) -> None:
         # closing_ok: shutdown issues every batch, so a waiter in there returns, then close frees

@@ -28,9 +28,8 @@ the cheapest miss goes to the host), and again whenever the host got nothing for
 ``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
 
 Threads (``default_threads``): the cores of this rank, less the copy engine's threads (6 by default
-with hybrid, ``MmapOptions.copy_threads``: 9 host threads at 16 cores; or ``hybrid_fill_threads``
-where that caps the fill threads of hybrid calls, ``MmapOptions.host_side_copy_threads``) and one for
-the thread that launches vLLM's GPU work. On the Python path the kernel gets one thread more than that
+with hybrid, ``MmapOptions.copy_threads``: 9 host threads at 16 cores) and one for the thread that
+launches vLLM's GPU work. On the Python path the kernel gets one thread more than that
 count: its thread 0 is the launching thread, which joins the job only at ``add_to``, when it has nothing
 to launch. On the stream path (``stream``: hybrid calls started and collected by the async step's
 callbacks) the joining thread is CUDA's callback thread while the launching thread runs on, so the kernel
@@ -141,8 +140,7 @@ class HostExperts:
         opts = getattr(off, "options", None)
         explicit = threads > 0 and (opts is None or getattr(opts, "host_threads", 0) > 0)
         if not explicit:  # the backend passes its own default: this one knows the copy engine's threads
-            copy = (opts.host_side_copy_threads() if hasattr(opts, "host_side_copy_threads")
-                    else int(getattr(opts, "threads", 0) or 0))
+            copy = opts.copy_threads() if hasattr(opts, "copy_threads") else int(getattr(opts, "threads", 0) or 0)
             threads = default_threads(int(getattr(off, "tp_size", 1) or 1), copy)
         self.threads = int(threads)
         if self.kind == "w4a16":

@@ -73,11 +73,6 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
-    # with hybrid_stream: at most this many of the copy pool's fill threads copy a hybrid call's misses
-    # while its host job runs (the others leave their cores to the host); 0 = every fill thread. A
-    # count > 0 also sets host_threads' default: the cores less these fill threads (not `threads`,
-    # which stays the copy threads of layer streaming and of calls with nothing for the host)
-    hybrid_fill_threads: int = 0
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
@@ -85,17 +80,19 @@ class MmapOptions:
     # hybrid_small_ms of link time or more per call (an average over their steps, from 0, weight 0.1 to
     # the newest), then the hybrid form until they miss under 3/4 of it. On the H200 in real vLLM the
     # hybrid form won where batch 1's calls missed ~56 MiB each (independent uniform picks at the
-    # default shapes: sessions 23-25, 4 runs of 4; 0.834x uva against 0.670x in session 24), tied at
-    # ~35 MiB (the user's shapes: ahead in session 23, behind in 25) and lost at ~11 MiB (the skewed
-    # trace at the user's shapes, sessions 14 and 17): "auto" takes each side's winner
-    # (BENCHMARKS.md "Real vLLM", sessions 24-25)
+    # default shapes: sessions 23-25, 4 runs of 4) and ~25 MiB (the skewed trace at the default shapes:
+    # session 26, 0.990x uva against 0.839x, 3 children each), tied at ~35 MiB (the user's shapes'
+    # uniform picks: ahead in sessions 23 and 26, behind in 25) and lost at ~11 MiB (the skewed trace at
+    # the user's shapes, sessions 14 and 17): "auto" takes each side's winner (BENCHMARKS.md "Real
+    # vLLM", sessions 24-26)
     hybrid_small_calls: str = "auto"
     # with hybrid_small_calls="auto": the misses' link time per small call (ms: missed bytes / this GPU's
-    # pinned host -> device rate, measured when the backend starts) from which they go hybrid. 0.6 ms
-    # = 31.5 MiB at the H200's 55 GB/s: between the measured losses (~11 MiB, 0.21 ms) and wins (~56
-    # MiB, 1.07 ms), below the tie at ~35 MiB. On PCIe Gen4 (~25 GB/s) it is ~14 MiB: a slower link
-    # sends misses to the host sooner (the H200's decisions carried over by link time; not measured on Gen4)
-    hybrid_small_ms: float = 0.6
+    # pinned host -> device rate, measured when the backend starts) from which they go hybrid. 0.4 ms
+    # = 21 MiB at the H200's 55 GB/s: between the measured loss (~11 MiB, 0.21 ms) and the smallest
+    # win (~25 MiB, 0.47 ms; session 26 lowered it from 0.6, whose 31.5 MiB left that win on the
+    # expert step). On PCIe Gen4 (~25 GB/s) it is ~9.5 MiB: a slower link sends misses to the host
+    # sooner (the H200's decisions carried over by link time; not measured on Gen4)
+    hybrid_small_ms: float = 0.4
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
     # where layer_stream_fraction would stream the whole layer. 512 = decode batch 64 at top-8: the
@@ -173,12 +170,7 @@ class MmapOptions:
                                    "pass auto (the default), on or off")
         if not self.hybrid_small_ms >= 0:
             raise UnsupportedError(f"mmap_offload hybrid_small_ms must be >= 0, got {self.hybrid_small_ms}",
-                                   "pass the misses' link time per decode call (ms) from which they go to the host, e.g. 0.6")
-        if self.hybrid_fill_threads < 0:
-            raise UnsupportedError(
-                f"mmap_offload hybrid_fill_threads must be >= 0, got {self.hybrid_fill_threads}",
-                "pass 0 (every fill thread) or a count of threads",
-            )
+                                   "pass the misses' link time per decode call (ms) from which they go to the host, e.g. 0.4")
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",
@@ -196,14 +188,6 @@ class MmapOptions:
         if self.threads > 0:
             return self.threads
         return HYBRID_COPY_THREADS if self.hybrid else COPY_THREADS
-
-    def host_side_copy_threads(self) -> int:
-        """The copy threads that run beside a hybrid call's host job: ``hybrid_fill_threads`` where it
-        caps them (hybrid calls on the stream: ``hybrid_stream`` and ``async_step``; the Python path
-        copies with every thread), else every copy thread; host_threads' default leaves these their cores."""
-        if self.hybrid_fill_threads > 0 and self.hybrid_stream and self.async_step:
-            return self.hybrid_fill_threads
-        return self.copy_threads()
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -94,7 +94,6 @@ class Residency:
             else:
                 self.async_step = got
                 got.hybrid_parts = opts.hybrid_parts  # hybrid calls' parts (kept across set_host)
-                got.hybrid_fill_threads = opts.hybrid_fill_threads  # their fill threads beside the host job
         # ids per call the async step can take (at most one miss per id: the pool and its staging)
         self.async_fits = min(self.ec.slots_per_pool, self.async_step.max_experts) if self.async_step is not None else 0
         self._async_dirty = False  # a call was enqueued since the last wait
