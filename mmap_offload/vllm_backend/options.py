@@ -91,8 +91,9 @@ class MmapOptions:
     # = 21 MiB at the H200's 55 GB/s: between the measured loss (~11 MiB, 0.21 ms) and the smallest
     # win (~25 MiB, 0.47 ms; session 26 lowered it from 0.6, whose 31.5 MiB left that win on the
     # expert step; at 0.4 in vLLM, session 27: the hybrid form there, the expert step on the user's
-    # skewed trace, each ahead of the other form). On PCIe Gen4 (~25 GB/s) it is ~9.5 MiB: a slower link sends misses to the host
-    # sooner (the H200's decisions carried over by link time; not measured on Gen4)
+    # skewed trace, each ahead of the other form). On PCIe Gen4 (~25 GB/s) it is ~9.5 MiB: a slower
+    # link sends misses to the host sooner (the H200's decisions carried over by link time; not
+    # measured on Gen4)
     hybrid_small_ms: float = 0.4
     # calls of up to this many routed ids (tokens x top-k) take the sparse form on the stream (the
     # routed experts only: hits copied from the pool on the device, misses through the staging) even
