@@ -21,7 +21,9 @@ runs on a machine shared with other jobs, where elapsed time counts their time s
 host >= 80% of dram at M = 1 with all cores; host > torch at every M. Prints a table; ``--out`` writes JSON
 (inputs, machine, every row). ``--isa`` takes one path, a comma-separated list or ``all`` (every path this CPU
 has): the paths are then measured back to back at each (threads, M), a row each; the bars are the first
-path's.
+path's. Each host row's JSON carries ``diag``: the timed calls' mean, the part of it in C and the rest (Python:
+checks and the job array), and in a library built with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``)
+the threads' join delay, time in units and idle time per call; ``--diag`` prints it.
 """
 
 from __future__ import annotations
@@ -92,10 +94,12 @@ def parse_isas(spec: str, available: list[str]) -> list[str]:
     return out or available[:1]
 
 
-def timed(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter) -> float:
-    """Median seconds of one call of ``fn`` (after one warm-up call) by ``clock``, timing for about
-    ``seconds`` of wall time."""
+def timed_calls(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter, before=None) -> list[float]:
+    """Seconds of each timed call of ``fn`` by ``clock`` (after one warm-up call, then ``before()`` if
+    given), timing for about ``seconds`` of wall time."""
     fn()
+    if before is not None:
+        before()
     times, t_end = [], time.perf_counter() + seconds
     while len(times) < min_reps or time.perf_counter() < t_end:
         t0 = clock()
@@ -103,7 +107,43 @@ def timed(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter) -> flo
         times.append(clock() - t0)
         if len(times) >= 10000:
             break
-    return statistics.median(times)
+    return times
+
+
+def timed(fn, seconds: float, min_reps: int = 3, clock=time.perf_counter) -> float:
+    """Median seconds of one call of ``fn`` (``timed_calls``)."""
+    return statistics.median(timed_calls(fn, seconds, min_reps, clock))
+
+
+def diag_summary(d: dict, call_mean_us: float) -> dict:
+    """One row's ``HostKernel.diag()`` (per call, us) boiled down: the Python side of a call (the timed
+    mean less the time in C), and with per-thread sums the threads' mean join delay, time in units,
+    reductions, waits and idle time (open to the end of the work, less join and units) and the units'
+    spread over threads."""
+    out = {"calls": d["calls"], "call_us": call_mean_us, "python_us": call_mean_us - d["c_us"],
+           **{k: d[k] for k in ("c_us", "prep_us", "run_us", "finish_us")}}
+    th = [t for t in d.get("threads", []) if t["joined"]]
+    if th:
+        n = len(th)
+        out.update({
+            "threads_joined": sum(t["joined"] for t in th) / max(1, d["calls"]),
+            "join_us": sum(t["join_us"] for t in th) / n, "join_max_us": max(t["join_us"] for t in th),
+            "busy_us": sum(t["busy_us"] for t in th) / n, "red_us": sum(t["red_us"] for t in th) / n,
+            "wait_us": sum(t["wait_us"] for t in th) / n,
+            "idle_us": sum(d["run_us"] - t["join_us"] - t["busy_us"] for t in th) / n,
+            "last_min_us": min(t["last_us"] for t in th), "units_min": min(t["units"] for t in th),
+            "units_max": max(t["units"] for t in th)})
+    return out
+
+
+def diag_line(name: str, t: int, m: int, s: dict) -> str:
+    line = (f"#   {name} {t} thr M={m}: call {s['call_us']:.0f} us = python {s['python_us']:.0f} + C {s['c_us']:.0f} "
+            f"(prep {s['prep_us']:.0f}, run {s['run_us']:.0f}, finish {s['finish_us']:.0f})")
+    if "busy_us" in s:
+        line += (f"; per thread: joined {s['threads_joined']:.1f}, join {s['join_us']:.0f} (max {s['join_max_us']:.0f}), "
+                 f"units {s['busy_us']:.0f} (sums {s['red_us']:.0f}, waits {s['wait_us']:.0f}), idle {s['idle_us']:.0f}, "
+                 f"first out at {s['last_min_us']:.0f}, units {s['units_min']:.1f}-{s['units_max']:.1f}")
+    return line
 
 
 def weight_nbytes(h: int, i: int) -> int:
@@ -186,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timer", choices=("wall", "thread"), default="wall",
                     help="wall: elapsed time; thread: CPU time of the calling thread (1-thread rows only, where "
                          "it does all the work: steadier on a machine shared with other jobs)")
+    ap.add_argument("--diag", action="store_true",
+                    help="print where each host row's call time went (HostKernel.diag: Python, C, and per thread in a "
+                         "-DDIAG_TIMING build; the JSON rows carry it either way)")
     ap.add_argument("--out", help="JSON output path")
     a = ap.parse_args(argv)
 
@@ -241,16 +284,21 @@ def main(argv: list[str] | None = None) -> dict:
                     def host_call(k=k):
                         k.experts_mlp(x, [(rows_t, *e, GROUP, w) for e in host_pool.take(per_call)], out)
 
-                    host = per_call * eb / timed(host_call, a.seconds, clock=clock)
+                    times = timed_calls(host_call, a.seconds, clock=clock, before=k.diag)
+                    host = per_call * eb / statistics.median(times)
+                    diag = diag_summary(k.diag(), 1e6 * statistics.fmean(times))
                     row = {"shape": name, "hidden": h, "inter": i, "threads": t, "m": m, "isa": k.isa,
                            "experts_per_call": per_call, "host_gbs": host / 1e9,
                            "torch_gbs": None if tor is None else tor / 1e9, "dram_gbs": dram[t] / 1e9,
-                           "host_over_dram": host / dram[t], "host_over_torch": None if tor is None else host / tor}
+                           "host_over_dram": host / dram[t], "host_over_torch": None if tor is None else host / tor,
+                           "diag": diag}
                     rows.append(row)
                     tt = "-" if tor is None else f"{tor / 1e9:10.1f}"
                     ht = "-" if tor is None else f"{host / tor:9.2f}x"
                     print(f"{name:>10} {k.isa:>17} {t:>4} {m:>3} {host / 1e9:10.1f} {tt:>10} {dram[t] / 1e9:9.1f} "
                           f"{100 * host / dram[t]:8.0f}% {ht:>10}", flush=True)
+                    if a.diag:
+                        print(diag_line(name, t, m, diag), flush=True)
             for k in kernels:
                 k.close()
         del host_pool, torch_pool

@@ -793,6 +793,29 @@ static size_t scratch_floats(int M) {
 typedef struct pool pool_t;
 struct mlp_task_s;
 typedef void (*task_fn)(pool_t *, int tid, void *arg);
+static int64_t now_ns(void);
+
+/* Where a call's time goes (mo_host_diag). The call-level sums are always kept (four clock reads per
+   call); the per-thread ones only in a build with -DDIAG_TIMING (scripts/host_kernel_sweep.sh), which
+   reads the clock around every unit. */
+typedef struct {
+    int64_t joined;   /* calls this thread took part in */
+    int64_t join;     /* ns from the call's open to this thread's first unit */
+    int64_t busy;     /* ns inside units (reductions and waits included) */
+    int64_t red;      /* ns of the chunk sums (phase 1: silu * up; phase 2: the rows' weighted sums) */
+    int64_t wait;     /* ns a phase-2 unit waited for its job's phase 1 */
+    int64_t last;     /* ns from the call's open to this thread's leaving it */
+    int64_t units;
+    int64_t pad;
+} diag_thread_t;
+#ifdef DIAG_TIMING
+static __thread diag_thread_t *diag_self;
+#define DIAG_NOW(v) const int64_t v = now_ns()
+#define DIAG_ADD(field, v) (diag_self->field += (v))
+#else
+#define DIAG_NOW(v) ((void)0)
+#define DIAG_ADD(field, v) ((void)0)
+#endif
 
 struct pool {
     int nthreads;
@@ -823,9 +846,23 @@ struct pool {
     size_t mark_n;
     int64_t *uniq;
     size_t uniq_n;
+    int64_t spin_ns;             /* an idle worker spins this long before it sleeps (atomic) */
+    int64_t diag_open;           /* the current call's open (ns) */
+    int64_t diag_entry;          /* its entry (ns) */
+    int64_t diag_calls, diag_wall, diag_prep, diag_run, diag_finish; /* sums over calls (ns), mo_host_diag */
+    diag_thread_t *diag;         /* [nthreads] (DIAG_TIMING builds) */
 };
 
 typedef struct { pool_t *P; int tid; } worker_arg;
+
+/* How long an idle worker spins (pause by pause) before it sleeps on the condition variable, unless
+   mo_host_set_spin says otherwise. A sleeping worker joins a call late: session 28 on the H200's host
+   (16 threads, the user's shape, M = 1, 6 experts per call, a ~110 us gap between calls) found the
+   threads joining 121 us after the open on average when they spun 4000 pauses (~0.1 ms there), 3 us
+   when they spun 10x longer; the call took 763 -> 384 us in C. */
+#ifndef SPIN_NS_DEFAULT
+#define SPIN_NS_DEFAULT 1000000
+#endif
 
 static void *worker_main(void *vp) {
     worker_arg wa = *(worker_arg *)vp;
@@ -833,10 +870,13 @@ static void *worker_main(void *vp) {
     pool_t *P = wa.P;
     int64_t seen = 0;
     for (;;) {
-        int64_t g;
+        int64_t g, idle0 = 0;
         int spins = 0;
         while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) {
-            if (++spins < 4000) { CPU_RELAX(); continue; } /* ~0.1-0.5 ms, then sleep */
+            if (++spins & 63) { CPU_RELAX(); continue; }
+            const int64_t t = now_ns(); /* every 64 pauses: spin for spin_ns, then sleep */
+            if (!idle0) idle0 = t;
+            if (t - idle0 < __atomic_load_n(&P->spin_ns, __ATOMIC_RELAXED)) { CPU_RELAX(); continue; }
             pthread_mutex_lock(&P->mu);
             while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) pthread_cond_wait(&P->cv, &P->mu);
             pthread_mutex_unlock(&P->mu);
@@ -861,6 +901,7 @@ void *mo_host_create(int nthreads) {
     pool_t *P = calloc(1, sizeof *P);
     if (!P) return NULL;
     P->nthreads = nthreads;
+    P->spin_ns = SPIN_NS_DEFAULT;
 #if MO_X86
     pthread_once(&sperm_once, make_sperms);
 #endif
@@ -870,7 +911,14 @@ void *mo_host_create(int nthreads) {
     pthread_cond_init(&P->idle_cv, NULL);
     P->threads = calloc((size_t)nthreads, sizeof(pthread_t));
     P->scratch = calloc((size_t)nthreads, sizeof(float *));
-    if (!P->threads || !P->scratch) { free(P->threads); free(P->scratch); free(P); return NULL; }
+    P->diag = calloc((size_t)nthreads, sizeof(diag_thread_t));
+    if (!P->threads || !P->scratch || !P->diag) {
+        free(P->threads);
+        free(P->scratch);
+        free(P->diag);
+        free(P);
+        return NULL;
+    }
     for (int t = 1; t < nthreads; t++) {
         worker_arg *wa = malloc(sizeof *wa);
         if (!wa) { P->nthreads = t; mo_host_destroy(P); return NULL; }
@@ -900,6 +948,7 @@ void mo_host_destroy(void *h) {
     for (int t = 1; t < P->nthreads; t++) pthread_join(P->threads[t], NULL);
     for (int t = 0; t < P->nthreads; t++) free(P->scratch[t]);
     free(P->scratch);
+    free(P->diag);
     free(P->threads);
     free(P->acc);
     free(P->inter);
@@ -910,6 +959,14 @@ void mo_host_destroy(void *h) {
 }
 
 int mo_host_threads(void *h) { return ((pool_t *)h)->nthreads; }
+
+/* How long (ns) an idle worker spins before it sleeps; ns < 0 leaves it. Returns the value before. */
+int64_t mo_host_set_spin(void *h, int64_t ns) {
+    pool_t *P = h;
+    const int64_t old = __atomic_load_n(&P->spin_ns, __ATOMIC_RELAXED);
+    if (ns >= 0) __atomic_store_n(&P->spin_ns, ns, __ATOMIC_RELAXED);
+    return old;
+}
 
 /* A call runs fn on the calling thread (worker 0) and on every worker that joins while the call is open.
    fn takes work from shared counters and returns when none is left; the call is complete once
@@ -933,6 +990,7 @@ static inline void spin_until(const int64_t *v, int64_t want) {
 }
 
 static void pool_open(pool_t *P, task_fn fn, void *arg) {
+    P->diag_open = now_ns();
     P->fn = fn;
     P->arg = arg;
     pthread_mutex_lock(&P->mu);
@@ -1091,6 +1149,7 @@ static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     }
     if (__atomic_add_fetch(&T->cnt1[(int64_t)j * T->nr1 + r], 1, __ATOMIC_ACQ_REL) < JP->p1.nk) return;
     /* the range's last chunk: silu(gate) * up of the chunks' sums, in chunk order */
+    DIAG_NOW(tr);
     float *inter = P->inter + JP->inter;
     const int64_t nk = JP->p1.nk;
     for (int m = 0; m < M; m++)
@@ -1106,6 +1165,7 @@ static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
             float *o = inter + (size_t)m * T->I + n0;
             for (int n = 0; n < 64; n++) o[n] = g[n] / (1.f + expf(-g[n])) * u[n];
         }
+    DIAG_ADD(red, now_ns() - tr);
     __atomic_add_fetch(&JP->ready, 1, __ATOMIC_ACQ_REL);
 }
 
@@ -1115,7 +1175,9 @@ static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     job_plan_t *JP = &T->jp[j];
     const int M = (int)J->m, cmax = seg_tiles(M);
     const int64_t tiles = T->H / 64, t0 = r * tiles / T->nr2, t1 = (r + 1) * tiles / T->nr2, N = T->H;
+    DIAG_NOW(tw);
     spin_until(&JP->ready, T->nr1); /* this job's intermediate */
+    DIAG_ADD(wait, now_ns() - tw);
     int64_t k0, k1;
     chunk_rows(&JP->p2, T->I, c, &k0, &k1);
     mat_t A = sub_k(J->w2, J->s2, J->sdtype, T->I, N, J->gs2, J->grouped2, k0, k1);
@@ -1129,6 +1191,7 @@ static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     }
     if (__atomic_add_fetch(&T->cnt2[r], 1, __ATOMIC_ACQ_REL) < T->per_range2) return;
     /* the range's last unit: out rows = sum over jobs (in order) of weight * (sum of its chunks) */
+    DIAG_NOW(tr);
     const int64_t n0 = t0 * 64, n1 = t1 * 64;
     for (int64_t i = 0; i < T->nuniq; i++) memset(P->acc + (size_t)P->uniq[i] * N + n0, 0, (size_t)(n1 - n0) * sizeof(float));
     for (int jj = 0; jj < T->njobs; jj++) {
@@ -1159,6 +1222,7 @@ static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
             store_scalar(T->out, row * N + n, T->xdt, v);
         }
     }
+    DIAG_ADD(red, now_ns() - tr);
 }
 
 /* The job whose units [first, first + count) hold unit u (jobs in order; jobs without rows own none). */
@@ -1180,9 +1244,15 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     const void **xrow = T->maxm <= 1024 ? rowp : NULL;
     if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
     int j1 = 0, j2 = 0;
+#ifdef DIAG_TIMING
+    diag_self = &P->diag[tid];
+    diag_self->joined++;
+    diag_self->join += now_ns() - P->diag_open;
+#endif
     for (;;) {
         const int64_t u = __atomic_fetch_add(&T->next, 1, __ATOMIC_RELAXED);
         if (u >= T->n1 + T->n2) break;
+        DIAG_NOW(tu);
         if (u < T->n1) {
             j1 = find_job(T, j1, u, 1);
             const int64_t local = u - T->jp[j1].p1.first;
@@ -1195,7 +1265,10 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
             if (__atomic_add_fetch(&T->done2, 1, __ATOMIC_ACQ_REL) == T->n2)
                 __atomic_store_n(&P->async_t1, now_ns(), __ATOMIC_RELEASE); /* the call's work ends here */
         }
+        DIAG_ADD(busy, now_ns() - tu);
+        DIAG_ADD(units, 1);
     }
+    DIAG_ADD(last, now_ns() - P->diag_open);
     if (xrow != rowp) free(xrow);
 }
 
@@ -1329,6 +1402,41 @@ static void pool_release(pool_t *P) {
     pthread_mutex_unlock(&P->call_mu);
 }
 
+/* A finished call's times into the pool's sums (the caller holds the pool). */
+static void diag_call(pool_t *P) {
+    const int64_t end = now_ns(), done = __atomic_load_n(&P->async_t1, __ATOMIC_ACQUIRE);
+    P->diag_calls++;
+    P->diag_wall += end - P->diag_entry;
+    P->diag_prep += P->diag_open - P->diag_entry;
+    P->diag_run += done - P->diag_open;
+    P->diag_finish += end - done;
+}
+
+/* Where the calls' time went since the last mo_host_diag, then zeroes it: out[0..5] = calls and the
+   sums (ns) of their time in C (entry to return), before the work opened (checks, plan), from the open
+   to the end of the last unit, from there to the return (closing, waiting for the threads inside), and
+   the pool's threads; out[6..] = 8 sums per thread (diag_thread_t, thread t at 6 + 8 t), zero unless built with
+   -DDIAG_TIMING. n: out's length. Returns 1 (per-thread sums kept), 0 (call-level only), or -EINVAL /
+   -EBUSY (a call is running: read between calls). */
+int mo_host_diag(void *h, int64_t *out, int n) {
+    pool_t *P = h;
+    if (!P || !out || n < 6) return -EINVAL;
+    pthread_mutex_lock(&P->call_mu);
+    const int busy = P->busy;
+    pthread_mutex_unlock(&P->call_mu);
+    if (busy) return -EBUSY;
+    const int64_t call[6] = {P->diag_calls, P->diag_wall, P->diag_prep, P->diag_run, P->diag_finish, P->nthreads};
+    memcpy(out, call, 6 * sizeof(int64_t));
+    for (int t = 0; t < P->nthreads && 6 + 8 * (t + 1) <= n; t++) memcpy(out + 6 + 8 * t, &P->diag[t], 64);
+    P->diag_calls = P->diag_wall = P->diag_prep = P->diag_run = P->diag_finish = 0;
+    memset(P->diag, 0, (size_t)P->nthreads * sizeof(diag_thread_t));
+#ifdef DIAG_TIMING
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
    x: [x_rows, H] of xdt (bf16/fp16/fp32), out: the same shape and dtype. Returns 0, or -EINVAL /
    -ENOMEM / -ENOTSUP (isa not available), -EBUSY (a call started with mo_host_mlp_start is not waited
@@ -1339,12 +1447,14 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
     if (!P) return -EINVAL;
     int rc = pool_acquire(P);
     if (rc) return rc;
+    P->diag_entry = now_ns();
     mlp_task T;
     rc = mlp_prepare(P, &T, isa, x, xdt, x_rows, H, I, jobs, njobs, out, mode);
     if (rc == 0) {
         pool_open(P, mlp_run, &T);
         pool_finish(P, &T.done2, T.n2);
         mlp_free(&T);
+        diag_call(P);
     }
     pool_release(P);
     return rc < 0 ? rc : 0;
@@ -1363,6 +1473,7 @@ int mo_host_mlp_start(void *h, int isa, const void *x, int xdt, int64_t x_rows, 
     if (rc) return rc;
     mlp_task *T = P->async_task;
     if (!T && !(T = P->async_task = calloc(1, sizeof *T))) { pool_release(P); return -ENOMEM; }
+    P->diag_entry = now_ns();
     rc = mlp_prepare(P, T, isa, x, xdt, x_rows, H, I, jobs, njobs, out, mode);
     if (rc < 0) { pool_release(P); return rc; }
     P->async_empty = rc == 1;
@@ -1391,6 +1502,7 @@ int mo_host_mlp_wait(void *h, int64_t *ns, int *ready) {
     if (!P->async_empty) {
         r = pool_finish(P, &T->done2, T->n2);
         mlp_free(T);
+        diag_call(P);
     }
     int64_t end = __atomic_load_n(&P->async_t1, __ATOMIC_ACQUIRE);
     if (ns) *ns = (P->async_empty || end < P->async_t0) ? 0 : end - P->async_t0;

@@ -369,18 +369,19 @@ def test_calls_from_several_python_threads():
         k.expert_mlp(xs[0], *args(cache), group=128)
 
 
-def test_late_workers_never_touch_a_finished_call():
+@pytest.mark.parametrize("spin_us", [0.0, 1000.0], ids=["sleep-at-once", "spin-1ms"])
+def test_late_workers_never_touch_a_finished_call(spin_us):
     """A call completes when its work is done, not when every worker has woken (csrc/host_kernel.c,
     pool_finish): workers woken late skip a closed call. More threads than CPUs, with pauses between calls
-    so that workers fall asleep and wake late, and calls of different sizes back to back (a late worker
-    taking a finished call's counters would compute the wrong units or write a stale output): every
-    result equals the one-thread kernel's bytes."""
+    so that workers fall asleep and wake late (spin_us=0: asleep after every call), and calls of different
+    sizes back to back (a late worker taking a finished call's counters would compute the wrong units or
+    write a stale output): every result equals the one-thread kernel's bytes."""
     import time
 
     shapes = [(384, 256, 128), (256, 128, 32)]
     experts = {s: [expert(*s, seed=i)[0] for i in range(3)] for s in shapes}
     one = HostKernel(threads=1, isa=AVAILABLE[0])
-    many = HostKernel(threads=2 * (os.cpu_count() or 2) + 1, isa=AVAILABLE[0])
+    many = HostKernel(threads=2 * (os.cpu_count() or 2) + 1, isa=AVAILABLE[0], spin_us=spin_us)
     for i in range(120):
         H, I, g = shapes[i % 2]
         n_jobs = 1 + i % 3
@@ -392,9 +393,114 @@ def test_late_workers_never_touch_a_finished_call():
         many.experts_mlp(x, jobs, got)
         assert torch.equal(got, want), f"call {i}"
         if i % 3 == 0:
-            time.sleep(0.002)  # the workers' spin (~0.1-0.5 ms) ends: they sleep and are woken next call
+            time.sleep(0.002)  # the workers' spin (spin_us) ends: they sleep and are woken next call
     one.close()
     many.close()
+
+
+def test_spin_time_is_set_per_kernel_and_checked(monkeypatch):
+    """spin_us (how long idle workers spin before they sleep) reaches the pool: given, from
+    $MMAP_OFFLOAD_HOST_SPIN_US, or SPIN_US; a bad value is refused with the fix."""
+    lib = hk.library()
+    monkeypatch.delenv("MMAP_OFFLOAD_HOST_SPIN_US", raising=False)
+    k = HostKernel(threads=2, isa="plain")
+    assert k.spin_us == hk.SPIN_US and lib.mo_host_set_spin(k._pool, -1) == int(hk.SPIN_US * 1000)
+    k.close()
+    k = HostKernel(threads=2, isa="plain", spin_us=250)
+    assert lib.mo_host_set_spin(k._pool, -1) == 250_000  # -1 reads it
+    k.close()
+    monkeypatch.setenv("MMAP_OFFLOAD_HOST_SPIN_US", "40")
+    k = HostKernel(threads=2, isa="plain")
+    assert k.spin_us == 40.0 and lib.mo_host_set_spin(k._pool, -1) == 40_000
+    k.close()
+    monkeypatch.setenv("MMAP_OFFLOAD_HOST_SPIN_US", "fast")
+    with pytest.raises(UnsupportedError, match="MMAP_OFFLOAD_HOST_SPIN_US='fast' is not a number"):
+        HostKernel(threads=2, isa="plain")
+    with pytest.raises(UnsupportedError, match="spin_us must be >= 0"):
+        HostKernel(threads=2, isa="plain", spin_us=-1)
+
+
+def test_diag_counts_the_calls_and_their_time_in_c():
+    """diag(): the calls since the last read (then zeroed) and where their time in C went; the parts add
+    up (prep + run + finish = the time in C); per-thread sums only in a -DDIAG_TIMING build."""
+    experts = [expert(384, 256, 128, seed=i)[0] for i in range(2)]
+    x = rand_x(2, 384, torch.bfloat16, seed=11)
+    k = HostKernel(threads=3, isa=AVAILABLE[0])
+    k.diag()
+    for _ in range(5):
+        k.experts_mlp(x, _jobs_of(experts, x, 128), torch.zeros_like(x))
+    k.experts_mlp_start(x, _jobs_of(experts, x, 128), torch.zeros_like(x)).wait()
+    k.experts_mlp(x, [], torch.zeros_like(x))  # nothing to compute: not a call of the pool
+    d = k.diag()
+    assert d["calls"] == 6 and "threads" not in d
+    assert d["c_us"] > 0 and min(d["prep_us"], d["run_us"], d["finish_us"]) >= 0
+    assert d["prep_us"] + d["run_us"] + d["finish_us"] == pytest.approx(d["c_us"], rel=1e-6, abs=1e-3)
+    assert k.diag()["calls"] == 0  # read and zeroed
+    call = k.experts_mlp_start(x, _jobs_of(experts, x, 128), torch.zeros_like(x))
+    if k.threads > 1:
+        with pytest.raises(RuntimeError, match="between calls"):
+            k.diag()
+    call.wait()
+    assert k.diag()["calls"] == 1
+    k.close()
+
+
+def test_a_diag_timing_build_splits_the_threads_time_and_keeps_the_bytes(tmp_path):
+    """csrc/host_kernel.c built with -DDIAG_TIMING (scripts/host_kernel_sweep.sh) reports per thread the
+    calls it joined, its time in units, sums and waits (parts of it) and the units it took, every call's
+    units counted once; its outputs are the default build's bytes."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from mmap_offload import native
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    lib = tmp_path / "mo_host_diag.so"
+    cmd = native.compile_command("mo_host", str(lib), cc)
+    r = subprocess.run([cmd[0], "-DDIAG_TIMING", *cmd[1:]], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    experts = [expert(384, 256, 128, seed=i)[0] for i in range(3)]
+    x = rand_x(3, 384, torch.bfloat16, seed=13)
+    want = torch.zeros_like(x)
+    k = HostKernel(threads=1, isa="plain")
+    k.experts_mlp(x, _jobs_of(experts, x, 128), want)
+    k.close()
+    torch.save({"experts": experts, "x": x}, tmp_path / "in.pt")
+    script = f"""
+import json, sys, torch
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from mmap_offload.host.kernel import HostKernel
+from test_host_kernel import _jobs_of
+d = torch.load({str(tmp_path / "in.pt")!r})
+k = HostKernel(threads=3, isa="plain")
+k.diag()
+outs = []
+for _ in range(4):
+    out = torch.zeros_like(d["x"])
+    k.experts_mlp(d["x"], _jobs_of(d["experts"], d["x"], 128), out)
+    outs.append(out)
+torch.save(outs, {str(tmp_path / "out.pt")!r})
+print(json.dumps(k.diag()))
+"""
+    env = {**os.environ, "MMAP_OFFLOAD_NATIVE_MO_HOST": str(lib)}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    th = d["threads"]
+    assert d["calls"] == 4 and len(th) == 3 and th[0]["joined"] == 4  # the caller takes part in every call
+    units = sum(t["units"] * t["joined"] for t in th)
+    assert units > 0 and units % 4 == 0  # the same units in every call, each taken by one thread
+    assert units / 4 >= 2 * len(experts)  # at least one unit per job and phase
+    for t in th:
+        if t["joined"]:
+            assert t["busy_us"] > 0 and 0 <= t["red_us"] <= t["busy_us"] and 0 <= t["wait_us"] <= t["busy_us"]
+            assert 0 <= t["join_us"] <= t["last_us"]
+    for out in torch.load(tmp_path / "out.pt"):
+        assert torch.equal(out, want)
 
 
 def _jobs_of(experts, x, g):

@@ -28,7 +28,8 @@ scaled in fp32. Every path meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-1
 output), outlier channels included.
 
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
-this object's; its workers spin briefly after a call, then sleep. ISA paths, fastest first:
+this object's; its workers spin for ``spin_us`` after a call (default ``SPIN_US``, 1 ms, or
+``$MMAP_OFFLOAD_HOST_SPIN_US``), then sleep; ``diag()`` says where the calls' time went. ISA paths, fastest first:
 ``avx512vnni`` (AVX-512 VNNI + VBMI, vpdpbusd: one column's four nibbles of a word are one lane's four
 bytes after one vpmultishiftqb, x as two signed bytes),
 ``avx512vnni-novbmi`` (the same without VBMI, a shift, a select and an AND in the shuffle's place:
@@ -62,6 +63,12 @@ ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
 _ISA_CODE = {"plain": 0, "avx2": 1, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
+# How long (us) an idle pool thread spins before it sleeps: a sleeping thread joins the next call late.
+# Session 28 on the H200's host (16 threads, the user's shape, 6 experts per call, ~110 us between
+# calls): threads that spun ~0.1 ms joined 121 us after the open on average, 3 us when they spun ~1 ms;
+# 763 -> 384 us per call in C (BENCHMARKS.md "Host compute", session 28). In vLLM a layer's host calls
+# come one layer's time apart (~0.2-0.8 ms at decode): 1 ms keeps the threads awake through a step.
+SPIN_US = 1000.0
 
 
 if sys.byteorder != "little":  # pragma: no cover - the job words pack int32 pairs little-endian
@@ -113,6 +120,13 @@ def library() -> ctypes.CDLL:
             lib.mo_host_mlp_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
                                              ctypes.POINTER(ctypes.c_int)]
             lib.mo_host_mlp_wait.restype = ctypes.c_int
+            if not hasattr(lib, "mo_host_set_spin") or not hasattr(lib, "mo_host_diag"):
+                raise UnsupportedError("the mo_host library predates mo_host_set_spin / mo_host_diag (a stale build)",
+                                       "rebuild it (pip install -e . or remove the stale build)")
+            lib.mo_host_set_spin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+            lib.mo_host_set_spin.restype = ctypes.c_int64
+            lib.mo_host_diag.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+            lib.mo_host_diag.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -133,7 +147,7 @@ def _default_threads() -> int:
 class HostKernel:
     """A pthread pool and the ISA path that computes W4A16 expert MLPs from Marlin words (module docstring)."""
 
-    def __init__(self, threads: int = 0, isa: str = "auto"):
+    def __init__(self, threads: int = 0, isa: str = "auto", spin_us: float | None = None):
         lib = library()
         env = os.environ.get("MMAP_OFFLOAD_HOST_ISA", "").strip().lower()
         want = (isa or "auto").lower()
@@ -153,9 +167,21 @@ class HostKernel:
         self._lib = lib
         self._geo: dict[tuple, tuple] = {}  # tensor geometry checked once per (shapes, dtypes, group)
         self._started: HostCall | None = None  # experts_mlp_start's call not yet waited for
+        if spin_us is None:
+            env_spin = os.environ.get("MMAP_OFFLOAD_HOST_SPIN_US", "").strip()
+            try:
+                spin_us = float(env_spin) if env_spin else SPIN_US
+            except ValueError:
+                raise UnsupportedError(f"MMAP_OFFLOAD_HOST_SPIN_US={env_spin!r} is not a number",
+                                       "set it to the microseconds an idle host thread spins, e.g. 1000") from None
+        if not spin_us >= 0:
+            raise UnsupportedError(f"host kernel spin_us must be >= 0, got {spin_us}",
+                                   "pass the microseconds an idle host thread spins before it sleeps, e.g. 1000")
+        self.spin_us: float = float(spin_us)
         self._pool = lib.mo_host_create(self.threads)
         if not self._pool:
             raise MemoryError(f"mo_host_create({self.threads}) failed (threads or memory)")
+        lib.mo_host_set_spin(self._pool, int(self.spin_us * 1e3))
 
     def close(self) -> None:
         started = getattr(self, "_started", None)
@@ -174,6 +200,36 @@ class HostKernel:
 
     def __repr__(self) -> str:
         return f"HostKernel(threads={self.threads}, isa={self.isa!r})"
+
+    def diag(self) -> dict:
+        """Where the calls' time went since the last ``diag()`` (then zeroed), per call in microseconds:
+        ``calls``; ``c_us`` (in C, entry to return), ``prep_us`` (checks and plan, before the work opens),
+        ``run_us`` (open to the end of the last unit), ``finish_us`` (closing, waiting for the threads
+        inside). In a build with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``) also ``threads``:
+        per thread the calls it ``joined`` and its ``join_us`` (open to its first unit), ``busy_us``
+        (inside units), ``red_us`` (chunk sums, within busy), ``wait_us`` (phase 2 waiting for its job's
+        phase 1, within busy), ``last_us`` (open to leaving), ``units`` (per call). Read between calls."""
+        if self._pool is None:
+            raise RuntimeError("HostKernel is closed")
+        n = 6 + 8 * self.threads
+        buf = (ctypes.c_int64 * n)()
+        rc = self._lib.mo_host_diag(self._pool, buf, n)
+        if rc < 0:
+            raise RuntimeError(f"mo_host_diag failed ({os.strerror(-rc)}): read it between calls")
+        calls = buf[0]
+        per = max(1, calls)
+        out: dict = {"calls": calls, "c_us": buf[1] / per / 1e3, "prep_us": buf[2] / per / 1e3,
+                     "run_us": buf[3] / per / 1e3, "finish_us": buf[4] / per / 1e3}
+        if rc == 1:
+            names = ("joined", "join_us", "busy_us", "red_us", "wait_us", "last_us", "units")
+            threads = []
+            for t in range(buf[5]):
+                v = buf[6 + 8 * t: 6 + 8 * t + 7]
+                joined = max(1, v[0])
+                threads.append({"joined": v[0], **{k: x / joined / 1e3 for k, x in zip(names[1:6], v[1:6])},
+                                "units": v[6] / joined})
+            out["threads"] = threads
+        return out
 
     # -- the API ------------------------------------------------------------------------------------
     def expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,

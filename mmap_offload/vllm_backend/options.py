@@ -73,6 +73,9 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
+    # with hybrid, W4A16: how long (us) an idle host compute thread spins before it sleeps; a sleeping
+    # thread joins the next host job late (~0.1 ms on the H200's host: host/kernel.py SPIN_US). 0: sleep at once
+    host_spin_us: float = 1000.0
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
@@ -150,6 +153,9 @@ class MmapOptions:
         if self.host_threads < 0:
             raise UnsupportedError(f"mmap_offload host_threads must be >= 0, got {self.host_threads}",
                                    "pass 0 (auto: the cores the copy threads and vLLM's thread leave) or a count")
+        if not self.host_spin_us >= 0:
+            raise UnsupportedError(f"mmap_offload host_spin_us must be >= 0, got {self.host_spin_us}",
+                                   "pass the microseconds an idle host thread spins before it sleeps, e.g. 1000")
         if self.lookahead < 0:
             raise UnsupportedError(f"mmap_offload lookahead must be >= 0, got {self.lookahead}", "pass 0 or more")
         if self.expert_cache_gib is not None and self.expert_cache_gib < 0:
