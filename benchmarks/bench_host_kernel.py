@@ -140,9 +140,10 @@ def diag_line(name: str, t: int, m: int, s: dict) -> str:
     line = (f"#   {name} {t} thr M={m}: call {s['call_us']:.0f} us = python {s['python_us']:.0f} + C {s['c_us']:.0f} "
             f"(prep {s['prep_us']:.0f}, run {s['run_us']:.0f}, finish {s['finish_us']:.0f})")
     if "busy_us" in s:
-        line += (f"; per thread: joined {s['threads_joined']:.1f}, join {s['join_us']:.0f} (max {s['join_max_us']:.0f}), "
-                 f"units {s['busy_us']:.0f} (sums {s['red_us']:.0f}, waits {s['wait_us']:.0f}), idle {s['idle_us']:.0f}, "
-                 f"first out at {s['last_min_us']:.0f}, units {s['units_min']:.1f}-{s['units_max']:.1f}")
+        line += (f"; per thread: joined {s['threads_joined']:.1f}, join {s['join_us']:.0f} "
+                 f"(max {s['join_max_us']:.0f}), units {s['busy_us']:.0f} (sums {s['red_us']:.0f}, "
+                 f"waits {s['wait_us']:.0f}), idle {s['idle_us']:.0f}, first out at {s['last_min_us']:.0f}, "
+                 f"units {s['units_min']:.1f}-{s['units_max']:.1f}")
     return line
 
 

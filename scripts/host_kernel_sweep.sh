@@ -18,9 +18,9 @@
 # (_MM_HINT_T1, the default since session 13, or _MM_HINT_T0 ...), SEG_MAX (tiles per segment at most, 16), SEG_TM (tiles x rows, 128),
 # CHUNK_K (k rows of a unit's chunk per row of x, at least: 256), RANGE_TILES (columns of a unit at most: 16),
 # UNITS_PER_THREAD (units per phase aimed at, 4), SPIN_NS_DEFAULT (ns an idle worker spins before it sleeps, 1 ms);
-# DIAG_LOADS_ONLY (a diagnostic: the same reads without the arithmetic,
-# WRONG results: how much of the rate the arithmetic costs); DIAG_TIMING (per-thread times of each call: join delay, time
-# in units, chunk sums, idle; sweep.md's columns, HostKernel.diag). BENCHMARKS.md "Host compute" says which were tried where.
+# DIAG_LOADS_ONLY (a diagnostic: the same reads without the arithmetic, WRONG results: how much of the rate the
+# arithmetic costs); DIAG_TIMING (per-thread times of each call: join delay, time in units, chunk sums, idle;
+# sweep.md's columns, HostKernel.diag). BENCHMARKS.md "Host compute" says which were tried where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -67,10 +67,10 @@ for f in sorted(src.glob("variant_*.json"), key=lambda p: int(p.stem.split("_")[
                      r.get("diag") or {}))
 def us(d, k):
     return f"{d[k]:.0f}" if k in d else "-"
-lines = ["| variant | path | shape | threads | M | host GB/s | % of DRAM | call us | python us | C us | join us | units us "
-         "| sums us | idle us |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-lines += [f"| {v} | {k} | {s} | {t} | {m} | {g:.1f} | {100 * g / d:.0f}% | {us(x, 'call_us')} | {us(x, 'python_us')} "
-          f"| {us(x, 'c_us')} | {us(x, 'join_us')} | {us(x, 'busy_us')} | {us(x, 'red_us')} | {us(x, 'idle_us')} |"
+cols = ("call_us", "python_us", "c_us", "join_us", "busy_us", "red_us", "idle_us")
+lines = ["| variant | path | shape | threads | M | host GB/s | % of DRAM | call us | python us | C us | join us "
+         "| units us | sums us | idle us |", "| --- | --- | --- |" + " ---: |" * 11]
+lines += [f"| {v} | {k} | {s} | {t} | {m} | {g:.1f} | {100 * g / d:.0f}% | " + " | ".join(us(x, c) for c in cols) + " |"
           for v, k, s, t, m, g, d, x in rows]
 (out / "sweep.json").write_text(json.dumps(runs, indent=1))
 (out / "sweep.md").write_text("\n".join(lines) + "\n")

@@ -31,3 +31,26 @@ def test_isa_lists_keep_order_and_name_what_the_cpu_has():
         assert "no 'avx512vnni-novbmi' kernel path" in str(e) and "avx512vnni, avx512bw, avx2, plain" in str(e)
     else:
         raise AssertionError("a path the CPU lacks was accepted")
+
+
+def test_diag_summary_splits_a_call_into_python_c_and_the_threads_time():
+    """The timed mean less the time in C is the Python side; a thread's idle time is the work's span
+    (open to the last unit) less its join delay and its time in units; threads that joined no call are
+    left out; the line names every part."""
+    d = {"calls": 4, "c_us": 300.0, "prep_us": 2.0, "run_us": 290.0, "finish_us": 8.0,
+         "threads": [{"joined": 4, "join_us": 0.0, "busy_us": 280.0, "red_us": 5.0, "wait_us": 1.0, "last_us": 290.0,
+                      "units": 6.0},
+                     {"joined": 2, "join_us": 30.0, "busy_us": 240.0, "red_us": 3.0, "wait_us": 0.0, "last_us": 288.0,
+                      "units": 5.0},
+                     {"joined": 0, "join_us": 0.0, "busy_us": 0.0, "red_us": 0.0, "wait_us": 0.0, "last_us": 0.0,
+                      "units": 0.0}]}
+    s = bench_host_kernel.diag_summary(d, 380.0)
+    assert s["python_us"] == 80.0 and s["c_us"] == 300.0
+    assert s["threads_joined"] == 1.5  # 6 joins over 4 calls
+    assert s["join_us"] == 15.0 and s["join_max_us"] == 30.0 and s["busy_us"] == 260.0
+    assert s["idle_us"] == ((290 - 0 - 280) + (290 - 30 - 240)) / 2
+    assert (s["units_min"], s["units_max"]) == (5.0, 6.0) and s["last_min_us"] == 288.0
+    line = bench_host_kernel.diag_line("user", 16, 1, s)
+    assert "python 80 + C 300" in line and "join 15 (max 30)" in line and "idle 15" in line
+    plain = bench_host_kernel.diag_summary({k: v for k, v in d.items() if k != "threads"}, 380.0)
+    assert "busy_us" not in plain and "per thread" not in bench_host_kernel.diag_line("user", 16, 1, plain)

@@ -248,7 +248,7 @@ def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, mo
     joins at add_to, when it has nothing to launch). Stream path: CUDA's callback thread joins while
     vLLM's thread launches on, so the count is the kernel's whole: 16 cores, 6 copy threads (hybrid's
     default) -> 9 computing threads in all, the 16th core left to the launching thread; 8 copy threads
-    -> 7."""
+    -> 7. ``host_spin_us`` (how long idle threads spin) reaches the kernel's pool."""
     from mmap_offload.vllm_backend import host_experts
     from mmap_offload.vllm_backend.options import MmapOptions
 
@@ -259,7 +259,13 @@ def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, mo
         for stream, kernel_threads in ((False, computing + 1), (True, computing)):
             he = host_experts.HostExperts(off, calibrate=False, populate=False, stream=stream)
             assert he.threads == computing and he.kernel.threads == kernel_threads
+            assert he.kernel.spin_us == 1000.0  # the option's default reaches the pool
             he.close()
+    off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1,
+                          options=MmapOptions(hybrid=True, host_spin_us=40.0))
+    he = host_experts.HostExperts(off, calibrate=False, populate=False, stream=True)
+    assert he.kernel.spin_us == 40.0 and he.kernel._lib.mo_host_set_spin(he.kernel._pool, -1) == 40_000
+    he.close()
 
 
 def _mapped_bytes(arr: np.ndarray) -> int:

@@ -183,13 +183,15 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
 
 def test_launcher_translates_flags_and_adds_backend():
     argv = launcher_argv(["serve", "/m", "--tensor-parallel-size", "2", "--mmap-cache-dir", "/c", "--mmap-lookahead", "2",
-                          "--mmap-no-background-check", "--mmap-hybrid", "--mmap-host-threads", "6", "--mmap-hybrid-small-calls",
+                          "--mmap-no-background-check", "--mmap-hybrid", "--mmap-host-threads", "6", "--mmap-host-spin-us", "250",
+                          "--mmap-hybrid-small-calls",
                           "--additional-config", '{"x": 1, "mmap_offload": {"engine": "pread"}}'])
     assert argv[:4] == ["serve", "/m", "--tensor-parallel-size", "2"]
     i = argv.index("--additional-config")
     assert json.loads(argv[i + 1]) == {"x": 1, CONFIG_KEY: {"engine": "pread", "cache_dir": "/c", "lookahead": 2,
                                                            "verify_in_background": False, "hybrid": True,
-                                                           "host_threads": 6, "hybrid_small_calls": "on"}}
+                                                           "host_threads": 6, "host_spin_us": 250.0,
+                                                           "hybrid_small_calls": "on"}}
     assert argv[argv.index("--offload-backend") + 1] == "mmap"
     assert "--enforce-eager" in argv
 
