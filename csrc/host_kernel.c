@@ -871,7 +871,7 @@ static void *worker_main(void *vp) {
     int64_t seen = 0;
     for (;;) {
         int64_t g, idle0 = 0;
-        int spins = 0;
+        unsigned spins = 0;
         while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) {
             if (++spins & 63) { CPU_RELAX(); continue; }
             const int64_t t = now_ns(); /* every 64 pauses: spin for spin_ns, then sleep */

@@ -416,8 +416,9 @@ def test_spin_time_is_set_per_kernel_and_checked(monkeypatch):
     monkeypatch.setenv("MMAP_OFFLOAD_HOST_SPIN_US", "fast")
     with pytest.raises(UnsupportedError, match="MMAP_OFFLOAD_HOST_SPIN_US='fast' is not a number"):
         HostKernel(threads=2, isa="plain")
-    with pytest.raises(UnsupportedError, match="spin_us must be >= 0"):
-        HostKernel(threads=2, isa="plain", spin_us=-1)
+    for bad in (-1, float("nan"), 2e6):
+        with pytest.raises(UnsupportedError, match=r"spin_us must be in \[0, 1000000\]"):
+            HostKernel(threads=2, isa="plain", spin_us=bad)
 
 
 def test_diag_counts_the_calls_and_their_time_in_c():

@@ -261,8 +261,9 @@ def test_copy_threads_default_to_six_with_hybrid_and_eight_without():
         MmapOptions.resolve({"host_threads": -2}, env={})
     assert MmapOptions.resolve(None, env={}).host_spin_us == 1000.0
     assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_HOST_SPIN_US": "50"}).host_spin_us == 50.0
-    with pytest.raises(UnsupportedError, match="host_spin_us must be >= 0"):
-        MmapOptions.resolve({"host_spin_us": -1}, env={})
+    for bad in (-1, 5e6):
+        with pytest.raises(UnsupportedError, match=r"host_spin_us must be in \[0, 1000000\]"):
+            MmapOptions.resolve({"host_spin_us": bad}, env={})
 
 
 def test_expert_cache_size_option():

@@ -69,6 +69,7 @@ ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 # 763 -> 384 us per call in C (BENCHMARKS.md "Host compute", session 28). In vLLM a layer's host calls
 # come one layer's time apart (~0.2-0.8 ms at decode): 1 ms keeps the threads awake through a step.
 SPIN_US = 1000.0
+MAX_SPIN_US = 1e6  # a second: beyond any gap between a step's calls
 
 
 if sys.byteorder != "little":  # pragma: no cover - the job words pack int32 pairs little-endian
@@ -174,8 +175,8 @@ class HostKernel:
             except ValueError:
                 raise UnsupportedError(f"MMAP_OFFLOAD_HOST_SPIN_US={env_spin!r} is not a number",
                                        "set it to the microseconds an idle host thread spins, e.g. 1000") from None
-        if not spin_us >= 0:
-            raise UnsupportedError(f"host kernel spin_us must be >= 0, got {spin_us}",
+        if not 0 <= spin_us <= MAX_SPIN_US:
+            raise UnsupportedError(f"host kernel spin_us must be in [0, {MAX_SPIN_US:.0f}], got {spin_us}",
                                    "pass the microseconds an idle host thread spins before it sleeps, e.g. 1000")
         self.spin_us: float = float(spin_us)
         self._pool = lib.mo_host_create(self.threads)
@@ -203,7 +204,8 @@ class HostKernel:
 
     def diag(self) -> dict:
         """Where the calls' time went since the last ``diag()`` (then zeroed), per call in microseconds:
-        ``calls``; ``c_us`` (in C, entry to return), ``prep_us`` (checks and plan, before the work opens),
+        ``calls``; ``c_us`` (in C, entry to return; for ``experts_mlp_start`` from the start to ``wait()``'s
+        return, the caller's own time between them included), ``prep_us`` (checks and plan, before the work opens),
         ``run_us`` (open to the end of the last unit), ``finish_us`` (closing, waiting for the threads
         inside). In a build with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``) also ``threads``:
         per thread the calls it ``joined`` and its ``join_us`` (open to its first unit), ``busy_us``

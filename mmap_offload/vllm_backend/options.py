@@ -153,8 +153,8 @@ class MmapOptions:
         if self.host_threads < 0:
             raise UnsupportedError(f"mmap_offload host_threads must be >= 0, got {self.host_threads}",
                                    "pass 0 (auto: the cores the copy threads and vLLM's thread leave) or a count")
-        if not self.host_spin_us >= 0:
-            raise UnsupportedError(f"mmap_offload host_spin_us must be >= 0, got {self.host_spin_us}",
+        if not 0 <= self.host_spin_us <= 1e6:
+            raise UnsupportedError(f"mmap_offload host_spin_us must be in [0, 1000000], got {self.host_spin_us}",
                                    "pass the microseconds an idle host thread spins before it sleeps, e.g. 1000")
         if self.lookahead < 0:
             raise UnsupportedError(f"mmap_offload lookahead must be >= 0, got {self.lookahead}", "pass 0 or more")
