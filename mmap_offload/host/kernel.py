@@ -66,8 +66,10 @@ ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 # How long (us) an idle pool thread spins before it sleeps: a sleeping thread joins the next call late.
 # Session 28 on the H200's host (16 threads, the user's shape, 6 experts per call, ~110 us between
 # calls): threads that spun ~0.1 ms joined 121 us after the open on average, 3 us when they spun ~1 ms;
-# 763 -> 384 us per call in C (BENCHMARKS.md "Host compute", session 28). In vLLM a layer's host calls
-# come one layer's time apart (~0.2-0.8 ms at decode): 1 ms keeps the threads awake through a step.
+# 763 -> 384 us per call in C (BENCHMARKS.md "Host compute", session 28). In vLLM a layer's host job
+# starts a layer after the last one: ~1.9 ms (batch 1) to ~3 ms (batch 8) in bench_vllm's 8-layer model,
+# the jobs taking 0.4-2.3 ms of it; in real vLLM 1 ms was ahead of 0.1 ms at batch 1 and split at batch 8
+# (BENCHMARKS.md "Real vLLM", session 28).
 SPIN_US = 1000.0
 MAX_SPIN_US = 1e6  # a second: beyond any gap between a step's calls
 
