@@ -225,13 +225,13 @@ class HostKernel:
         out: dict = {"calls": calls, "c_us": buf[1] / per / 1e3, "prep_us": buf[2] / per / 1e3,
                      "run_us": buf[3] / per / 1e3, "finish_us": buf[4] / per / 1e3}
         if rc == 1:
-            names = ("joined", "join_us", "busy_us", "red_us", "wait_us", "last_us", "units")
+            times = ("join_us", "busy_us", "red_us", "wait_us", "last_us")  # diag_thread_t's ns fields 1-5
             threads = []
             for t in range(buf[5]):
                 v = buf[6 + 8 * t: 6 + 8 * t + 7]
-                joined = max(1, v[0])
-                threads.append({"joined": v[0], **{k: x / joined / 1e3 for k, x in zip(names[1:6], v[1:6])},
-                                "units": v[6] / joined})
+                per_join = max(1, v[0])
+                threads.append({"joined": v[0], **{k: ns / per_join / 1e3 for k, ns in zip(times, v[1:6])},
+                                "units": v[6] / per_join})
             out["threads"] = threads
         return out
 

@@ -151,9 +151,8 @@ class HostExperts:
             # add_to. Stream path (``stream``): the thread that joins each job is CUDA's callback thread
             # (the collect callback) while the launching thread goes on, so it is one of the computing
             # threads: one more would leave the launching thread no core (module docstring)
-            spin = getattr(opts, "host_spin_us", None)
             self.kernel: Any = HostKernel(threads=self.threads if stream else self.threads + 1,
-                                          spin_us=None if spin is None else float(spin))
+                                          spin_us=getattr(opts, "host_spin_us", None))
             self._names = EXPERT_TENSORS
         else:  # the torch path runs on this process's intra-op threads: changed only when asked
             if explicit:
