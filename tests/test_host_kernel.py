@@ -398,6 +398,79 @@ def test_late_workers_never_touch_a_finished_call(spin_us):
     many.close()
 
 
+def _until(pred, seconds: float = 10.0) -> bool:
+    """Poll pred() until it holds (True) or ``seconds`` pass (False): state the pool reaches on its own."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.002)
+    return bool(pred())
+
+
+def test_wake_keeps_idle_threads_awake_for_its_span_then_lets_them_sleep():
+    """wake(us): the sleeping workers are woken at once and spin for its span instead of sleeping
+    (spin_us=0 would have them asleep right after each call), then sleep again; diag() counts the wakes
+    and the threads they woke. Calls made while awake, and calls racing a thread that wakes the pool in
+    a loop, keep the one-thread kernel's bytes (no lost or stray wake-up: every call returns)."""
+    import threading
+
+    H, I, g = 256, 128, 64
+    experts = [expert(H, I, g, seed=i)[0] for i in range(2)]
+    one = HostKernel(threads=1, isa=AVAILABLE[0])
+    k = HostKernel(threads=3, isa=AVAILABLE[0], spin_us=0)
+    try:
+        assert _until(lambda: k.diag()["asleep"] == 2), "spin_us=0: both workers asleep between calls"
+        assert k.wake(0) == 0 and k.diag()["wakes"] == 0  # no span: nothing
+        assert k.wake(30e6) == 2  # 30 s: awake for the rest of this part
+        assert _until(lambda: k.diag()["asleep"] == 0)
+        d = k.diag()
+        assert d["asleep"] == 0 and (d["wakes"], d["woken"]) == (0, 0)  # counted once, read above
+        x = rand_x(3, H, torch.bfloat16, seed=1)
+        rows = torch.arange(3)
+        jobs = [(rows, *args(e), g, None) for e in experts]
+        want = torch.zeros_like(x)
+        one.experts_mlp(x, jobs, want)
+        for _ in range(5):
+            got = torch.zeros_like(x)
+            k.experts_mlp(x, jobs, got)
+            assert torch.equal(got, want)
+            assert k.diag()["asleep"] == 0  # still inside the span: nobody went to sleep after the call
+        k.wake(1)  # a new span does not shorten the one running
+        assert k.diag()["asleep"] == 0
+        k.close()
+        k = HostKernel(threads=3, isa=AVAILABLE[0], spin_us=0)
+        k.wake(20e3)  # 20 ms, then asleep again
+        assert _until(lambda: k.diag()["asleep"] == 2)
+        stop = threading.Event()
+
+        def waker():
+            while not stop.is_set():
+                k.wake(50)  # 50 us spans: workers fall asleep and are woken all the time
+
+        t = threading.Thread(target=waker)
+        t.start()
+        try:
+            for i in range(200):
+                got = torch.zeros_like(x)
+                k.experts_mlp(x, jobs[: 1 + i % 2], got)
+                ref = torch.zeros_like(x)
+                one.experts_mlp(x, jobs[: 1 + i % 2], ref)
+                assert torch.equal(got, ref), f"call {i}"
+        finally:
+            stop.set()
+            t.join()
+        assert k.diag()["wakes"] > 0
+        with pytest.raises(RuntimeError, match="closed"):
+            k.close()
+            k.wake(10)
+    finally:
+        k.close()
+        one.close()
+
+
 def test_spin_time_is_set_per_kernel_and_checked(monkeypatch):
     """spin_us (how long idle workers spin before they sleep) reaches the pool: given, from
     $MMAP_OFFLOAD_HOST_SPIN_US, or SPIN_US; a bad value is refused with the fix."""
