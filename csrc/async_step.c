@@ -115,7 +115,6 @@ typedef struct {
 typedef int (*fn_host_start)(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
                              const void *jobs, int njobs, void *out, int mode);
 typedef int (*fn_host_wait)(void *h, int64_t *ns, int *ready);
-typedef int (*fn_host_wake)(void *h, int64_t ns);
 typedef struct { /* host_kernel.c's mo_job_t (MO_HOST_ABI 2, checked by async_step.py): 10 words */
     const int64_t *rows;
     const float *weights;
@@ -126,8 +125,6 @@ typedef struct { /* host_kernel.c's mo_job_t (MO_HOST_ABI 2, checked by async_st
 typedef struct {
     fn_host_start start;
     fn_host_wait wait;
-    fn_host_wake wake;               /* mo_host_wake, or NULL: no wake at enqueue (mo_async_set_host_wake) */
-    int64_t wake_ns;
     void *pool;                      /* the mo_host pool (HostKernel's) */
     int isa, xdt, adapt;
     int64_t H, I, max_rows, xsz;
@@ -938,15 +935,6 @@ int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int6
     return 0;
 }
 
-/* Wake the host's pool for ns (mo_host_wake) each time vLLM's thread enqueues a hybrid call, so that its threads are spinning when the stream reaches the call's
- * callback and starts the job (ns <= 0 or wake NULL: off). After mo_async_set_host; 0, or -1. */
-int64_t mo_async_set_host_wake(mo_async *a, void *wake, int64_t ns) {
-    if (!a || !a->hy.start) return -1;
-    a->hy.wake = ns > 0 ? (fn_host_wake)wake : NULL;
-    a->hy.wake_ns = ns > 0 ? ns : 0;
-    return 0;
-}
-
 /* A hybrid call's parts from the next call on (mo_hybrid.parts: 0 the fewest, -1 a plain call's,
  * n > 0 n); returns the setting. Any value < -1 reads it. */
 int64_t mo_async_hybrid_parts(mo_async *a, int64_t parts) {
@@ -983,7 +971,6 @@ int64_t mo_async_run_hybrid(mo_async *a, mo_step *st, const uint64_t *rows, cons
     mo_ajob hy;
     hy.hy_rows = n_rows;
     hy.hsrc = hsrc;
-    if (a->hy.wake) a->hy.wake(a->hy.pool, a->hy.wake_ns); /* most hybrid calls give the host work */
     return run_sparse(a, st, rows, stride, max_admit, ids, nk, id_size, stream, &hy, weights, x, blk_dev);
 }
 

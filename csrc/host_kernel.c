@@ -847,9 +847,6 @@ struct pool {
     int64_t *uniq;
     size_t uniq_n;
     int64_t spin_ns;             /* an idle worker spins this long before it sleeps (atomic) */
-    int64_t wake_until;          /* mo_host_wake: idle workers spin until then (ns, seq-cst) */
-    int sleeping;                /* workers asleep on cv or about to be (seq-cst, under mu to rise) */
-    int64_t diag_wakes, diag_woken; /* mo_host_wake calls, and the sleeping workers they signalled */
     int64_t diag_open;           /* the current call's open (ns) */
     int64_t diag_entry;          /* its entry (ns) */
     int64_t diag_calls, diag_wall, diag_prep, diag_run, diag_finish; /* sums over calls (ns), mo_host_diag */
@@ -875,28 +872,15 @@ static void *worker_main(void *vp) {
     for (;;) {
         int64_t g, idle0 = 0;
         unsigned spins = 0;
-        int woke = 0; /* woken by mo_host_wake: spin until its deadline only */
         while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) {
             if (++spins & 63) { CPU_RELAX(); continue; }
-            const int64_t t = now_ns(); /* every 64 pauses: spin for spin_ns (or until a wake's end), then sleep */
+            const int64_t t = now_ns(); /* every 64 pauses: spin for spin_ns, then sleep */
             if (!idle0) idle0 = t;
-            if ((!woke && t - idle0 < __atomic_load_n(&P->spin_ns, __ATOMIC_RELAXED)) ||
-                t < __atomic_load_n(&P->wake_until, __ATOMIC_SEQ_CST)) {
-                CPU_RELAX();
-                continue;
-            }
-            /* Sleep. Seq-cst count-then-check against mo_host_wake's deadline-then-count: either this
-               worker sees the new deadline and spins on, or the waker sees it counted and signals cv
-               (under mu, so after this worker waits). */
+            if (t - idle0 < __atomic_load_n(&P->spin_ns, __ATOMIC_RELAXED)) { CPU_RELAX(); continue; }
             pthread_mutex_lock(&P->mu);
-            __atomic_add_fetch(&P->sleeping, 1, __ATOMIC_SEQ_CST);
-            while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop &&
-                   now_ns() >= __atomic_load_n(&P->wake_until, __ATOMIC_SEQ_CST))
-                pthread_cond_wait(&P->cv, &P->mu);
-            __atomic_sub_fetch(&P->sleeping, 1, __ATOMIC_SEQ_CST);
+            while ((g = __atomic_load_n(&P->gen, __ATOMIC_ACQUIRE)) == seen && !P->stop) pthread_cond_wait(&P->cv, &P->mu);
             pthread_mutex_unlock(&P->mu);
-            if (g != seen || P->stop) break;
-            woke = 1;
+            break;
         }
         if (P->stop) return NULL;
         seen = g;
@@ -982,34 +966,6 @@ int64_t mo_host_set_spin(void *h, int64_t ns) {
     const int64_t old = __atomic_load_n(&P->spin_ns, __ATOMIC_RELAXED);
     if (ns >= 0) __atomic_store_n(&P->spin_ns, ns, __ATOMIC_RELAXED);
     return old;
-}
-
-/* Idle workers spin for the next ns (a call is coming: vLLM's thread has enqueued a hybrid call whose
-   host job starts when the stream reaches it), those asleep woken now, so that they join the call
-   without a wake-up's delay. Any thread, at any time; returns how many sleeping workers it woke. */
-int mo_host_wake(void *h, int64_t ns) {
-    pool_t *P = h;
-    if (!P || ns <= 0) return 0;
-    const int64_t until = now_ns() + ns;
-    if (until > __atomic_load_n(&P->wake_until, __ATOMIC_SEQ_CST)) __atomic_store_n(&P->wake_until, until, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&P->diag_wakes, 1, __ATOMIC_RELAXED);
-    const int s = __atomic_load_n(&P->sleeping, __ATOMIC_SEQ_CST);
-    if (s > 0) {
-        pthread_mutex_lock(&P->mu);
-        pthread_cond_broadcast(&P->cv);
-        pthread_mutex_unlock(&P->mu);
-        __atomic_add_fetch(&P->diag_woken, s, __ATOMIC_RELAXED);
-    }
-    return s;
-}
-
-/* The wakes since the last read (then zeroed): out[0] mo_host_wake calls, out[1] the sleeping workers
-   they woke, out[2] the workers asleep now. */
-void mo_host_wake_stats(void *h, int64_t *out) {
-    pool_t *P = h;
-    out[0] = __atomic_exchange_n(&P->diag_wakes, 0, __ATOMIC_RELAXED);
-    out[1] = __atomic_exchange_n(&P->diag_woken, 0, __ATOMIC_RELAXED);
-    out[2] = __atomic_load_n(&P->sleeping, __ATOMIC_SEQ_CST);
 }
 
 /* A call runs fn on the calling thread (worker 0) and on every worker that joins while the call is open.

@@ -78,8 +78,6 @@ def _typed(lib) -> bool:
     lib.mo_async_set_host.restype = _i64
     lib.mo_async_set_host.argtypes = [_vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
                                       _i64, _vp, ctypes.c_double, _i64]
-    lib.mo_async_set_host_wake.restype = _i64
-    lib.mo_async_set_host_wake.argtypes = [_vp, _vp, _i64]
     lib.mo_async_host_share.restype = ctypes.c_double
     lib.mo_async_host_share.argtypes = [_vp, ctypes.c_double]
     lib.mo_async_hybrid_parts.restype = _i64
@@ -271,16 +269,14 @@ class AsyncStep:
 
     # -- hybrid calls: a share of a sparse call's misses computed on the host ------------------------
     def set_host(self, kernel, geometry: tuple, max_rows: int, dtype: torch.dtype, share: float = 0.5,
-                 adapt: bool = True, wake_us: float = 0.0) -> None:
+                 adapt: bool = True) -> None:
         """Let ``run_hybrid`` compute misses on the host with ``kernel`` (a ``HostKernel``; its pool is
         driven from the callback, so nothing else may call it while a hybrid call is in flight: the
         caller waits first). ``geometry``: ``host.kernel._geometry``'s (I, k per group of w13 and w2,
         their scale permutations, the scales' dtype code) of the cache's experts; ``dtype``: the
         activations'; ``share``: the misses' share computed on the host at first (collects adapt it
         when ``adapt``: a host job done before the stream needed it takes more next time, one the stream
-        waited for less); ``wake_us`` > 0: each ``run_hybrid`` (on the calling thread, before its
-        callback starts the host job) keeps the kernel's idle threads spinning that long and wakes the
-        sleeping ones (``HostKernel.wake``). Only with no call in flight (after ``wait``)."""
+        waited for less). Only with no call in flight (after ``wait``)."""
         from .host.kernel import _DT_CODE, _ISA_CODE
 
         if int(kernel._lib.mo_host_abi()) != _HOST_ABI:
@@ -308,8 +304,6 @@ class AsyncStep:
         if rc:
             area.close()
             raise ValueError("the async step refused its host set-up (bad geometry or share)")
-        wake = ctypes.cast(kernel._lib.mo_host_wake, ctypes.c_void_p).value
-        self.lib.mo_async_set_host_wake(self.handle, wake, int(max(0.0, float(wake_us)) * 1e3))
         old = self._host
         self._hy_calls.clear()  # views of the old buffers
         self._out_rows.clear()

@@ -249,44 +249,6 @@ def test_hybrid_share_adapts_to_which_side_finishes_first(cache, kernel):
         ea.close()
 
 
-@pytest.mark.parametrize("wake_us", [0.0, 30e6])
-def test_hybrid_calls_wake_the_host_pool_when_enqueued(cache, wake_us):
-    """set_host(wake_us > 0): each run_hybrid wakes the host kernel's pool on the calling thread (the
-    C enqueue, before its callback starts the job), so a pool whose threads sleep at once (spin_us=0)
-    is awake when the job comes; 0: never. The outputs stay exact either way."""
-    from mmap_offload.host.kernel import HostKernel
-
-    k = HostKernel(threads=3, spin_us=0)
-    ea, ac, a = _single(cache)
-    try:
-        a.set_host(k, _geometry(cache), max_rows=8, dtype=torch.bfloat16, share=0.5, adapt=False, wake_us=wake_us)
-        src = _sources(cache)
-        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
-        k.diag()
-        calls = 0
-        for step in _calls(3, 3, seed=4):
-            for li, layer in enumerate(LAYERS):
-                ids, w, x = step[li]
-                buf = _buffer(cache)
-                wk, ik = a.run_hybrid(layer, ids, buf, w, x, src[layer])
-                calls += 1
-                out = _moe(x, ik, wk, buf).to(torch.bfloat16)
-                a.collect(out)
-                a.wait()
-                want = _moe(x, ids, w, refs[layer])
-                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
-        d = k.diag()
-        assert a.summary()["host_calls"] > 0
-        if wake_us:
-            assert d["wakes"] == calls and d["asleep"] == 0  # 30 s spans: still awake
-        else:
-            assert d["wakes"] == 0
-    finally:
-        a.close()
-        ea.close()
-        k.close()
-
-
 def test_hybrid_parts_hold_the_admissions_and_never_fewer(cache, kernel):
     """A call's parts hold at least its admissions (max_admit 5, 3 misses per staging load: 2 parts,
     even when 1 is asked for); max_admit 0 needs 1; -1 is the plain call's ids / 3; n caps at the
@@ -436,26 +398,6 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
     finally:
         res.close()
         eng.close()
-
-
-def test_residency_passes_host_wake_us_to_the_async_step(tmp_path):
-    """Backend option host_wake_us: each hybrid call the residency enqueues wakes the host kernel's pool
-    (the kernel's diag counts one wake per call); by default (0) none does."""
-    for wake_us, want_wakes in ((0.0, False), (5000.0, True)):
-        res, eng, cache, bufs, targets = _hybrid_residency(tmp_path / str(wake_us), seed=5, host_wake_us=wake_us)
-        try:
-            res.host.kernel.diag()
-            for step in _calls(2, 3, seed=9):
-                for t in targets:
-                    ids, w, x = step[t.index]
-                    wk, ik = res.route(t, w, ids, x)
-                    res.add_host(t, _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16))
-            calls = res.summary()["hybrid_async_calls"]
-            assert calls == 2 * len(LAYERS)
-            assert res.host.kernel.diag()["wakes"] == (calls if want_wakes else 0)
-        finally:
-            res.close()
-            eng.close()
 
 
 @pytest.mark.parametrize("late", [False, True])

@@ -184,14 +184,14 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
 def test_launcher_translates_flags_and_adds_backend():
     argv = launcher_argv(["serve", "/m", "--tensor-parallel-size", "2", "--mmap-cache-dir", "/c", "--mmap-lookahead", "2",
                           "--mmap-no-background-check", "--mmap-hybrid", "--mmap-host-threads", "6", "--mmap-host-spin-us", "250",
-                          "--mmap-host-wake-us", "2000", "--mmap-hybrid-small-calls",
+                          "--mmap-hybrid-small-calls",
                           "--additional-config", '{"x": 1, "mmap_offload": {"engine": "pread"}}'])
     assert argv[:4] == ["serve", "/m", "--tensor-parallel-size", "2"]
     i = argv.index("--additional-config")
     assert json.loads(argv[i + 1]) == {"x": 1, CONFIG_KEY: {"engine": "pread", "cache_dir": "/c", "lookahead": 2,
                                                            "verify_in_background": False, "hybrid": True,
                                                            "host_threads": 6, "host_spin_us": 250.0,
-                                                           "host_wake_us": 2000.0, "hybrid_small_calls": "on"}}
+                                                           "hybrid_small_calls": "on"}}
     assert argv[argv.index("--offload-backend") + 1] == "mmap"
     assert "--enforce-eager" in argv
 
@@ -264,10 +264,6 @@ def test_copy_threads_default_to_six_with_hybrid_and_eight_without():
     for bad in (-1, 5e6):
         with pytest.raises(UnsupportedError, match=r"host_spin_us must be in \[0, 1000000\]"):
             MmapOptions.resolve({"host_spin_us": bad}, env={})
-    assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_HOST_WAKE_US": "1500"}).host_wake_us == 1500.0
-    for bad in (-1, 5e6):
-        with pytest.raises(UnsupportedError, match=r"host_wake_us must be in \[0, 1000000\]"):
-            MmapOptions.resolve({"host_wake_us": bad}, env={})
 
 
 def test_expert_cache_size_option():

@@ -29,8 +29,7 @@ output), outlier channels included.
 
 Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
 this object's; its workers spin for ``spin_us`` after a call (default ``SPIN_US``, 1 ms, or
-``$MMAP_OFFLOAD_HOST_SPIN_US``), then sleep; ``wake(us)`` keeps them spinning (and wakes the sleeping)
-ahead of a call one knows is coming; ``diag()`` says where the calls' time went. ISA paths, fastest first:
+``$MMAP_OFFLOAD_HOST_SPIN_US``), then sleep; ``diag()`` says where the calls' time went. ISA paths, fastest first:
 ``avx512vnni`` (AVX-512 VNNI + VBMI, vpdpbusd: one column's four nibbles of a word are one lane's four
 bytes after one vpmultishiftqb, x as two signed bytes),
 ``avx512vnni-novbmi`` (the same without VBMI, a shift, a select and an AND in the shuffle's place:
@@ -124,18 +123,13 @@ def library() -> ctypes.CDLL:
             lib.mo_host_mlp_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),
                                              ctypes.POINTER(ctypes.c_int)]
             lib.mo_host_mlp_wait.restype = ctypes.c_int
-            if not all(hasattr(lib, f) for f in ("mo_host_set_spin", "mo_host_diag", "mo_host_wake")):
-                raise UnsupportedError("the mo_host library predates mo_host_set_spin / mo_host_diag / mo_host_wake "
-                                       "(a stale build)",
+            if not hasattr(lib, "mo_host_set_spin") or not hasattr(lib, "mo_host_diag"):
+                raise UnsupportedError("the mo_host library predates mo_host_set_spin / mo_host_diag (a stale build)",
                                        "rebuild it (pip install -e . or remove the stale build)")
             lib.mo_host_set_spin.argtypes = [ctypes.c_void_p, ctypes.c_int64]
             lib.mo_host_set_spin.restype = ctypes.c_int64
             lib.mo_host_diag.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
             lib.mo_host_diag.restype = ctypes.c_int
-            lib.mo_host_wake.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-            lib.mo_host_wake.restype = ctypes.c_int
-            lib.mo_host_wake_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
-            lib.mo_host_wake_stats.restype = None
             _lib = lib
         return _lib
 
@@ -218,8 +212,7 @@ class HostKernel:
         inside). In a build with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``) also ``threads``:
         per thread the calls it ``joined`` and its ``join_us`` (open to its first unit), ``busy_us``
         (inside units), ``red_us`` (chunk sums, within busy), ``wait_us`` (phase 2 waiting for its job's
-        phase 1, within busy), ``last_us`` (open to leaving), ``units`` (per call). Also ``wakes`` (``wake()``
-        calls), ``woken`` (sleeping threads they woke) and ``asleep`` (threads asleep now). Read between calls."""
+        phase 1, within busy), ``last_us`` (open to leaving), ``units`` (per call). Read between calls."""
         if self._pool is None:
             raise RuntimeError("HostKernel is closed")
         n = 6 + 8 * self.threads
@@ -229,11 +222,8 @@ class HostKernel:
             raise RuntimeError(f"mo_host_diag failed ({os.strerror(-rc)}): read it between calls")
         calls = buf[0]
         per = max(1, calls)
-        wakes = (ctypes.c_int64 * 3)()
-        self._lib.mo_host_wake_stats(self._pool, wakes)
         out: dict = {"calls": calls, "c_us": buf[1] / per / 1e3, "prep_us": buf[2] / per / 1e3,
-                     "run_us": buf[3] / per / 1e3, "finish_us": buf[4] / per / 1e3,
-                     "wakes": wakes[0], "woken": wakes[1], "asleep": wakes[2]}
+                     "run_us": buf[3] / per / 1e3, "finish_us": buf[4] / per / 1e3}
         if rc == 1:
             times = ("join_us", "busy_us", "red_us", "wait_us", "last_us")  # diag_thread_t's ns fields 1-5
             threads = []
@@ -244,16 +234,6 @@ class HostKernel:
                                 "units": v[6] / per_join})
             out["threads"] = threads
         return out
-
-    def wake(self, us: float) -> int:
-        """A call is coming: idle threads spin for the next ``us`` microseconds (those asleep woken now)
-        instead of sleeping after ``spin_us``, so that they join it without a wake-up's delay. Any thread,
-        any time, a call running or not; returns how many sleeping threads it woke. The async step
-        calls the C function itself when vLLM's thread enqueues a hybrid call (backend option
-        ``host_wake_us``)."""
-        if self._pool is None:
-            raise RuntimeError("HostKernel is closed")
-        return int(self._lib.mo_host_wake(self._pool, int(max(0.0, float(us)) * 1e3)))
 
     # -- the API ------------------------------------------------------------------------------------
     def expert_mlp(self, x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,

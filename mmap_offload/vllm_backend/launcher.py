@@ -29,7 +29,6 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-hybrid": ("hybrid", {"action": "store_true", "default": None}),
     "--mmap-host-threads": ("host_threads", {"type": int}),
     "--mmap-host-spin-us": ("host_spin_us", {"type": float}),
-    "--mmap-host-wake-us": ("host_wake_us", {"type": float}),
     # bare: "on"; or auto | on | off
     "--mmap-hybrid-small-calls": ("hybrid_small_calls", {"nargs": "?", "const": "on", "default": None,
                                                          "choices": ("auto", "on", "off")}),

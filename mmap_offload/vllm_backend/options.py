@@ -76,10 +76,6 @@ class MmapOptions:
     # with hybrid, W4A16: how long (us) an idle host compute thread spins before it sleeps; a sleeping
     # thread joins the next host job late (~0.1 ms on the H200's host: host/kernel.py SPIN_US). 0: sleep at once
     host_spin_us: float = 1000.0
-    # with hybrid_stream: each hybrid call, when vLLM's thread enqueues it (right after the router),
-    # keeps the host compute threads spinning this long (us) and wakes those asleep, so that they are
-    # awake when the stream reaches the call and its host job starts. 0: off (host_spin_us alone)
-    host_wake_us: float = 0.0
     # with hybrid_stream: calls whose ids fit the pool (decode batch 1) take the hybrid sparse form too,
     # so that their misses not admitted into the pool can go to the host kernel instead of the link.
     # "off": they take the async expert step, copying every miss. "on": the hybrid form always.
@@ -160,10 +156,6 @@ class MmapOptions:
         if not 0 <= self.host_spin_us <= 1e6:
             raise UnsupportedError(f"mmap_offload host_spin_us must be in [0, 1000000], got {self.host_spin_us}",
                                    "pass the microseconds an idle host thread spins before it sleeps, e.g. 1000")
-        if not 0 <= self.host_wake_us <= 1e6:
-            raise UnsupportedError(f"mmap_offload host_wake_us must be in [0, 1000000], got {self.host_wake_us}",
-                                   "pass the microseconds host threads stay awake after a hybrid call is enqueued, "
-                                   "e.g. 2000 (0: off)")
         if self.lookahead < 0:
             raise UnsupportedError(f"mmap_offload lookahead must be >= 0, got {self.lookahead}", "pass 0 or more")
         if self.expert_cache_gib is not None and self.expert_cache_gib < 0:

@@ -401,7 +401,7 @@ class Residency:
             names = host._names
             w13, s13, w2, s2 = (self.cache.tensor(t.layer, 0, n) for n in names)
             a.set_host(host.kernel, _geometry(w13, s13, w2, s2, host.group, host.hidden, "hybrid"), host.MAX_TOKENS,
-                       x.dtype, share=self._initial_share(), wake_us=self.off.options.host_wake_us)
+                       x.dtype, share=self._initial_share())
         src = self._hy_sources.get(t.layer)
         if src is None:
             src = self._hy_sources[t.layer] = np.array(
