@@ -137,10 +137,10 @@ class HostExperts:
         if q.get("actorder"):
             raise UnsupportedError("hybrid host compute does not support act-order (g_idx) W4A16 caches",
                                    "pass hybrid=false (the expert cache still serves it)")
-        opts = getattr(off, "options", None)
-        explicit = threads > 0 and (opts is None or getattr(opts, "host_threads", 0) > 0)
+        opts = getattr(off, "options", None)  # the backend's MmapOptions; None outside it (tests, benchmarks)
+        explicit = threads > 0 and (opts is None or opts.host_threads > 0)
         if not explicit:  # the backend passes its own default: this one knows the copy engine's threads
-            copy = opts.copy_threads() if hasattr(opts, "copy_threads") else int(getattr(opts, "threads", 0) or 0)
+            copy = opts.copy_threads() if opts is not None else 0
             threads = default_threads(int(getattr(off, "tp_size", 1) or 1), copy)
         self.threads = int(threads)
         if self.kind == "w4a16":
@@ -152,7 +152,7 @@ class HostExperts:
             # (the collect callback) while the launching thread goes on, so it is one of the computing
             # threads: one more would leave the launching thread no core (module docstring)
             self.kernel: Any = HostKernel(threads=self.threads if stream else self.threads + 1,
-                                          spin_us=getattr(opts, "host_spin_us", None))
+                                          spin_us=None if opts is None else opts.host_spin_us)
             self._names = EXPERT_TENSORS
         else:  # the torch path runs on this process's intra-op threads: changed only when asked
             if explicit:
