@@ -94,6 +94,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
 
     from mmap_offload.vllm_backend.host_experts import HostExperts
+    from mmap_offload.vllm_backend.options import MmapOptions
 
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
@@ -146,14 +147,13 @@ def main(argv=None) -> dict:
                   f"{r['gbps_median']:6.2f} GB/s  ({r['experts_per_call']:.1f} experts/call)"
                   + (f"  {extra}" if extra else ""), flush=True)
 
-        off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1,
-                              options=SimpleNamespace(threads=a.engine_threads, host_threads=a.threads))
+        # the backend's options when a copy engine's threads run beside (HostExperts' default leaves them
+        # their cores), none otherwise (every core)
+        opts = MmapOptions(threads=a.engine_threads, host_threads=max(0, a.threads)) if a.engine_threads else None
+        off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1, options=opts)
 
         def make(**kw):
-            try:
-                return HostExperts(off, threads=a.threads, **kw)
-            except TypeError:  # an older HostExperts (no calibration, no populate)
-                return HostExperts(off, threads=a.threads)
+            return HostExperts(off, threads=a.threads, **kw)
 
         t_make = time.perf_counter()
         he = make(populate=False)
