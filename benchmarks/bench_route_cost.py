@@ -7,7 +7,13 @@ Why: in real vLLM at decode (``--enforce-eager``) every microsecond the launchin
 a microsecond of the step (docs/BENCHMARKS.md, session 20: route ~250 us and collect ~100 us per layer
 of a 20-27 ms step at batch 8 on the H200's host). The same loop without route/add_host is the floor.
 
-    python benchmarks/bench_route_cost.py [--device cuda] [--steps 300] [--tokens 8] [--out DIR]
+    python benchmarks/bench_route_cost.py [--device cuda] [--steps 300] [--tokens 8] [--variant fast] [--out DIR]
+
+``--variant`` (session 30) times the serving path against what it replaced: ``fast`` (a layer's steady
+hybrid calls skip route()'s general path, and on CUDA three launches per layer are gone: one gather brings
+the call's ids, weights and rows down, the copy kernel brings the kernel's weights and ids up, one launch
+adds the host's rows), ``general`` (route()'s general path), ``copies`` (cudaMemcpy and torch's add_),
+``old`` (both, the path before session 30). One process per variant; interleave them in one GPU call.
 
 Prints one table (microseconds per layer: route, of it the async hybrid call and its C enqueues,
 add_host, the stand-in step, the floor) and writes route_cost.json to --out. Not a test: no bar.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -41,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 H, INTER, GROUP, E, K = 512, 256, 128, 32, 8
+VARIANTS = ("fast", "general", "copies", "old")
 
 
 def _residency(tmp: Path, device: torch.device, layers: tuple, slots: int):
@@ -121,12 +129,27 @@ def main(argv=None) -> dict:
                     help="a third loop, CUDA only: the stand-in with this many no-op host functions per layer at the "
                          "router's place (cudaLaunchHostFunc of libc's free(NULL)) and nothing of ours: what the "
                          "callbacks alone cost the launches around them (0: no such loop)")
+    ap.add_argument("--variant", default="fast", choices=VARIANTS,
+                    help="fast: the serving path (a layer's steady hybrid calls skip route()'s general path; one launch "
+                         "brings the inputs down, the copy kernel the kernel's weights and ids up, one adds the host's "
+                         "rows); general: route()'s general path for every call; copies: cudaMemcpy and torch's add_ "
+                         "instead of those launches (MMO_ASYNC_LAUNCHES=copies); old: both, as before session 30")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     layers = tuple(range(a.layers))
     tmp = Path(tempfile.mkdtemp(prefix="route-cost-"))
-    res, eng, targets = _residency(tmp, dev, layers, a.slots)
+    saved = os.environ.get("MMO_ASYNC_LAUNCHES")
+    os.environ["MMO_ASYNC_LAUNCHES"] = "copies" if a.variant in ("copies", "old") else "fused"
+    try:
+        res, eng, targets = _residency(tmp, dev, layers, a.slots)
+    finally:
+        if saved is None:
+            del os.environ["MMO_ASYNC_LAUNCHES"]
+        else:
+            os.environ["MMO_ASYNC_LAUNCHES"] = saved
+    if a.variant in ("general", "old"):
+        res._fast_on = False  # route()'s general path for every call (MMO_FAST_HYBRID=0)
     w_kernel = torch.randn(H, H, device=dev, dtype=torch.bfloat16)
     calls = _calls(16, a.tokens, a.layers, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -186,7 +209,8 @@ def main(argv=None) -> dict:
         def us(key, src1=m1, src0=m0):
             return (src1[key] - src0[key]) / n * 1e6
 
-        row = dict(device=str(dev), tokens=a.tokens, layers=a.layers, steps=a.steps,
+        row = dict(device=str(dev), variant=a.variant, fused_launches=bool(res.async_step.fused_launches),
+                   fast_hybrid_calls=int(m1["fast_hybrid_calls"] - m0["fast_hybrid_calls"]), tokens=a.tokens, layers=a.layers, steps=a.steps,
                    route_us=us("route_s"), hybrid_call_us=us("native_s"), enqueue_us=us("enqueue_s", a1, a0),
                    add_host_us=us("collect_s"), check_us=us("check_s"),
                    hybrid_calls=int(m1["hybrid_async_calls"] - m0["hybrid_async_calls"]),
@@ -199,6 +223,8 @@ def main(argv=None) -> dict:
             row.update(host_funcs=a.host_funcs, host_funcs_step_us=hf[0] / n * 1e6, standin_host_funcs_us=hf[1] / n * 1e6)
         elif hf_error:
             row["host_funcs_error"] = hf_error
+        print(f"# variant {a.variant}: fast path {row['fast_hybrid_calls']} of {n} calls, fused launches "
+              f"{row['fused_launches']}")
         print(f"# the launching thread per MoE layer, {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'host'}),"
               f" {a.tokens} tokens x top-{K} of {E} experts, {a.slots} slots, {a.steps} steps x {a.layers} layers")
         print("| route us | of it: hybrid call | of that: C enqueues | add_host us | of it: check | step us | floor us | ours us "

@@ -130,6 +130,7 @@ typedef struct {
     int64_t H, I, max_rows, xsz;
     int32_t gs13, gs2, grouped13, grouped2, sdtype;
     char *area;                      /* pinned: x [max_rows, H], out [max_rows, H], w [cap] f32, blk */
+    uint64_t area_dev;               /* its device address (mapped), 0: not mapped (the copies by cudaMemcpy) */
     uint64_t x_off, out_off, w_off, blk_off; /* blk: masked weights [cap] f32, then the kernel's ids [cap] */
     int64_t *rows;                   /* [cap] the host jobs' rows */
     float *wts;                      /* [cap] their route weights */
@@ -147,6 +148,7 @@ struct mo_async {
     fn_launch_host_func launch_host_func;
     fn_cu_launch cu_launch; /* NULL: the CPU stand-in, the copies run in a host function */
     void *kernel;           /* CUfunction */
+    void *gather, *add;     /* CUfunctions (mo_async_set_kernels; NULL: cudaMemcpy and the caller's add) */
     void *pool;
     char *staging;          /* pinned, host address */
     uint64_t staging_dev;   /* its device address */
@@ -729,7 +731,8 @@ static mo_ajob *reserve(mo_async *a, int64_t n) {
 
 /* Enqueue job j's callback and kernel: 0 or a CUDA error (a failed kernel launch is recorded: the
  * callback decides and commits, but nothing copies: the step must fail). */
-static int enqueue(mo_async *a, mo_ajob *j, fn_host cb, void *stream) {
+static int enqueue(mo_async *a, mo_ajob *j, fn_host cb, void *stream, uint64_t blk_src, uint64_t blk_dst,
+                   uint64_t blk_n) {
     int err = a->launch_host_func(stream, cb, j);
     if (err) return err;
     pthread_mutex_lock(&a->mu);
@@ -738,7 +741,7 @@ static int enqueue(mo_async *a, mo_ajob *j, fn_host cb, void *stream) {
     pthread_mutex_unlock(&a->mu);
     if (a->cu_launch) {
         uint64_t desc_dev = j->desc_dev, staging_dev = a->staging_dev;
-        void *params[] = {&desc_dev, &staging_dev};
+        void *params[] = {&desc_dev, &staging_dev, &blk_src, &blk_dst, &blk_n};
         err = a->cu_launch(a->kernel, a->grid, 1, 1, a->block, 1, 1, 0, stream, params, NULL);
     } else {
         err = a->launch_host_func(stream, cpu_kernel, j);
@@ -775,7 +778,7 @@ int64_t mo_async_run(mo_async *a, mo_step *st, const void *ids, int64_t nk, int6
     j->rows[0] = 0;
     j->parts = 1;
     int err = nk ? a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream) : 0;
-    if (!err) err = enqueue(a, j, async_cb, stream); /* (an error before it: nothing of this job is on the stream) */
+    if (!err) err = enqueue(a, j, async_cb, stream, 0, 0, 0); /* (an error before it: nothing of this job is on the stream) */
     enq_time(a, t0);
     return err;
 }
@@ -826,16 +829,33 @@ static int64_t run_sparse_(mo_async *a, mo_step *st, const uint64_t *rows, const
         p->hsrc = hy ? hy->hsrc : NULL;
         for (int64_t t = 0; t < st->T; t++) { p->rows[t] = rows[t]; p->stride[t] = stride[t]; }
     }
-    int err = a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream);
-    if (!err && hy) { /* the call's router weights and token rows, for the callback and the host job */
-        mo_hybrid *h = &a->hy;
-        err = a->memcpy_async(h->area + h->w_off, weights, (size_t)(nk * 4), D2H, stream);
-        if (!err) err = a->memcpy_async(h->area + h->x_off, x, (size_t)(hy->hy_rows * h->H * h->xsz), D2H, stream);
+    mo_hybrid *h = &a->hy;
+    /* a hybrid call's kernel weights and ids (written by part 0's callback) reach the device through the
+     * last part's copy kernel where the area is mapped, else by a copy after it (below) */
+    int blk_by_kernel = hy && a->cu_launch && h->area_dev;
+    uint64_t blk_n = (uint64_t)(((a->cap * 4 + 7) & ~7) + a->cap * 8);
+    int err;
+    if (hy && a->gather && h->area_dev) { /* ids, router weights and token rows in one launch */
+        uint64_t p[9] = {j->desc_dev + (uint64_t)((char *)j->ids - (char *)j->desc), (uint64_t)(uintptr_t)ids,
+                         (uint64_t)(nk * id_size), h->area_dev + h->w_off, (uint64_t)(uintptr_t)weights,
+                         (uint64_t)(nk * 4), h->area_dev + h->x_off, (uint64_t)(uintptr_t)x,
+                         (uint64_t)(hy->hy_rows * h->H * h->xsz)};
+        void *params[] = {&p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &p[7], &p[8]};
+        err = a->cu_launch(a->gather, 8, 3, 1, 256, 1, 1, 0, stream, params, NULL);
+    } else {
+        err = a->memcpy_async(j->ids, ids, (size_t)(nk * id_size), D2H, stream);
+        if (!err && hy) { /* the call's router weights and token rows, for the callback and the host job */
+            err = a->memcpy_async(h->area + h->w_off, weights, (size_t)(nk * 4), D2H, stream);
+            if (!err)
+                err = a->memcpy_async(h->area + h->x_off, x, (size_t)(hy->hy_rows * h->H * h->xsz), D2H, stream);
+        }
     }
     if (err) return err;
     for (int64_t k = 0; k < K; k++) {
         mo_ajob *p = &a->jobs[(j - a->jobs + k) % AJ_JOBS];
-        err = enqueue(a, p, k ? part_cb : sparse_cb, stream);
+        int last = blk_by_kernel && k == K - 1;
+        err = enqueue(a, p, k ? part_cb : sparse_cb, stream, last ? h->area_dev + h->blk_off : 0,
+                      last ? (uint64_t)(uintptr_t)blk_dev : 0, last ? blk_n : 0);
         if (err) { /* parts decided and never run: their admitted slots must go (wait() empties the pool) */
             pthread_mutex_lock(&a->mu);
             fail(a, A_ERR_LAUNCH, st->li, (uint64_t)err);
@@ -843,10 +863,8 @@ static int64_t run_sparse_(mo_async *a, mo_step *st, const uint64_t *rows, const
             return err;
         }
     }
-    if (hy) { /* the kernel's weights and ids, written by part 0's callback */
-        mo_hybrid *h = &a->hy;
-        err = a->memcpy_async(blk_dev, h->area + h->blk_off, (size_t)(((a->cap * 4 + 7) & ~7) + a->cap * 8), H2D_KIND,
-                              stream);
+    if (hy && !blk_by_kernel) { /* the kernel's weights and ids, written by part 0's callback */
+        err = a->memcpy_async(blk_dev, h->area + h->blk_off, (size_t)blk_n, H2D_KIND, stream);
         if (err) {
             pthread_mutex_lock(&a->mu);
             fail(a, A_ERR_LAUNCH, st->li, (uint64_t)err);
@@ -889,11 +907,12 @@ void mo_async_host_layout(int64_t cap, int64_t max_rows, int64_t H, int64_t xsz,
 
 /* Host compute for hybrid calls: mo_host's mo_host_mlp_start / mo_host_mlp_wait and its pool, the
  * experts' geometry (host_kernel.c's mo_job_t fields), x's dtype (DT_*) and size, the pinned
- * area (mo_async_host_layout), the initial share of misses computed on the host, and whether
+ * area (mo_async_host_layout) and its device address (mapped; 0: not mapped), the initial share of misses computed on the host, and whether
  * collects adapt it. Only with no call in flight (after mo_async_wait). 0, or -1 for bad arguments. */
 int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int64_t isa, int64_t xdt, int64_t xsz,
                           int64_t H, int64_t I, int64_t gs13, int64_t gs2, int64_t grouped13, int64_t grouped2,
-                          int64_t sdtype, int64_t max_rows, char *area, double share, int64_t adapt) {
+                          int64_t sdtype, int64_t max_rows, char *area, uint64_t area_dev, double share,
+                          int64_t adapt) {
     if (!a || !start || !wait || !pool || !area || H <= 0 || I <= 0 || max_rows < 1 || xsz < 1 || share < 0 ||
         share > 1)
         return -1;
@@ -925,6 +944,7 @@ int64_t mo_async_set_host(mo_async *a, void *start, void *wait, void *pool, int6
     h->sdtype = (int32_t)sdtype;
     h->max_rows = max_rows;
     h->area = area;
+    h->area_dev = area_dev;
     h->x_off = (uint64_t)lay[0];
     h->out_off = (uint64_t)lay[1];
     h->w_off = (uint64_t)lay[2];
@@ -974,6 +994,18 @@ int64_t mo_async_run_hybrid(mo_async *a, mo_step *st, const uint64_t *rows, cons
     return run_sparse(a, st, rows, stride, max_admit, ids, nk, id_size, stream, &hy, weights, x, blk_dev);
 }
 
+/* mo_async_run_hybrid with the call's fixed arguments packed (async_step.py's HybridCall, made once per
+ * layer and shapes): p = {st, rows, stride, max_admit, nk, id_size, n_rows, hsrc, blk_dev}; the per-call
+ * ones are the router's ids and weights, the token rows and the stream. Returns as mo_async_run_hybrid. */
+int64_t mo_async_run_hybrid_packed(mo_async *a, const uint64_t *p, const void *ids, const void *weights, const void *x,
+                                   void *stream) {
+    if (!p) return -1;
+    return mo_async_run_hybrid(a, (mo_step *)(uintptr_t)p[0], (const uint64_t *)(uintptr_t)p[1],
+                               (const uint64_t *)(uintptr_t)p[2], (int64_t)p[3], ids, (int64_t)p[4], (int64_t)p[5],
+                               weights, x, (int64_t)p[6], (const uint64_t *)(uintptr_t)p[7], (void *)(uintptr_t)p[8],
+                               stream);
+}
+
 /* The host's half of the last hybrid call: when the stream reaches it, wait for its host job (the
  * share adapts: a job done first takes more next time, a job waited for less, a call that had misses
  * for the host and gave it none more); then the host's
@@ -1006,6 +1038,40 @@ int64_t mo_async_collect(mo_async *a, void *out_dev, int64_t nbytes, void *strea
         a->hy.cenq++;
         pthread_mutex_unlock(&a->mu);
         if (nbytes) err = a->memcpy_async(out_dev, a->hy.area + a->hy.out_off, (size_t)nbytes, H2D_KIND, stream);
+    }
+    enq_time(a, t0);
+    return err;
+}
+
+/* The CUDA kernels beside the copy kernel (copy_kernel.py): ``gather`` (a hybrid call's ids, router
+ * weights and token rows into the mapped job and host areas in one launch, instead of three copies)
+ * and ``add`` (mo_async_collect_add). NULL: not used. Only with no call in flight. */
+void mo_async_set_kernels(mo_async *a, void *gather, void *add) {
+    a->gather = gather;
+    a->add = add;
+}
+
+/* mo_async_collect, with the add in the same enqueue: when the stream reaches it, wait for the host
+ * job (collect_cb), then one launch adds the host's n_rows rows, read in place from the mapped area,
+ * to out_dev ([n_rows, H] of the area's dtype, rows row_stride elements apart), in float and rounded
+ * to nearest even as torch's add_ does. 0, a CUDA error, or -1 where it cannot (no add kernel, no
+ * mapped area, bad arguments: nothing enqueued, the caller takes mo_async_collect). */
+int64_t mo_async_collect_add(mo_async *a, void *out_dev, int64_t n_rows, int64_t row_stride, void *stream) {
+    mo_hybrid *h = &a->hy;
+    if (!a || !h->start || !a->add || !a->cu_launch || !h->area_dev || !out_dev || n_rows < 1 ||
+        n_rows > h->max_rows || row_stride < h->H || (h->xdt != 0 && h->xdt != 1))
+        return -1;
+    uint64_t t0 = ns_now();
+    int err = a->launch_host_func(stream, collect_cb, a);
+    if (!err) {
+        pthread_mutex_lock(&a->mu);
+        a->hy.cenq++;
+        pthread_mutex_unlock(&a->mu);
+        uint64_t p[6] = {(uint64_t)(uintptr_t)out_dev, h->area_dev + h->out_off, (uint64_t)n_rows, (uint64_t)h->H,
+                         (uint64_t)row_stride, (uint64_t)h->xdt};
+        void *params[] = {&p[0], &p[1], &p[2], &p[3], &p[4], &p[5]};
+        unsigned per_row = (unsigned)((h->H + 8 * 256 - 1) / (8 * 256));
+        err = a->cu_launch(a->add, per_row, (unsigned)n_rows, 1, 256, 1, 1, 0, stream, params, NULL);
     }
     enq_time(a, t0);
     return err;

@@ -41,7 +41,7 @@ import torch
 
 from .errors import MmapOffloadError
 
-__all__ = ["AsyncStep"]
+__all__ = ["AsyncStep", "HybridCall"]
 
 _vp, _i64, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 (_CALLS, _HITS, _MISSES, _EVICTIONS, _HINT_USED, _HINT_WASTED, _MISS_BYTES, _FILL_NS, _CB_NS, _WAIT_NS, _WAITS,
@@ -55,7 +55,7 @@ _HOST_ABI = 2  # csrc/host_kernel.c MO_HOST_ABI: the mo_job_t the callback write
 
 
 def _typed(lib) -> bool:
-    if not hasattr(lib, "mo_async_create"):
+    if not hasattr(lib, "mo_async_create") or not hasattr(lib, "mo_async_collect_add"):
         return False
     lib.mo_async_job_bytes.restype = _i64
     lib.mo_async_job_bytes.argtypes = [_i64, _i64]
@@ -77,7 +77,7 @@ def _typed(lib) -> bool:
     lib.mo_async_host_layout.argtypes = [_i64, _i64, _i64, _i64, _vp]
     lib.mo_async_set_host.restype = _i64
     lib.mo_async_set_host.argtypes = [_vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
-                                      _i64, _vp, ctypes.c_double, _i64]
+                                      _i64, _vp, _u64, ctypes.c_double, _i64]
     lib.mo_async_host_share.restype = ctypes.c_double
     lib.mo_async_host_share.argtypes = [_vp, ctypes.c_double]
     lib.mo_async_hybrid_parts.restype = _i64
@@ -86,6 +86,11 @@ def _typed(lib) -> bool:
     lib.mo_async_run_hybrid.argtypes = [_vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp]
     lib.mo_async_collect.restype = _i64
     lib.mo_async_collect.argtypes = [_vp, _vp, _i64, _vp]
+    lib.mo_async_set_kernels.argtypes = [_vp, _vp, _vp]
+    lib.mo_async_run_hybrid_packed.restype = _i64
+    lib.mo_async_run_hybrid_packed.argtypes = [_vp, _vp, _vp, _vp, _vp, _vp]
+    lib.mo_async_collect_add.restype = _i64
+    lib.mo_async_collect_add.argtypes = [_vp, _vp, _i64, _i64, _vp]
     return lib.mo_async_stats_len() == _N and lib.mo_async_jobs() == _JOBS
 
 
@@ -179,6 +184,11 @@ class AsyncStep:
             {"auto": -1, "cached": 1, "streaming": 0}[self.fill_stores])
         if not self.handle:
             raise MemoryError("the async step could not be created")
+        # CUDA: a hybrid call's inputs go to the host in one launch, its host rows come back added in one
+        # (MMO_ASYNC_LAUNCHES=copies: cudaMemcpy and torch's add_ instead, as before session 30)
+        self.fused_launches = self.cuda and os.environ.get("MMO_ASYNC_LAUNCHES", "fused") != "copies"
+        if self.fused_launches:
+            self.lib.mo_async_set_kernels(self.handle, kernel.gather, kernel.add)
         self._stats = np.zeros(_N, dtype=np.uint64)
         self._folded = np.zeros(_N, dtype=np.uint64)
         self._info = np.zeros(2, dtype=np.int64)
@@ -190,7 +200,7 @@ class AsyncStep:
         self.sparse_miss_bytes = 0  # read from the cache by sparse calls (folded in _fold)
         self._host: dict[str, Any] | None = None  # hybrid calls (set_host)
         self._collect_rows = 0  # the last hybrid call's token rows, until collect()
-        self._hy_calls: dict[tuple, tuple] = {}  # run_hybrid's per (buffer, sources, shape) addresses and views
+        self._hy_calls: dict[tuple, HybridCall] = {}  # run_hybrid's set-ups, per (layer, buffer, sources, shapes)
         self._out_rows: dict[int, torch.Tensor] = {}  # collect's view of the host rows' device buffer, per row count
 
     @property
@@ -229,8 +239,7 @@ class AsyncStep:
         if not ids.is_contiguous():
             ids = ids.contiguous()
         st, slot_dev, ref = self.step._struct(li, ids.dtype)  # sources of every expert looked up once
-        rc = self._enqueue(li, ids, (st, ref), lambda stream: self.lib.mo_async_run(
-            self.handle, ref, ids.data_ptr(), nk, ids.element_size(), stream))
+        rc = self._enqueue(li, ids, (st, ref), self.lib.mo_async_run, ref, ids.data_ptr(), nk, ids.element_size())
         if rc is None:
             return None
         key = (li, ids.dtype, tuple(ids.shape))
@@ -259,9 +268,8 @@ class AsyncStep:
             ids = ids.contiguous()
         st, _, ref = self.step._struct(li, ids.dtype)
         bases, strides = self.step.row_arrays(rows)
-        rc = self._enqueue(li, ids, (st, ref, bases, strides), lambda stream: self.lib.mo_async_run_sparse(
-            self.handle, ref, bases.ctypes.data, strides.ctypes.data, int(max_admit), ids.data_ptr(), nk,
-            ids.element_size(), stream))
+        rc = self._enqueue(li, ids, (st, ref, bases, strides), self.lib.mo_async_run_sparse, ref, bases.ctypes.data,
+                           strides.ctypes.data, int(max_admit), ids.data_ptr(), nk, ids.element_size())
         if rc is None:
             return False
         self.metrics["sparse_runs"] += 1
@@ -292,7 +300,12 @@ class AsyncStep:
         self.lib.mo_async_host_layout(self.cap, int(max_rows), hidden, xsz, lay.ctypes.data)
         from .pinned import PinnedBuffer
 
-        area = PinnedBuffer(int(lay[4]), pin=self.cuda, hugepage=False)
+        from .pinned import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE
+
+        # mapped on CUDA: the gather and add kernels read and write it in place
+        area = PinnedBuffer(int(lay[4]), pin=self.cuda, hugepage=False,
+                            register_flags=CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        area_dev = _device_pointer(area.tensor) if self.fused_launches else 0
         dev = self.step.device
         blk = torch.zeros(int(lay[5]), dtype=torch.uint8, device=dev)
         out = torch.zeros((int(max_rows), hidden), dtype=dtype, device=dev)
@@ -300,7 +313,7 @@ class AsyncStep:
         wait = ctypes.cast(kernel._lib.mo_host_mlp_wait, ctypes.c_void_p).value
         rc = self.lib.mo_async_set_host(self.handle, start, wait, kernel._pool, _ISA_CODE[kernel.isa], _DT_CODE[dtype],
                                         xsz, hidden, int(inter), int(gs13), int(gs2), int(g13), int(g2), int(sdt),
-                                        int(max_rows), area.tensor.data_ptr(), float(share), int(bool(adapt)))
+                                        int(max_rows), area.tensor.data_ptr(), area_dev, float(share), int(bool(adapt)))
         if rc:
             area.close()
             raise ValueError("the async step refused its host set-up (bad geometry or share)")
@@ -342,7 +355,20 @@ class AsyncStep:
         the experts' bytes at ``sources`` (uint64 ``[E, 4]``: w13, s13, w2, s2 host addresses, kept
         alive by the caller). Returns ``(weights, ids)`` for the MoE kernel (device views written on
         the stream: the host's pairs get weight 0 and a routed expert whose row is filled), or None
-        where the call is not eligible (nothing enqueued). ``collect(out)`` must follow the kernel."""
+        where the call is not eligible (nothing enqueued). ``collect(out)`` must follow the kernel.
+        (``hybrid_call`` + ``run_prepared``: a caller that keeps the prepared call skips the look-ups.)"""
+        c = self.hybrid_call(layer, ids, rows, weights, x, sources, max_admit)
+        if c is None:
+            self.metrics["declined"] += 1
+            return None
+        return self.run_prepared(c, ids, weights, x)
+
+    def hybrid_call(self, layer: int, ids: torch.Tensor, rows: dict[str, torch.Tensor], weights: torch.Tensor,
+                    x: torch.Tensor, sources: np.ndarray, max_admit: int = 4) -> "HybridCall | None":
+        """The set-up of ``run_hybrid`` for calls shaped as these into ``rows`` from ``sources`` (the C
+        call's fixed arguments, the views it writes): made once per (layer, buffer, sources, shapes)
+        and kept; None where such a call is not eligible now. ``run_prepared(call, ids, weights, x)``
+        then enqueues a call of the same shapes and dtypes (``call.fits`` says whether one does)."""
         h = self._host
         ec = self.ec
         li = ec._li(layer)
@@ -351,35 +377,40 @@ class AsyncStep:
             raise MmapOffloadError("the async step is closed")
         if (h is None or x.dtype != h["dtype"] or n > h["max_rows"] or n < 1 or nk % n or weights.dtype != torch.float32
                 or weights.numel() != nk or not self.eligible(li, nk, ids.dtype, sparse=True)):
+            return None
+        # an entry keeps its buffer dict and sources alive, so their ids name them while it exists
+        key = (li, id(rows), id(sources), ids.dtype, tuple(ids.shape), tuple(weights.shape), n, int(max_admit))
+        c = self._hy_calls.get(key)
+        if c is not None and c.host is h:
+            return c
+        if len(self._hy_calls) >= 1024:  # a caller handing a new buffer dict per call: keep none alive
+            self._hy_calls.clear()
+        c = self._hy_calls[key] = HybridCall(self, li, ids, rows, weights, x, sources, int(max_admit))
+        return c
+
+    def run_prepared(self, c: "HybridCall", ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+        """Enqueue a hybrid call prepared by ``hybrid_call`` for tensors of its shapes and dtypes (the
+        caller checked ``c.fits``): ``run_hybrid``'s result."""
+        if not self.handle:
+            raise MmapOffloadError("the async step is closed")
+        if c.pool.pending:  # a hint in flight (eligible's promise)
             self.metrics["declined"] += 1
             return None
-        ids, weights, x = ids.contiguous(), weights.contiguous(), x.contiguous()
-        st, _, ref = self.step._struct(li, ids.dtype)
-        # what one (buffer, sources, shape) needs besides the call's own tensors, made once: the
-        # addresses the C side reads and the views it writes (the launching thread's time is the step's);
-        # an entry keeps its buffer dict and sources alive, so their ids name them while it exists
-        key = (id(rows), id(sources), ids.dtype, tuple(ids.shape), tuple(weights.shape))  # (the views' shapes)
-        got = self._hy_calls.get(key)
-        if got is None:
-            if len(self._hy_calls) >= 1024:  # a caller handing a new buffer dict per call: keep none alive
-                self._hy_calls.clear()
-            bases, strides = self.step.row_arrays(rows)
-            blk, wb = h["blk"], h["wbytes"]
-            got = self._hy_calls[key] = (
-                rows, sources, (bases, strides), bases.ctypes.data, strides.ctypes.data, sources.ctypes.data,
-                blk.data_ptr(), blk[: nk * 4].view(torch.float32).view(weights.shape),
-                blk[wb: wb + nk * ids.element_size()].view(ids.dtype).view(ids.shape))
-        _, _, arrays, pb, ps, psrc, pblk, w, kid = got
-        rc = self._enqueue(li, ids, (st, ref, arrays, weights, x, sources), lambda stream:
-                           self.lib.mo_async_run_hybrid(self.handle, ref, pb, ps, int(max_admit), ids.data_ptr(), nk,
-                                                        ids.element_size(), weights.data_ptr(), x.data_ptr(), n, psrc,
-                                                        pblk, stream))
+        if not (ids.is_contiguous() and weights.is_contiguous() and x.is_contiguous()):
+            ids, weights, x = ids.contiguous(), weights.contiguous(), x.contiguous()
+        got = self.step._struct(c.li, c.ids_dtype)
+        if got[0] is not c.st:  # the engine's mappings were made anew: the struct too
+            c.st = got[0]
+            c.args[0] = ctypes.addressof(got[0])
+        rc = self._enqueue(c.li, ids, (c, got, weights, x), self.lib.mo_async_run_hybrid_packed, c.args_ptr,
+                           ids.data_ptr(), weights.data_ptr(), x.data_ptr())
         if rc is None:
             return None
-        self.metrics["sparse_runs"] += 1
-        self.metrics["hybrid_runs"] += 1
-        self._collect_rows = n
-        return w, kid
+        m = self.metrics
+        m["sparse_runs"] += 1
+        m["hybrid_runs"] += 1
+        self._collect_rows = c.n
+        return c.w, c.kid
 
     def collect(self, out: torch.Tensor) -> torch.Tensor:
         """Add the last hybrid call's host rows to ``out`` (the MoE output ``[n, H]``, after its kernel
@@ -389,8 +420,16 @@ class AsyncStep:
         if h is None or not n:
             return out
         self._collect_rows = 0
-        nbytes = n * h["hidden"] * h["out"].element_size()
         stream = self.step._stream() if self.cuda else self.step.pool._fake_stream
+        if (self.fused_launches and out.dtype == h["dtype"] and out.dim() == 2 and out.shape[0] >= n
+                and out.shape[1] == h["hidden"] and out.stride(1) == 1 and out.is_cuda):
+            rc = int(self.lib.mo_async_collect_add(self.handle, out.data_ptr(), n, out.stride(0), stream))
+            if rc >= 0:  # enqueued: the stream adds the rows in place (-1: not taken, the copy and add_ below)
+                if rc:
+                    self.wait()
+                    raise RuntimeError(f"enqueueing the hybrid call's host rows failed ({rc})")
+                return out
+        nbytes = n * h["hidden"] * h["out"].element_size()
         rc = int(self.lib.mo_async_collect(self.handle, h["out"].data_ptr(), nbytes, stream))
         if rc:
             self.wait()
@@ -403,26 +442,28 @@ class AsyncStep:
         (out if out.shape[0] == n else out[:n]).add_(rows)
         return out
 
-    def _enqueue(self, li: int, ids: torch.Tensor, keep: tuple, call) -> int | None:
-        """Run ``call(stream)`` (an enqueue of the C side) for layer position ``li``: None where it
-        declined (nothing enqueued), else its result (0, or a CUDA error already recorded: then
+    def _enqueue(self, li: int, ids: torch.Tensor, keep: tuple, fn, *args) -> int | None:
+        """Run ``fn(handle, *args, stream)`` (an enqueue of the C side) for layer position ``li``: None
+        where it declined (nothing enqueued), else its result (0, or a CUDA error already recorded: then
         ``wait()`` raises here). On the CPU the job runs before this returns (``pairs``)."""
         # the callback reads the struct and the arrays it points to later: keep them alive past a
         # remap (which makes the step build new ones) until the job's slot is reused
-        self._live[self.metrics["runs"] % len(self._live)] = keep + (self.step._keep.get((li, ids.dtype)), ids)
-        stream = self.step._stream() if self.cuda else self.step.pool._fake_stream
-        if not self.step.pool._enter(closing_ok=False):
+        m = self.metrics
+        self._live[m["runs"] % len(self._live)] = keep + (self.step._keep.get((li, ids.dtype)), ids)
+        step = self.step
+        stream = step._stream() if self.cuda else step.pool._fake_stream
+        if not step.pool._enter(closing_ok=False):
             raise MmapOffloadError("transfer engine is closed")
         try:
-            rc = int(call(stream))
+            rc = int(fn(self.handle, *args, stream))
         finally:
-            self.step.pool._leave()
+            step.pool._leave()
         if rc < 0:
-            self.metrics["declined"] += 1
+            m["declined"] += 1
             return None
-        self.metrics["runs"] += 1
+        m["runs"] += 1
         if not self.cuda and self.cpu_drain:  # the CPU's kernels read the slots at once: run the job now
-            self.step._drain_cpu_stream()
+            step._drain_cpu_stream()
             n = int(self.lib.mo_async_last_pairs(self.handle, self._pairs.ctypes.data))
             flat = self._pairs[: 2 * n].tolist()
             self.pairs = list(zip(flat[0::2], flat[1::2]))
@@ -557,6 +598,37 @@ class AsyncStep:
                 b.close()
             if self._host is not None:
                 self._host["area"].close()
+
+
+class HybridCall:
+    """``AsyncStep.hybrid_call``'s set-up of hybrid calls of one shape on one layer: the C call's fixed
+    arguments (packed: mo_async_run_hybrid_packed), the device views the stream writes for the kernel,
+    and what a call must match to use it (``fits``)."""
+
+    __slots__ = ("li", "pool", "host", "st", "args", "args_ptr", "n", "ids_dtype", "ids_shape", "w_shape", "x_dtype",
+                 "w", "kid", "rows", "sources", "arrays")
+
+    def __init__(self, a: AsyncStep, li: int, ids, rows, weights, x, sources: np.ndarray, max_admit: int):
+        h = a._host
+        nk = ids.numel()
+        st = a.step._struct(li, ids.dtype)[0]
+        bases, strides = a.step.row_arrays(rows)
+        blk, wb = h["blk"], h["wbytes"]
+        self.li, self.pool, self.host, self.st = li, a.ec._pool_of[li], h, st
+        self.n, self.ids_dtype, self.x_dtype = int(x.shape[0]), ids.dtype, x.dtype
+        self.ids_shape, self.w_shape = ids.shape, weights.shape
+        self.rows, self.sources, self.arrays = rows, sources, (bases, strides)  # kept alive: the C side reads them
+        self.args = np.array([ctypes.addressof(st), bases.ctypes.data, strides.ctypes.data, max_admit, nk,
+                              ids.element_size(), self.n, sources.ctypes.data, blk.data_ptr()], dtype=np.uint64)
+        self.args_ptr = self.args.ctypes.data
+        self.w = blk[: nk * 4].view(torch.float32).view(weights.shape)
+        self.kid = blk[wb: wb + nk * ids.element_size()].view(ids.dtype).view(ids.shape)
+
+    def fits(self, a: AsyncStep, ids, weights, x) -> bool:
+        """A call of these tensors may take this set-up (shapes, dtypes, the host set-up it was made for)."""
+        return (self.host is a._host and ids.shape == self.ids_shape and ids.dtype == self.ids_dtype
+                and weights.shape == self.w_shape and weights.dtype == torch.float32 and x.dtype == self.x_dtype
+                and x.shape[0] == self.n)
 
 
 def _host_func() -> int:

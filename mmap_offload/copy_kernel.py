@@ -39,7 +39,24 @@ __device__ __forceinline__ u64 now_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
+/* n bytes from s to d by the threads of one block row (16 bytes at a time where all three allow) */
+__device__ __forceinline__ void copy_bytes(char *d, const char *s, u64 n, u64 tid, u64 nt) {
+    if ((((u64)s | (u64)d | n) & 15) == 0) {
+        const uint4 *s4 = (const uint4 *)s;
+        uint4 *d4 = (uint4 *)d;
+        for (u64 k = tid; k < n / 16; k += nt) d4[k] = s4[k];
+    } else if ((((u64)s | (u64)d | n) & 3) == 0) {
+        const unsigned *s4 = (const unsigned *)s;
+        unsigned *d4 = (unsigned *)d;
+        for (u64 k = tid; k < n / 4; k += nt) d4[k] = s4[k];
+    } else {
+        for (u64 k = tid; k < n; k += nt) d[k] = s[k];
+    }
+}
+/* blk_n > 0 (a hybrid call's last part): block 0 also copies the kernel's weights and ids, which part 0's
+   callback wrote into the mapped area at blk_src, to blk_dst */
+extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging, const char *blk_src, char *blk_dst,
+                                         u64 blk_n) {
     __shared__ u64 item[5];
     const u64 np = desc[0], nk = desc[1], isz = desc[2], maxp = desc[4], cap = desc[5];
     const u64 *items = desc + 8, *ids = desc + 8 + 4 * maxp, *flags = ids + cap;
@@ -50,6 +67,7 @@ extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
             else ((long long *)out)[i] = (long long)ids[i];
         }
     }
+    if (blockIdx.x == gridDim.x - 1 && blk_n) copy_bytes(blk_dst, blk_src, blk_n, threadIdx.x, blockDim.x);
     for (u64 i = blockIdx.x; i < np; i += gridDim.x) {
         if (threadIdx.x == 0) {
             u64 f = ld_acquire_sys(flags + i);
@@ -98,6 +116,53 @@ extern "C" __global__ void mo_async_copy(u64 *desc, const char *staging) {
         __syncthreads();
     }
 }
+/* a hybrid call's inputs to the host in one launch: triple blockIdx.y of (dst, src, bytes), dst in mapped
+   host memory (the job's ids, the router weights, the token rows), each cut over gridDim.x blocks */
+extern "C" __global__ void mo_async_gather(char *d0, const char *s0, u64 n0, char *d1, const char *s1, u64 n1,
+                                           char *d2, const char *s2, u64 n2) {
+    char *d = blockIdx.y == 0 ? d0 : blockIdx.y == 1 ? d1 : d2;
+    const char *s = blockIdx.y == 0 ? s0 : blockIdx.y == 1 ? s1 : s2;
+    const u64 n = blockIdx.y == 0 ? n0 : blockIdx.y == 1 ? n1 : n2;
+    const u64 per = ((n + gridDim.x - 1) / gridDim.x + 15) & ~15ull, at = per * blockIdx.x;
+    if (at < n) copy_bytes(d + at, s + at, n - at < per ? n - at : per, threadIdx.x, blockDim.x);
+}
+__device__ __forceinline__ float bf16_f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ unsigned short f_bf16(float f) {  /* round to nearest even, NaN kept quiet */
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float f16_f(unsigned short h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f_f16(float f) {
+    unsigned short h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
+    return h;
+}
+/* out[r, c] += rows[r, c] (bf16 dt 0, fp16 dt 1) in float, rounded to nearest even as torch's add_:
+   the host's rows of a hybrid call, read in place from the mapped area; row blockIdx.y, 8 values a thread */
+extern "C" __global__ void mo_async_add_rows(unsigned short *out, const unsigned short *rows, u64 n, u64 H,
+                                             u64 stride, u64 dt) {
+    const u64 r = blockIdx.y, c0 = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (r >= n || c0 >= H) return;
+    unsigned short *o = out + r * stride + c0;
+    const unsigned short *s = rows + r * H + c0;
+    const u64 m = H - c0 < 8 ? H - c0 : 8;
+    unsigned short a[8], b[8];
+    if (m == 8 && (((u64)o | (u64)s) & 15) == 0) {
+        *(uint4 *)a = *(const uint4 *)o;
+        *(uint4 *)b = *(const uint4 *)s;
+    } else {
+        for (u64 k = 0; k < m; k++) { a[k] = o[k]; b[k] = s[k]; }
+    }
+    for (u64 k = 0; k < m; k++)
+        a[k] = dt ? f_f16(f16_f(a[k]) + f16_f(b[k])) : f_bf16(bf16_f(a[k]) + bf16_f(b[k]));
+    if (m == 8 && ((u64)o & 15) == 0) *(uint4 *)o = *(uint4 *)a;
+    else for (u64 k = 0; k < m; k++) o[k] = a[k];
+}
 """
 
 _NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so.11.2", "libnvrtc.so")
@@ -109,6 +174,8 @@ class CopyKernel:
 
     function: int
     launch: int
+    gather: int  # mo_async_gather (a hybrid call's inputs to the host in one launch)
+    add: int  # mo_async_add_rows (the host's rows added in place)
     module: int
     source: str  # how it was built: "cubin sm_90" / "ptx compute_90"
 
@@ -198,8 +265,11 @@ def _load(index: int) -> CopyKernel:
             image = None
         if image is None:
             raise RuntimeError(f"the copy kernel could not be built or loaded for sm_{major}{minor}")
-        fn = ctypes.c_void_p()
-        if cuda.cuModuleGetFunction(ctypes.byref(fn), module, b"mo_async_copy"):
-            raise RuntimeError("cuModuleGetFunction failed")
+        fns = []
+        for name in (b"mo_async_copy", b"mo_async_gather", b"mo_async_add_rows"):
+            fn = ctypes.c_void_p()
+            if cuda.cuModuleGetFunction(ctypes.byref(fn), module, name):
+                raise RuntimeError(f"cuModuleGetFunction failed for {name.decode()}")
+            fns.append(fn.value)
     launch = ctypes.cast(cuda.cuLaunchKernel, ctypes.c_void_p).value
-    return CopyKernel(function=fn.value, launch=launch, module=module.value, source=how)
+    return CopyKernel(function=fns[0], launch=launch, module=module.value, source=how, gather=fns[1], add=fns[2])

@@ -400,6 +400,74 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
         eng.close()
 
 
+def test_steady_hybrid_calls_take_the_fast_path_with_the_general_paths_decisions(tmp_path, monkeypatch):
+    """Residency._fast_hybrid: a layer's hybrid calls after its first one of a shape skip route()'s
+    general path. Against a twin whose fast path is off, over the same calls: the same pool decisions
+    (slot maps after every step, the same admissions and hits), outputs equal to every pair from the
+    cache; a change of shape takes the general path once and the fast one again after; a hint in
+    flight (a pending pool) makes the fast path decline to the general one, which waits for it."""
+    fast, ef, cache, bf, targets = _hybrid_residency(tmp_path / "f", seed=5)
+    monkeypatch.setenv("MMO_FAST_HYBRID", "0")  # the twin takes the general path only
+    slow, es, _, bs, _ = _hybrid_residency(tmp_path / "s", seed=5)
+    try:
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        shapes = [3] * 5 + [2] * 3 + [3] * 4  # tokens per step: a change of shape and back
+        calls = [_calls(1, n, seed=20 + i)[0] for i, n in enumerate(shapes)]
+        for step in calls:
+            for t in targets:
+                ids, w, x = step[t.index]
+                for res, bufs in ((fast, bf), (slow, bs)):
+                    for b in bufs[t.layer].values():
+                        b.zero_()
+                    wk, ik = res.route(t, w, ids, x)
+                    out = res.add_host(t, _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16))
+                    want = _moe(x, ids, w, refs[t.layer])
+                    assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+                assert np.array_equal(fast.ec.slot_map(t.layer), slow.ec.slot_map(t.layer))
+        f, s = fast.summary(), slow.summary()
+        n = len(calls) * len(LAYERS)
+        assert f["hybrid_async_calls"] == s["hybrid_async_calls"] == n, (f, s)
+        # general path: each layer's first call, the first of the 2-token shape, the first back at 3
+        assert f["fast_hybrid_calls"] == n - 3 * len(LAYERS) and s["fast_hybrid_calls"] == 0, f
+        for k in ("sparse_hits", "sparse_misses", "async_admitted", "pool_evictions"):
+            assert f[k] == s[k], (k, f[k], s[k])
+        # a call the stream declines at enqueue (a hint in flight): nothing enqueued, the general path serves it
+        t = targets[0]
+        a, c = fast.async_step, fast._fast[t.index][0]
+        ids, w, x = calls[-1][0]
+        pool, saved = c.pool, c.pool.pending
+        pool.pending = {0: None}  # (only read for truth by run_prepared)
+        try:
+            declined = a.metrics["declined"]
+            assert a.run_prepared(c, ids, w, x) is None and a.metrics["declined"] == declined + 1
+        finally:
+            pool.pending = saved
+        before = fast.metrics["fast_hybrid_calls"]
+        real, first = a.run_prepared, [True]
+
+        def once(*args):  # the fast path's call declines; the general path's goes through
+            if first.pop() if first else False:
+                return None
+            return real(*args)
+
+        a.run_prepared = once
+        try:
+            for b in bf[t.layer].values():
+                b.zero_()
+            wk, ik = fast.route(t, w, ids, x)
+        finally:
+            del a.run_prepared
+        assert fast.metrics["fast_hybrid_calls"] == before and not first
+        assert fast.metrics["hybrid_async_calls"] == n + 1
+        out = fast.add_host(t, _moe(x, ik, wk, bf[t.layer]).to(torch.bfloat16))
+        want = _moe(x, ids, w, refs[t.layer])
+        assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+    finally:
+        for res, eng in ((fast, ef), (slow, es)):
+            res.close()
+            eng.close()
+
+
 @pytest.mark.parametrize("late", [False, True])
 def test_check_after_experts_moves_the_end_of_step_check_into_the_last_layers_add_host(tmp_path, late):
     """Option check_after_experts: the end-of-step check (the step's reads and the last layer's host
@@ -654,14 +722,18 @@ def test_hybrid_small_calls_off_and_a_high_threshold_keep_the_expert_step(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel):
+@pytest.mark.parametrize("launches", ["fused", "copies"])
+def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel, launches, monkeypatch):
     """CUDA: hybrid calls enqueued behind device work with no host wait. The stream copies x and the
     weights to the host, the callback starts the host job, the copy kernel fills the copied rows, the
     kernel's weights and ids land on the device, and the collect brings the host's rows up: read in
     stream order, the kernel's part over the layer buffer plus the host's rows equal every pair from
-    the cache (test_hybrid's tolerance), and the host computed experts."""
+    the cache (test_hybrid's tolerance), and the host computed experts. ``fused``: the inputs go down in
+    one gather launch, the kernel's weights and ids come up in the copy kernel, the host's rows are added
+    by one launch (the default); ``copies``: cudaMemcpy and torch's add_ (MMO_ASYNC_LAUNCHES=copies)."""
     from fakes import cuda_engine
 
+    monkeypatch.setenv("MMO_ASYNC_LAUNCHES", launches)
     c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=2)
     for layer in LAYERS:
         c.check_experts_once(layer, list(range(E)))
@@ -674,6 +746,7 @@ def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel):
             ec = ExpertCache(c, eng, dev, capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
             a = AsyncStep.create(ExpertStep.create(ec), max_experts=3)
             assert isinstance(a, AsyncStep), a
+            assert a.fused_launches == (launches == "fused")
             a.set_host(kernel, _geometry(c), max_rows=8, dtype=torch.bfloat16, share=0.6, adapt=True)
             src = _sources(c)
             for step in _calls(8, 3, seed=6):
@@ -697,4 +770,54 @@ def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel):
         assert s["hybrid_calls"] == len(snaps) and s["host_experts"] > 0, s
     finally:
         a.close()
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_collect_adds_the_host_rows_in_place_as_torchs_add(tmp_path, kernel, dtype):
+    """CUDA, the fused collect (mo_async_collect_add): the host's rows, read in place from the mapped
+    area, are added to a non-zero MoE output whose rows are strided (a view of a wider tensor) with
+    torch's rounding: bit for bit equal to torch's own add of the same rows; the columns past H and
+    the rows past the call's tokens are not touched."""
+    from fakes import cuda_engine
+
+    c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=4)
+    for layer in LAYERS:
+        c.check_experts_once(layer, list(range(E)))
+    dev = torch.device("cuda")
+    eng = cuda_engine("ordered")
+    a = None
+    try:
+        ec = ExpertCache(c, eng, dev, capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
+        a = AsyncStep.create(ExpertStep.create(ec), max_experts=3)
+        assert isinstance(a, AsyncStep) and a.fused_launches, a
+        a.set_host(kernel, _geometry(c), max_rows=8, dtype=dtype, share=1.0, adapt=False)
+        lay = np.zeros(6, dtype=np.int64)
+        a.lib.mo_async_host_layout(a.cap, 8, H, 2, lay.ctypes.data)
+        area = a._host["area"].tensor
+        src = _sources(c)
+        g = torch.Generator().manual_seed(3)
+        checked = 0
+        for step in _calls(6, 3, seed=8):
+            for li, layer in enumerate(LAYERS):
+                ids, w, x = step[li]
+                buf = {k: v.to(dev) for k, v in _buffer(c).items()}
+                assert a.run_hybrid(layer, ids.to(dev), buf, w.to(dev), x.to(dtype).to(dev), src[layer]) is not None
+                wide = (torch.randn(4, H + 40, generator=g) * 4).to(dtype).to(dev)
+                before = wide.cpu()
+                out = wide[:, :H]  # rows H + 40 apart; 4 rows, the call's 3 get the host's
+                assert a.collect(out) is out
+                torch.cuda.synchronize()
+                rows = area[int(lay[1]): int(lay[1]) + 3 * H * 2].view(dtype).view(3, H).clone()
+                got = wide.cpu()
+                assert torch.equal(got[:3, :H], before[:3, :H] + rows), (layer, dtype)
+                assert torch.equal(got[:3, H:], before[:3, H:]) and torch.equal(got[3], before[3])
+                checked += int(bool(rows.abs().sum() > 0))
+            a.wait()
+        assert checked > 0  # the host computed rows (share 1: every miss it may take)
+    finally:
+        if a is not None:
+            a.close()
         eng.close()

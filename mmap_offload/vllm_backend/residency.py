@@ -35,6 +35,7 @@ routing on a random model; outputs then differ from the model's own (clearly lab
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -136,6 +137,10 @@ class Residency:
                 and self.host.kind == "w4a16"):
             self._hy_sources = {}
         self._hy_collect: int | None = None  # the target index whose host rows the stream still owes
+        # target index -> (its last stream hybrid call's set-up, whether its ids fit the pool): _fast_hybrid
+        # (MMO_FAST_HYBRID=0: route()'s general path for every call, as before session 30; benchmarks)
+        self._fast: dict[int, tuple] = {}
+        self._fast_on = os.environ.get("MMO_FAST_HYBRID", "1") != "0"
         # option check_after_experts: the end-of-step check waits in patch 4b (add_host) of the last layer,
         # after its kernel and collect are enqueued; _check_due: route() of the last layer left it there
         self.check_late = bool(opts.check_after_experts) and self.host is not None
@@ -163,12 +168,13 @@ class Residency:
         # time over the same spans (wall well above it: the thread waited or was preempted, not slow), and
         # thread_nvcsw / thread_nivcsw its voluntary / involuntary context switches so far (read once per
         # forward): what separates a slow thread from a waiting or descheduled one when vLLM's own time drifts;
+        # fast_hybrid_calls: stream hybrid calls that took the steady-state path (_fast_hybrid);
         # collect_s: time in add_host (patch 4b: the host rows' collect, and the end-of-step check where
         # check_after_experts put it, late_checks of them), our part of between_s / outside_s
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
-                                            hybrid_async_calls=0,
+                                            hybrid_async_calls=0, fast_hybrid_calls=0,
                                             between_s=0.0, outside_s=0.0, between_cpu_s=0.0, outside_cpu_s=0.0,
                                             thread_nvcsw=0, thread_nivcsw=0, collect_s=0.0, late_checks=0,
                                             sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
@@ -283,8 +289,33 @@ class Residency:
         if self._route_end is not None:  # vLLM's own host time since the last route() (see metrics)
             self.metrics["between_s" if t.index else "outside_s"] += t0 - self._route_end
             self.metrics["between_cpu_s" if t.index else "outside_cpu_s"] += c0 - self._route_end_cpu
-        with torch.inference_mode(False):
+        fast = self._fast.get(t.index) if x is not None else None
+        if fast is not None:  # the layer's steady decode state: one hybrid call on the stream, few checks
             if self.trace is not None:
+                topk_ids = self._trace_ids(t, topk_ids)
+            got = self._fast_hybrid(t, fast, topk_ids, topk_weights, x)
+        if fast is not None and got is not None:
+            topk_weights, out = got
+        else:
+            topk_weights, out = self._route(t, topk_weights, topk_ids, x, traced=fast is not None)
+        if t.index == self._last:
+            self._step += 1
+            if self.ordered or self._async_dirty:  # the step's reads, before anything samples from it
+                if self.check_late:
+                    self._check_due = True  # in add_host, after this layer's kernel and collect
+                else:
+                    self._check_step()
+            if _RUSAGE_THREAD is not None:
+                ru = resource.getrusage(_RUSAGE_THREAD)
+                self.metrics["thread_nvcsw"], self.metrics["thread_nivcsw"] = ru.ru_nvcsw, ru.ru_nivcsw
+        self._route_end, self._route_end_cpu = time.perf_counter(), time.thread_time()
+        self.metrics["route_s"] += self._route_end - t0
+        return topk_weights, out
+
+    def _route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x, traced: bool = False):
+        """route()'s general path: every mode (module docstring), first calls and changes of shape."""
+        with torch.inference_mode(False):
+            if self.trace is not None and not traced:
                 topk_ids = self._trace_ids(t, topk_ids)
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
             self._small_step = n * k <= self.async_fits
@@ -328,18 +359,6 @@ class Residency:
                         out = self._sparse_mode(t, topk_ids, used)
                     else:
                         out = self._layer_mode(t, topk_ids, ahead=False)
-        if t.index == self._last:
-            self._step += 1
-            if self.ordered or self._async_dirty:  # the step's reads, before anything samples from it
-                if self.check_late:
-                    self._check_due = True  # in add_host, after this layer's kernel and collect
-                else:
-                    self._check_step()
-            if _RUSAGE_THREAD is not None:
-                ru = resource.getrusage(_RUSAGE_THREAD)
-                self.metrics["thread_nvcsw"], self.metrics["thread_nivcsw"] = ru.ru_nvcsw, ru.ru_nivcsw
-        self._route_end, self._route_end_cpu = time.perf_counter(), time.thread_time()
-        self.metrics["route_s"] += self._route_end - t0
         return topk_weights, out
 
     def _async_mode(self, t, ids: torch.Tensor) -> torch.Tensor | None:
@@ -410,18 +429,50 @@ class Residency:
         if host._pending:  # the Python path's job of a failed step: the kernel is the callback's now
             host._drop_pending()
         tensors, _ = self.off.prefetcher.claim(t.layer, event=False)  # copies on this stream: ordered anyway
-        got = a.run_hybrid(t.layer, ids, tensors, weights, x, src)
+        c = a.hybrid_call(t.layer, ids, tensors, weights, x, src)
+        got = a.run_prepared(c, ids, weights, x) if c is not None else None
         self.metrics["native_s"] += time.perf_counter() - t0
         if got is None:
+            if c is None:
+                a.metrics["declined"] += 1
             self._async_settle()
             return None
+        if self._fast_on:  # the next calls of this layer and shape take _fast_hybrid (the same call, no look-ups)
+            self._fast[t.index] = (c, ids.numel() <= self.async_fits)
+        self._hybrid_enqueued(t, tensors)
+        return got
+
+    def _hybrid_enqueued(self, t, tensors) -> None:
+        """The bookkeeping of a hybrid call on the stream: its collect is owed, its counters, its binding."""
         self._async_dirty = True
         self._hy_collect = t.index
-        self.metrics["sparse_calls"] += 1
-        self.metrics["sparse_async_calls"] += 1
-        self.metrics["hybrid_calls"] += 1
-        self.metrics["hybrid_async_calls"] += 1
-        self._bind_sparse(t, tensors, a.pairs)
+        m = self.metrics
+        m["sparse_calls"] += 1
+        m["sparse_async_calls"] += 1
+        m["hybrid_calls"] += 1
+        m["hybrid_async_calls"] += 1
+        self._bind_sparse(t, tensors, self.async_step.pairs)
+
+    def _fast_hybrid(self, t, fast, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor):
+        """A decode layer's hybrid call on the stream in its steady state (the layer's last call took
+        ``_async_hybrid_mode`` with the same shapes): what route() would decide for it, without its
+        branches and look-ups. None where anything differs (route() then takes its general path)."""
+        c, small = fast
+        a = self.async_step
+        if (small and not self.hybrid_small) or self.host._pending or not c.fits(a, ids, weights, x):
+            return None
+        t0 = time.perf_counter()
+        tensors, _ = self.off.prefetcher.claim(t.layer, event=False)
+        if tensors is not c.rows:  # another buffer: route()'s path makes its set-up
+            return None
+        got = a.run_prepared(c, ids, weights, x)
+        self.metrics["native_s"] += time.perf_counter() - t0
+        if got is None:  # declined (a hint in flight): the general path decides after a wait
+            self._async_settle()
+            return None
+        self._small_step = small
+        self.metrics["fast_hybrid_calls"] += 1
+        self._hybrid_enqueued(t, tensors)
         return got
 
     def _initial_share(self) -> float:
