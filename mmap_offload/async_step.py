@@ -414,8 +414,9 @@ class AsyncStep:
 
     def collect(self, out: torch.Tensor) -> torch.Tensor:
         """Add the last hybrid call's host rows to ``out`` (the MoE output ``[n, H]``, after its kernel
-        on the same stream): the stream waits for the host job, copies its rows to the device and
-        adds them (in ``out``'s dtype). Returns ``out``."""
+        on the same stream): the stream waits for the host job, then one launch adds its rows, read in
+        place from the mapped area (CUDA, ``out`` of the host dtype with contiguous columns; else a copy
+        of the rows to the device and torch's ``add_``). Returns ``out``."""
         h, n = self._host, self._collect_rows
         if h is None or not n:
             return out

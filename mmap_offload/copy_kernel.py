@@ -7,7 +7,13 @@ One launch per MoE layer: the kernel reads the descriptors the stream callback w
 memory (staging offset, slot address, bytes per piece; then the slot ids), copies each piece from
 the pinned staging buffer into its pool slot (16-byte loads of host memory over PCIe, as UVA reads
 weights) and writes the kernel's slot ids. A sparse call's kernels copy into the layer buffer's rows
-instead, hits from their pool slots too (device to device), and write no slot ids."""
+instead, hits from their pool slots too (device to device), and write no slot ids; a hybrid call's last
+part also brings the kernel's weights and ids (written by its callback into mapped memory) to the device.
+
+Two more kernels in the same module serve hybrid calls (session 30: each replaced copies or torch launches
+on vLLM's thread): ``mo_async_gather`` writes a call's ids, router weights and token rows into mapped
+host memory in one launch, and ``mo_async_add_rows`` adds the host's rows, read in place, to the MoE
+output (bf16/fp16 in float, rounded to nearest even as torch's ``add_``)."""
 
 from __future__ import annotations
 
