@@ -1028,17 +1028,23 @@ static void collect_cb(void *arg) {
     pthread_mutex_unlock(&a->mu);
 }
 
+/* Enqueue collect_cb (counted: mo_async_wait waits for it): 0 or a CUDA error. */
+static int enqueue_collect(mo_async *a, void *stream) {
+    int err = a->launch_host_func(stream, collect_cb, a);
+    if (err) return err;
+    pthread_mutex_lock(&a->mu);
+    a->hy.cenq++;
+    pthread_mutex_unlock(&a->mu);
+    return 0;
+}
+
 int64_t mo_async_collect(mo_async *a, void *out_dev, int64_t nbytes, void *stream) {
     if (!a || !a->hy.start || nbytes < 0 || nbytes > a->hy.max_rows * a->hy.H * a->hy.xsz || (nbytes && !out_dev))
         return -1;
     uint64_t t0 = ns_now();
-    int err = a->launch_host_func(stream, collect_cb, a);
-    if (!err) {
-        pthread_mutex_lock(&a->mu);
-        a->hy.cenq++;
-        pthread_mutex_unlock(&a->mu);
-        if (nbytes) err = a->memcpy_async(out_dev, a->hy.area + a->hy.out_off, (size_t)nbytes, H2D_KIND, stream);
-    }
+    int err = enqueue_collect(a, stream);
+    if (!err && nbytes)
+        err = a->memcpy_async(out_dev, a->hy.area + a->hy.out_off, (size_t)nbytes, H2D_KIND, stream);
     enq_time(a, t0);
     return err;
 }
@@ -1062,11 +1068,8 @@ int64_t mo_async_collect_add(mo_async *a, void *out_dev, int64_t n_rows, int64_t
         n_rows > h->max_rows || row_stride < h->H || (h->xdt != 0 && h->xdt != 1))
         return -1;
     uint64_t t0 = ns_now();
-    int err = a->launch_host_func(stream, collect_cb, a);
+    int err = enqueue_collect(a, stream);
     if (!err) {
-        pthread_mutex_lock(&a->mu);
-        a->hy.cenq++;
-        pthread_mutex_unlock(&a->mu);
         uint64_t p[6] = {(uint64_t)(uintptr_t)out_dev, h->area_dev + h->out_off, (uint64_t)n_rows, (uint64_t)h->H,
                          (uint64_t)row_stride, (uint64_t)h->xdt};
         void *params[] = {&p[0], &p[1], &p[2], &p[3], &p[4], &p[5]};

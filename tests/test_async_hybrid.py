@@ -109,6 +109,19 @@ def _cache_tensors(cache, layer):
     return {n: torch.stack([cache.tensor(layer, e, n) for e in range(E)]) for n in EXPERT_TENSORS}
 
 
+def _route_exact(res, t, ids, w, x, bufs, ref) -> torch.Tensor:
+    """One layer call through the vLLM backend's wiring (Residency.route, the kernel's part over the
+    layer buffer ``bufs``, zeroed first, add_host): its output, asserted equal to every pair computed from
+    the cache's tensors ``ref`` within test_hybrid's tolerance."""
+    for b in bufs.values():
+        b.zero_()
+    wk, ik = res.route(t, w, ids, x)
+    out = res.add_host(t, _moe(x, ik, wk, bufs).to(torch.bfloat16))
+    want = _moe(x, ids, w, ref)
+    assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+    return out
+
+
 def _single(cache):
     """One cache (no twin) and its async step: (engine, cache, step)."""
     ea, es, ac, _ = _pair(cache)
@@ -371,13 +384,7 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
         for step in _calls(12, 3, seed=9):  # the share starts from the calibrated rates and adapts
             for t in targets:
                 ids, w, x = step[t.index]
-                for b in bufs[t.layer].values():
-                    b.zero_()
-                wk, ik = res.route(t, w, ids, x)
-                out = _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16)
-                out = res.add_host(t, out)
-                want = _moe(x, ids, w, refs[t.layer])
-                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+                _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
         s = res.summary()
         assert s["hybrid_async_calls"] == 12 * len(LAYERS) and s["async_host_experts"] > 0, s
         assert s["async_hybrid_calls"] == s["hybrid_async_calls"]
@@ -417,12 +424,7 @@ def test_steady_hybrid_calls_take_the_fast_path_with_the_general_paths_decisions
             for t in targets:
                 ids, w, x = step[t.index]
                 for res, bufs in ((fast, bf), (slow, bs)):
-                    for b in bufs[t.layer].values():
-                        b.zero_()
-                    wk, ik = res.route(t, w, ids, x)
-                    out = res.add_host(t, _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16))
-                    want = _moe(x, ids, w, refs[t.layer])
-                    assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+                    _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
                 assert np.array_equal(fast.ec.slot_map(t.layer), slow.ec.slot_map(t.layer))
         f, s = fast.summary(), slow.summary()
         n = len(calls) * len(LAYERS)
@@ -452,16 +454,11 @@ def test_steady_hybrid_calls_take_the_fast_path_with_the_general_paths_decisions
 
         a.run_prepared = once
         try:
-            for b in bf[t.layer].values():
-                b.zero_()
-            wk, ik = fast.route(t, w, ids, x)
+            _route_exact(fast, t, ids, w, x, bf[t.layer], refs[t.layer])
         finally:
             del a.run_prepared
         assert fast.metrics["fast_hybrid_calls"] == before and not first
         assert fast.metrics["hybrid_async_calls"] == n + 1
-        out = fast.add_host(t, _moe(x, ik, wk, bf[t.layer]).to(torch.bfloat16))
-        want = _moe(x, ids, w, refs[t.layer])
-        assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
     finally:
         for res, eng in ((fast, ef), (slow, es)):
             res.close()
@@ -555,12 +552,7 @@ def test_hybrid_small_calls_send_misses_of_calls_that_fit_the_pool_to_the_host(t
             for t in targets:
                 ids, w, x = step[t.index]
                 ids, w = ids[:, :SLOTS], w[:, :SLOTS]
-                for b in bufs[t.layer].values():
-                    b.zero_()
-                wk, ik = res.route(t, w, ids, x)
-                out = res.add_host(t, _moe(x, ik, wk, bufs[t.layer]).to(torch.bfloat16))
-                want = _moe(x, ids, w, refs[t.layer])
-                assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+                _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
         s = res.summary()
         assert s["hybrid_async_calls"] == 12 * len(LAYERS) and s["async_calls"] == 0, s
         assert s["async_host_experts"] > 0 and s["host_host_experts"] == 0, s  # on the stream, not the Python path
