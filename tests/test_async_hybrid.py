@@ -111,12 +111,13 @@ def _cache_tensors(cache, layer):
 
 def _route_exact(res, t, ids, w, x, bufs, ref) -> torch.Tensor:
     """One layer call through the vLLM backend's wiring (Residency.route, the kernel's part over the
-    layer buffer ``bufs``, zeroed first, add_host): its output, asserted equal to every pair computed from
-    the cache's tensors ``ref`` within test_hybrid's tolerance."""
+    tensors the route bound to the layer, add_host; the layer buffer ``bufs`` zeroed first): its output,
+    asserted equal to every pair computed from the cache's tensors ``ref`` within test_hybrid's tolerance."""
     for b in bufs.values():
         b.zero_()
     wk, ik = res.route(t, w, ids, x)
-    out = res.add_host(t, _moe(x, ik, wk, bufs).to(torch.bfloat16))
+    bound = {n: getattr(t.experts, n).data for n in t.served}  # what the kernel reads, as the route bound it
+    out = res.add_host(t, _moe(x, ik, wk, bound).to(torch.bfloat16))
     want = _moe(x, ids, w, ref)
     assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
     return out
@@ -364,7 +365,12 @@ def _hybrid_residency(tmp_path, seed: int, experts: int = E, layers: tuple = LAY
         cache.check_experts_once(layer, list(range(experts)))
     eng = _ordered_engine()
     bufs = {l: _buffer_of(cache, experts) for l in layers}
-    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(layers)]
+    # each target serves the expert tensors of a stand-in module: the residency binds to its parameters'
+    # .data the tensors the MoE kernel would read (the pool or the layer buffer), as vLLM's
+    names = tuple(s.name for s in cache.expert_specs)
+    targets = [SimpleNamespace(layer=l, index=i, served=names,
+                               experts=SimpleNamespace(**{n: SimpleNamespace(data=None) for n in names}))
+               for i, l in enumerate(layers)]
     opts = MmapOptions(hybrid=True, host_threads=host_threads, layer_stream_fraction=1.0, **options)
     off = SimpleNamespace(options=opts, device=torch.device("cpu"), cache=cache, engine=eng, targets=targets,
                           tp_size=1, _transforms={}, prefetcher=SimpleNamespace(claim=lambda layer, event=True: (bufs[layer], None)))
@@ -415,16 +421,16 @@ def test_steady_hybrid_calls_take_the_fast_path_with_the_general_paths_decisions
     flight (a pending pool) makes the fast path decline to the general one, which waits for it."""
     fast, ef, cache, bf, targets = _hybrid_residency(tmp_path / "f", seed=5)
     monkeypatch.setenv("MMO_FAST_HYBRID", "0")  # the twin takes the general path only
-    slow, es, _, bs, _ = _hybrid_residency(tmp_path / "s", seed=5)
+    slow, es, _, bs, ts = _hybrid_residency(tmp_path / "s", seed=5)
     try:
         refs = {l: _cache_tensors(cache, l) for l in LAYERS}
         shapes = [3] * 5 + [2] * 3 + [3] * 4  # tokens per step: a change of shape and back
         calls = [_calls(1, n, seed=20 + i)[0] for i, n in enumerate(shapes)]
         for step in calls:
-            for t in targets:
+            for t, u in zip(targets, ts):  # (each residency binds its own targets' parameters)
                 ids, w, x = step[t.index]
-                for res, bufs in ((fast, bf), (slow, bs)):
-                    _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
+                for res, bufs, tt in ((fast, bf, t), (slow, bs, u)):
+                    _route_exact(res, tt, ids, w, x, bufs[t.layer], refs[t.layer])
                 assert np.array_equal(fast.ec.slot_map(t.layer), slow.ec.slot_map(t.layer))
         f, s = fast.summary(), slow.summary()
         n = len(calls) * len(LAYERS)
@@ -459,6 +465,20 @@ def test_steady_hybrid_calls_take_the_fast_path_with_the_general_paths_decisions
             del a.run_prepared
         assert fast.metrics["fast_hybrid_calls"] == before and not first
         assert fast.metrics["hybrid_async_calls"] == n + 1
+        # the stream declining every call: the Python paths serve them (the hybrid expert mode where the
+        # call's experts fit the pool, else the sparse form over the layer buffer, its hits from the pool)
+        a.run_prepared = lambda *args: None
+        try:
+            m0 = dict(fast.metrics)
+            for step in calls[:4]:
+                for t in targets:
+                    ids, w, x = step[t.index]
+                    _route_exact(fast, t, ids, w, x, bf[t.layer], refs[t.layer])
+        finally:
+            del a.run_prepared
+        m = fast.metrics
+        assert m["hybrid_async_calls"] == n + 1 and m["sparse_calls"] > m0["sparse_calls"], m
+        assert m["sparse_hits"] > m0["sparse_hits"], m  # hits copied from the pool into the buffer
     finally:
         for res, eng in ((fast, ef), (slow, es)):
             res.close()
