@@ -20,11 +20,17 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CopyKernel", "load", "SOURCE"]
+__all__ = ["CopyKernel", "load", "compile_for", "forced_arch", "SOURCE"]
+
+# MMO_COPY_KERNEL_ARCH=sm_86 / compute_86 builds for that target instead of the device's own (a cubin, or PTX
+# that the driver compiles for the device): what the tests use to run the kernels as built for another GPU
+ARCH_ENV = "MMO_COPY_KERNEL_ARCH"
+_ARCH_RE = re.compile(r"(sm|compute)_[0-9]{2,3}[af]?")
 
 # a job's words: csrc/async_step.c (D_NPIECES, D_NK, D_IDSIZE, D_SLOTDEV (0: no slot ids), D_MAXPIECES, D_CAP,
 # D_KERR; items of 4 words from word 8, then the slot ids, then one flag per item). An item is one fill chunk
@@ -233,24 +239,47 @@ def _compile(nvrtc: ctypes.CDLL, arch: str, binary: bool) -> bytes:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-_cache: dict[int, CopyKernel | str] = {}
+def forced_arch() -> str:
+    """The target that ``MMO_COPY_KERNEL_ARCH`` forces ("" when unset); a malformed value raises ValueError."""
+    arch = os.environ.get(ARCH_ENV, "").strip()
+    if arch and not _ARCH_RE.fullmatch(arch):
+        raise ValueError(f"{ARCH_ENV}={arch!r} is not an NVRTC target: set it to sm_XY (a cubin) or compute_XY "
+                         "(PTX the driver compiles), e.g. compute_86, or unset it to build for the GPU itself")
+    return arch
+
+
+def compile_for(arch: str) -> bytes:
+    """The kernels built by NVRTC for ``arch`` (``sm_86``: a cubin, ``compute_86``: PTX); no GPU needed.
+    RuntimeError with NVRTC's log when it cannot, or when NVRTC is not found."""
+    nvrtc = _nvrtc()
+    if nvrtc is None:
+        raise RuntimeError("NVRTC (libnvrtc) was not found next to torch")
+    return _compile(nvrtc, arch, arch.startswith("sm_"))
+
+
+_cache: dict[tuple[int, str], CopyKernel | str] = {}
 
 
 def load(device: torch.device) -> CopyKernel | str:
-    """The kernel for ``device`` (made once per process and device), or one line saying why not."""
+    """The kernel for ``device`` (made once per process, device and forced target), or one line saying why
+    not."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _cache.get(index)
+    try:
+        arch = forced_arch()
+    except ValueError as e:
+        return f"the async step's copy kernel is not available: {e}"
+    got = _cache.get((index, arch))
     if got is not None:
         return got
     try:
-        got = _load(index)
+        got = _load(index, arch)
     except (OSError, RuntimeError, AttributeError) as e:
         got = f"the async step's copy kernel is not available: {e}"
-    _cache[index] = got
+    _cache[(index, arch)] = got
     return got
 
 
-def _load(index: int) -> CopyKernel:
+def _load(index: int, forced: str = "") -> CopyKernel:
     nvrtc = _nvrtc()
     if nvrtc is None:
         raise RuntimeError("NVRTC (libnvrtc) was not found next to torch")
@@ -259,18 +288,24 @@ def _load(index: int) -> CopyKernel:
         major, minor = torch.cuda.get_device_capability(index)
         cuda = ctypes.CDLL("libcuda.so.1")
         module = ctypes.c_void_p()
-        image, how = None, ""
-        for binary, arch in ((True, f"sm_{major}{minor}"), (False, f"compute_{major}{minor}")):
+        image, how, why = None, "", ""
+        targets = ([(forced.startswith("sm_"), forced)] if forced else
+                   [(True, f"sm_{major}{minor}"), (False, f"compute_{major}{minor}")])
+        for binary, arch in targets:
             try:
                 image = _compile(nvrtc, arch, binary)
                 how = f"{'cubin' if binary else 'ptx'} {arch}"
-            except RuntimeError:
+            except RuntimeError as e:
+                why = str(e)
                 continue
-            if cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)) == 0:
+            rc = cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image))
+            if rc == 0:
                 break
+            why = f"the driver refused the {how} image (CUresult {rc})"
             image = None
         if image is None:
-            raise RuntimeError(f"the copy kernel could not be built or loaded for sm_{major}{minor}")
+            raise RuntimeError(f"the copy kernel could not be built or loaded for sm_{major}{minor}"
+                               f"{f' as {forced} ({ARCH_ENV})' if forced else ''}: {why}")
         fns = []
         for name in (b"mo_async_copy", b"mo_async_gather", b"mo_async_add_rows"):
             fn = ctypes.c_void_p()

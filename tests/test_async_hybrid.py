@@ -734,18 +734,21 @@ def test_hybrid_small_calls_off_and_a_high_threshold_keep_the_expert_step(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("launches", ["fused", "copies"])
-def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel, launches, monkeypatch):
+@pytest.mark.parametrize("launches,arch", [("fused", ""), ("copies", ""), ("fused", "compute_86")])
+def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel, launches, arch, monkeypatch):
     """CUDA: hybrid calls enqueued behind device work with no host wait. The stream copies x and the
     weights to the host, the callback starts the host job, the copy kernel fills the copied rows, the
     kernel's weights and ids land on the device, and the collect brings the host's rows up: read in
     stream order, the kernel's part over the layer buffer plus the host's rows equal every pair from
     the cache (test_hybrid's tolerance), and the host computed experts. ``fused``: the inputs go down in
     one gather launch, the kernel's weights and ids come up in the copy kernel, the host's rows are added
-    by one launch (the default); ``copies``: cudaMemcpy and torch's add_ (MMO_ASYNC_LAUNCHES=copies)."""
+    by one launch (the default); ``copies``: cudaMemcpy and torch's add_ (MMO_ASYNC_LAUNCHES=copies).
+    ``compute_86``: the kernels as PTX for the user's RTX 3090's architecture (MMO_COPY_KERNEL_ARCH), which
+    the driver compiles for this GPU: the same source built for sm_86's feature set."""
     from fakes import cuda_engine
 
     monkeypatch.setenv("MMO_ASYNC_LAUNCHES", launches)
+    monkeypatch.setenv("MMO_COPY_KERNEL_ARCH", arch)
     c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=2)
     for layer in LAYERS:
         c.check_experts_once(layer, list(range(E)))
@@ -759,6 +762,7 @@ def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel, launches, 
             a = AsyncStep.create(ExpertStep.create(ec), max_experts=3)
             assert isinstance(a, AsyncStep), a
             assert a.fused_launches == (launches == "fused")
+            assert a.kernel_source.endswith(arch) and (not arch or a.kernel_source == f"ptx {arch}"), a.kernel_source
             a.set_host(kernel, _geometry(c), max_rows=8, dtype=torch.bfloat16, share=0.6, adapt=True)
             src = _sources(c)
             for step in _calls(8, 3, seed=6):
@@ -787,14 +791,17 @@ def test_gpu_hybrid_calls_exact_under_a_busy_stream(tmp_path, kernel, launches, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_collect_adds_the_host_rows_in_place_as_torchs_add(tmp_path, kernel, dtype):
+@pytest.mark.parametrize("dtype,arch", [(torch.bfloat16, ""), (torch.float16, ""), (torch.bfloat16, "compute_86"),
+                                        (torch.float16, "compute_86")])
+def test_gpu_collect_adds_the_host_rows_in_place_as_torchs_add(tmp_path, kernel, dtype, arch, monkeypatch):
     """CUDA, the fused collect (mo_async_collect_add): the host's rows, read in place from the mapped
     area, are added to a non-zero MoE output whose rows are strided (a view of a wider tensor) with
     torch's rounding: bit for bit equal to torch's own add of the same rows; the columns past H and
-    the rows past the call's tokens are not touched."""
+    the rows past the call's tokens are not touched. ``compute_86``: as built for the user's RTX 3090
+    (PTX of its architecture, compiled by the driver here)."""
     from fakes import cuda_engine
 
+    monkeypatch.setenv("MMO_COPY_KERNEL_ARCH", arch)
     c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=4)
     for layer in LAYERS:
         c.check_experts_once(layer, list(range(E)))
@@ -805,6 +812,7 @@ def test_gpu_collect_adds_the_host_rows_in_place_as_torchs_add(tmp_path, kernel,
         ec = ExpertCache(c, eng, dev, capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
         a = AsyncStep.create(ExpertStep.create(ec), max_experts=3)
         assert isinstance(a, AsyncStep) and a.fused_launches, a
+        assert not arch or a.kernel_source == f"ptx {arch}", a.kernel_source
         a.set_host(kernel, _geometry(c), max_rows=8, dtype=dtype, share=1.0, adapt=False)
         lay = np.zeros(6, dtype=np.int64)
         a.lib.mo_async_host_layout(a.cap, 8, H, 2, lay.ctypes.data)
