@@ -413,6 +413,47 @@ def test_residency_routes_a_sparse_hybrid_call_on_the_stream(tmp_path, monkeypat
         eng.close()
 
 
+def test_hybrid_share_option_holds_the_hosts_share(tmp_path):
+    """Option hybrid_share: a value in [0, 1] holds the share of the misses not admitted into the pool
+    that the host computes (no adaptation). 1: every such miss goes to the host (but for the one a call
+    with no hit keeps copied, its dummy row); 0: only what the call's part cannot copy. Outputs equal
+    every pair from the cache either way; -1 (the default) adapts from the calibrated start."""
+    got = {}
+    for share in (1.0, 0.0, -1.0):
+        res, eng, cache, bufs, targets = _hybrid_residency(tmp_path / str(share), seed=5, hybrid_share=share)
+        try:
+            refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+            for step in _calls(10, 3, seed=9):
+                for t in targets:
+                    ids, w, x = step[t.index]
+                    _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
+            s = res.summary()
+            got[share] = s
+            assert s["hybrid_async_calls"] == 10 * len(LAYERS), s
+            if share >= 0:
+                assert s["async_host_share"] == share, s  # held: no adaptation
+        finally:
+            res.close()
+            eng.close()
+    one, zero = got[1.0], got[0.0]
+    # share 1: each call copies its admissions and at most one more miss (its dummy row when it has no hit)
+    assert one["async_host_experts"] + one["async_admitted"] + one["hybrid_async_calls"] >= one["async_sparse_misses"]
+    assert one["async_host_experts"] > zero["async_host_experts"], (one, zero)
+    assert one["async_sparse_misses"] > one["async_admitted"]  # there were misses the host could take
+
+
+def test_hybrid_share_option_refuses_values_outside_its_range():
+    from mmap_offload.errors import UnsupportedError
+    from mmap_offload.vllm_backend.options import MmapOptions
+
+    for bad in (-0.5, 1.5, -2.0):
+        with pytest.raises(UnsupportedError) as e:
+            MmapOptions(hybrid=True, hybrid_share=bad).check()
+        assert "hybrid_share" in str(e.value) and "\n" not in str(e.value)
+    for good in (-1.0, 0.0, 0.25, 1.0):
+        MmapOptions(hybrid=True, hybrid_share=good).check()
+
+
 def test_steady_hybrid_calls_take_the_fast_path_with_the_general_paths_decisions(tmp_path, monkeypatch):
     """Residency._fast_hybrid: a layer's hybrid calls after its first one of a shape skip route()'s
     general path. Against a twin whose fast path is off, over the same calls: the same pool decisions

@@ -72,6 +72,13 @@ class MmapOptions:
     # hybrid call may copy; 0 the fewest that hold its admissions into the pool (the misses beyond
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
+    # with hybrid_stream: the share of a hybrid call's misses not admitted into the pool that the host
+    # computes. -1 (default): it starts at the host's calibrated rate against the copy path's and each
+    # collect adapts it (up when the host's job was done first, down when the stream waited for it), as
+    # if the host and the copies were independent. A value in [0, 1] holds it there, adaptation off: 1
+    # copies only what the pool admits (each copied byte crosses the host's DRAM three times, each computed
+    # one once), for hosts where DRAM, not the host's threads, bounds the step
+    hybrid_share: float = -1.0
     host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
     # with hybrid, W4A16: how long (us) an idle host compute thread spins before it sleeps; a sleeping
     # thread joins the next host job late (~0.1 ms on the H200's host: host/kernel.py SPIN_US). 0: sleep at once
@@ -179,6 +186,9 @@ class MmapOptions:
         if not self.hybrid_small_ms >= 0:
             raise UnsupportedError(f"mmap_offload hybrid_small_ms must be >= 0, got {self.hybrid_small_ms}",
                                    "pass the misses' link time per decode call (ms) from which they go to the host, e.g. 0.4")
+        if not (self.hybrid_share == -1 or 0 <= self.hybrid_share <= 1):
+            raise UnsupportedError(f"mmap_offload hybrid_share must be -1 or in [0, 1], got {self.hybrid_share}",
+                                   "pass -1 (adapted per call, the default) or the misses' share for the host, e.g. 1")
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",

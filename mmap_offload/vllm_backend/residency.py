@@ -95,6 +95,7 @@ class Residency:
             else:
                 self.async_step = got
                 got.hybrid_parts = opts.hybrid_parts  # hybrid calls' parts (kept across set_host)
+        self._hy_share = float(opts.hybrid_share)  # -1: adapted from the calibrated start; else held
         # ids per call the async step can take (at most one miss per id: the pool and its staging)
         self.async_fits = min(self.ec.slots_per_pool, self.async_step.max_experts) if self.async_step is not None else 0
         self._async_dirty = False  # a call was enqueued since the last wait
@@ -419,8 +420,9 @@ class Residency:
 
             names = host._names
             w13, s13, w2, s2 = (self.cache.tensor(t.layer, 0, n) for n in names)
+            held = self._hy_share >= 0
             a.set_host(host.kernel, _geometry(w13, s13, w2, s2, host.group, host.hidden, "hybrid"), host.MAX_TOKENS,
-                       x.dtype, share=self._initial_share())
+                       x.dtype, share=self._hy_share if held else self._initial_share(), adapt=not held)
         src = self._hy_sources.get(t.layer)
         if src is None:
             src = self._hy_sources[t.layer] = np.array(
