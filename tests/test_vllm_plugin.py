@@ -207,6 +207,14 @@ def test_launcher_hybrid_small_calls_takes_a_mode_and_a_threshold():
         launcher_argv(["serve", "/m", "--mmap-hybrid-small-calls", "sometimes"])
 
 
+def test_launcher_hybrid_share_holds_the_hosts_share_and_refuses_a_bad_one():
+    argv = launcher_argv(["serve", "/m", "--mmap-hybrid", "--mmap-hybrid-share", "1", "--mmap-threads", "3"])
+    got = json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY]
+    assert got == {"hybrid": True, "hybrid_share": 1.0, "threads": 3}
+    with pytest.raises(UnsupportedError, match="hybrid_share"):
+        launcher_argv(["serve", "/m", "--mmap-hybrid-share", "2"])
+
+
 def test_launcher_keeps_user_choices():
     argv = launcher_argv(["serve", "/m", "--offload-backend=uva", "-cc.cudagraph_mode=NONE"])
     assert argv == ["serve", "/m", "--offload-backend=uva", "-cc.cudagraph_mode=NONE"]

@@ -33,6 +33,7 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-hybrid-small-calls": ("hybrid_small_calls", {"nargs": "?", "const": "on", "default": None,
                                                          "choices": ("auto", "on", "off")}),
     "--mmap-hybrid-small-ms": ("hybrid_small_ms", {"type": float}),
+    "--mmap-hybrid-share": ("hybrid_share", {"type": float}),
 }
 
 
