@@ -246,21 +246,31 @@ def test_default_threads_leave_the_copy_engine_its_cores(monkeypatch):
 def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, monkeypatch):
     """Python path: the kernel has one thread more than the computing count (the launching thread
     joins at add_to, when it has nothing to launch). Stream path: CUDA's callback thread joins while
-    vLLM's thread launches on, so the count is the kernel's whole: 16 cores, 6 copy threads (hybrid's
-    default) -> 9 computing threads in all, the 16th core left to the launching thread; 8 copy threads
-    -> 7. ``host_spin_us`` (how long idle threads spin) reaches the kernel's pool."""
+    vLLM's thread launches on, so the count is the kernel's whole. 16 cores, 6 copy threads (hybrid's
+    default): with ``hybrid_share`` 1 (the default) the stream path's copy threads copy only the pool's
+    admissions, so at most 3 of them are counted -> 12 computing threads; with the share adapted (-1)
+    or held below 1 -> 9, the 16th core left to the launching thread; 8 copy threads -> 7 (3 counted at
+    share 1 -> 12); 2 copy threads -> 13. The Python path never reads the share: 9 / 7 / 13.
+    ``host_spin_us`` (how long idle threads spin) reaches the kernel's pool."""
     from mmap_offload.vllm_backend import host_experts
     from mmap_offload.vllm_backend.options import MmapOptions
 
     cache, _, _ = setup
     monkeypatch.setattr(host_experts.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
-    for opts, computing in ((MmapOptions(hybrid=True), 9), (MmapOptions(hybrid=True, threads=8), 7)):
-        off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1, options=opts)
-        for stream, kernel_threads in ((False, computing + 1), (True, computing)):
+    cases = ((dict(), 9, 12), (dict(hybrid_share=-1), 9, 9), (dict(hybrid_share=0.5), 9, 9),
+             (dict(threads=8), 7, 12), (dict(threads=8, hybrid_share=-1), 7, 7), (dict(threads=2), 13, 13))
+    for kw, python_path, stream_path in cases:
+        off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1, options=MmapOptions(hybrid=True, **kw))
+        for stream, computing, kernel_threads in ((False, python_path, python_path + 1), (True, stream_path, stream_path)):
             he = host_experts.HostExperts(off, calibrate=False, populate=False, stream=stream)
-            assert he.threads == computing and he.kernel.threads == kernel_threads
+            assert (he.threads, he.kernel.threads) == (computing, kernel_threads), (kw, stream)
             assert he.kernel.spin_us == 1000.0  # the option's default reaches the pool
             he.close()
+    off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1,
+                          options=MmapOptions(hybrid=True, host_threads=5))
+    he = host_experts.HostExperts(off, threads=5, calibrate=False, populate=False, stream=True)  # as residency.py passes it
+    assert he.threads == 5  # an explicit count is kept whatever the share
+    he.close()
     off = SimpleNamespace(cache=cache, device=torch.device("cpu"), tp_size=1,
                           options=MmapOptions(hybrid=True, host_spin_us=40.0))
     he = host_experts.HostExperts(off, calibrate=False, populate=False, stream=True)

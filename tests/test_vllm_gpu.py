@@ -139,6 +139,11 @@ def test_hybrid_sparse_calls_on_the_stream_give_the_same_tokens(run):
         assert s["residency_async_hybrid_calls"] == s["residency_hybrid_async_calls"], s
         # a layer's steady calls took the fast path (session 30: 56 of 64 in this case on the H200)
         assert 0 < s["residency_fast_hybrid_calls"] < s["residency_hybrid_async_calls"], s
+        # hybrid_share's default holds every miss the pool does not admit on the host (no adaptation),
+        # and the host's default threads count at most 3 of the copy threads (session 32)
+        assert s["residency_async_host_share"] == 1.0, s
+        cores = len(os.sched_getaffinity(0))
+        assert s["residency_host_threads"] == max(1, cores - 1 - 3), s
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 

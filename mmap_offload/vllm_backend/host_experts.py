@@ -29,7 +29,10 @@ the cheapest miss goes to the host), and again whenever the host got nothing for
 
 Threads (``default_threads``): the cores of this rank, less the copy engine's threads (6 by default
 with hybrid, ``MmapOptions.copy_threads``: 9 host threads at 16 cores) and one for the thread that
-launches vLLM's GPU work. On the Python path the kernel gets one thread more than that
+launches vLLM's GPU work. On the stream path with ``hybrid_share`` 1 (the default) the copy threads copy
+only the pool's admissions (~18 MiB per decode step at batch 8) and sleep while idle, so at most
+``HELD_SHARE_COPY_CORES`` (3) of them are counted: 12 host threads at 16 cores (BENCHMARKS.md "Real
+vLLM", sessions 31-32). On the Python path the kernel gets one thread more than that
 count: its thread 0 is the launching thread, which joins the job only at ``add_to``, when it has nothing
 to launch. On the stream path (``stream``: hybrid calls started and collected by the async step's
 callbacks) the joining thread is CUDA's callback thread while the launching thread runs on, so the kernel
@@ -65,6 +68,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_host
+from .options import HELD_SHARE_COPY_CORES
 
 
 @dataclass
@@ -141,6 +145,8 @@ class HostExperts:
         explicit = threads > 0 and (opts is None or opts.host_threads > 0)
         if not explicit:  # the backend passes its own default: this one knows the copy engine's threads
             copy = opts.copy_threads() if opts is not None else 0
+            if stream and opts is not None and opts.hybrid_share == 1:  # the copy threads copy admissions only
+                copy = min(copy, HELD_SHARE_COPY_CORES)
             threads = default_threads(int(getattr(off, "tp_size", 1) or 1), copy)
         self.threads = int(threads)
         if self.kind == "w4a16":

@@ -17,6 +17,7 @@ CONFIG_KEY = "mmap_offload"  # key of vLLM's additional_config
 ENV_PREFIX = "MMAP_OFFLOAD_"
 COPY_THREADS = 8  # the engine's copy threads by default (MmapOptions.copy_threads)
 HYBRID_COPY_THREADS = 6  # ... with hybrid: its host threads get the cores the copy threads leave
+HELD_SHARE_COPY_CORES = 3  # ... of which the host's default count leaves at most 3 with hybrid_share 1
 
 
 @dataclass
@@ -73,13 +74,17 @@ class MmapOptions:
     # them go to the host), -1 as many as a plain sparse call (most empty at batch 8), n > 0 at most n
     hybrid_parts: int = 0
     # with hybrid_stream: the share of a hybrid call's misses not admitted into the pool that the host
-    # computes. -1 (default): it starts at the host's calibrated rate against the copy path's and each
-    # collect adapts it (up when the host's job was done first, down when the stream waited for it), as
-    # if the host and the copies were independent. A value in [0, 1] holds it there, adaptation off: 1
-    # copies only what the pool admits (each copied byte crosses the host's DRAM three times, each computed
-    # one once), for hosts where DRAM, not the host's threads, bounds the step
-    hybrid_share: float = -1.0
-    host_threads: int = 0  # host compute threads; 0 = this rank's cores less the copy threads and vLLM's launching thread
+    # computes. 1 (default): every such miss; only what the pool admits is copied (each copied byte
+    # crosses the host's DRAM three times, each computed one once, and at decode batch 8 DRAM bounds the
+    # step: BENCHMARKS.md "Real vLLM", sessions 31-32). -1: it starts at the host's calibrated rate
+    # against the copy path's and each collect adapts it (up when the host's job was done first, down
+    # when the stream waited for it), as if the host and the copies were independent (the default
+    # before session 32). Another value in [0, 1] holds the share there
+    hybrid_share: float = 1.0
+    # host compute threads; 0 = this rank's cores less vLLM's launching thread and the copy threads, of
+    # which at most HELD_SHARE_COPY_CORES are counted where hybrid_share is 1 on the stream path (they
+    # copy only the pool's admissions then, and sleep while idle): 12 at 16 cores, else 9
+    host_threads: int = 0
     # with hybrid, W4A16: how long (us) an idle host compute thread spins before it sleeps; a sleeping
     # thread joins the next host job late (~0.1 ms on the H200's host: host/kernel.py SPIN_US). 0: sleep at once
     host_spin_us: float = 1000.0
@@ -188,7 +193,7 @@ class MmapOptions:
                                    "pass the misses' link time per decode call (ms) from which they go to the host, e.g. 0.4")
         if not (self.hybrid_share == -1 or 0 <= self.hybrid_share <= 1):
             raise UnsupportedError(f"mmap_offload hybrid_share must be -1 or in [0, 1], got {self.hybrid_share}",
-                                   "pass -1 (adapted per call, the default) or the misses' share for the host, e.g. 1")
+                                   "pass 1 (every miss the pool does not admit, the default), -1 (adapted per call) or a share in [0, 1]")
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",
@@ -247,4 +252,4 @@ def _coerce(name: str, typ: Any, raw: Any) -> Any:
         raise UnsupportedError(f"mmap_offload option {name}={raw!r} is not a valid {typ}", "fix the value") from None
 
 
-__all__ = ["CONFIG_KEY", "COPY_THREADS", "ENV_PREFIX", "HYBRID_COPY_THREADS", "MmapOptions"]
+__all__ = ["CONFIG_KEY", "COPY_THREADS", "ENV_PREFIX", "HELD_SHARE_COPY_CORES", "HYBRID_COPY_THREADS", "MmapOptions"]
