@@ -480,7 +480,7 @@ class Residency:
     def _initial_share(self) -> float:
         """The share of misses the host starts with: its calibrated rate against the copy path's
         (~38 GB/s measured through the async step's staging on the H200, session 10, until measured
-        here); the stream's collects adapt it from then on."""
+        here); with hybrid_share -1 the stream's collects adapt it from then on."""
         h = self.host.host_rate
         c = self.host.copy_rate or 38e9
         return float(min(1.0, max(0.0, h / (h + c)))) if h > 0 else 0.5
