@@ -417,7 +417,8 @@ def test_hybrid_share_option_holds_the_hosts_share(tmp_path):
     """Option hybrid_share: a value in [0, 1] holds the share of the misses not admitted into the pool
     that the host computes (no adaptation). 1: every such miss goes to the host (but for the one a call
     with no hit keeps copied, its dummy row); 0: only what the call's part cannot copy. Outputs equal
-    every pair from the cache either way, and with -1 (the default, adapted from the calibrated start)."""
+    every pair from the cache either way, and with -1 (adapted from the calibrated start; the default
+    until session 32)."""
     got = {}
     for share in (1.0, 0.0, -1.0):
         res, eng, cache, bufs, targets = _hybrid_residency(tmp_path / str(share), seed=5, hybrid_share=share)
