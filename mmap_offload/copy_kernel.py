@@ -211,7 +211,9 @@ def _nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-def _compile(nvrtc: ctypes.CDLL, arch: str, binary: bool) -> bytes:
+def _compile(nvrtc: ctypes.CDLL, arch: str) -> bytes:
+    """NVRTC's image for ``arch``: a cubin for ``sm_XY``, PTX for ``compute_XY``."""
+    binary = arch.startswith("sm_")
     prog = ctypes.c_void_p()
     cp = ctypes.c_char_p
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"mo_async_copy.cu", 0, None, None):
@@ -254,7 +256,7 @@ def compile_for(arch: str) -> bytes:
     nvrtc = _nvrtc()
     if nvrtc is None:
         raise RuntimeError("NVRTC (libnvrtc) was not found next to torch")
-    return _compile(nvrtc, arch, arch.startswith("sm_"))
+    return _compile(nvrtc, arch)
 
 
 _cache: dict[tuple[int, str], CopyKernel | str] = {}
@@ -289,12 +291,11 @@ def _load(index: int, forced: str = "") -> CopyKernel:
         cuda = ctypes.CDLL("libcuda.so.1")
         module = ctypes.c_void_p()
         image, how, why = None, "", ""
-        targets = ([(forced.startswith("sm_"), forced)] if forced else
-                   [(True, f"sm_{major}{minor}"), (False, f"compute_{major}{minor}")])
-        for binary, arch in targets:
+        targets = [forced] if forced else [f"sm_{major}{minor}", f"compute_{major}{minor}"]
+        for arch in targets:
             try:
-                image = _compile(nvrtc, arch, binary)
-                how = f"{'cubin' if binary else 'ptx'} {arch}"
+                image = _compile(nvrtc, arch)
+                how = f"{'cubin' if arch.startswith('sm_') else 'ptx'} {arch}"
             except RuntimeError as e:
                 why = str(e)
                 continue

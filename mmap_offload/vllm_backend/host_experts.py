@@ -144,9 +144,11 @@ class HostExperts:
         opts = getattr(off, "options", None)  # the backend's MmapOptions; None outside it (tests, benchmarks)
         explicit = threads > 0 and (opts is None or opts.host_threads > 0)
         if not explicit:  # the backend passes its own default: this one knows the copy engine's threads
-            copy = opts.copy_threads() if opts is not None else 0
-            if stream and opts is not None and opts.hybrid_share == 1:  # the copy threads copy admissions only
-                copy = min(copy, HELD_SHARE_COPY_CORES)
+            copy = 0
+            if opts is not None:
+                copy = opts.copy_threads()
+                if stream and opts.hybrid_share == 1:  # the copy threads copy admissions only
+                    copy = min(copy, HELD_SHARE_COPY_CORES)
             threads = default_threads(int(getattr(off, "tp_size", 1) or 1), copy)
         self.threads = int(threads)
         if self.kind == "w4a16":
