@@ -35,9 +35,9 @@ def data_file(tmp_path_factory):
     return str(path), data
 
 
-def engine(slot=64 << 10, slots=8, threads=3, delay_us=0, fraction=0.5):
+def engine(slot=64 << 10, slots=8, threads=3, delay_us=0, fraction=0.5, ordered_threads=None):
     return make_engine("mmap", "cpu", pinned_bytes=slots * slot, slot_bytes=slot, threads=threads, native=True,
-                       stream_delay_us=delay_us, ordered_fraction=fraction)
+                       stream_delay_us=delay_us, ordered_fraction=fraction, ordered_threads=ordered_threads)
 
 
 def random_batch(path, rng: random.Random, max_bytes: int, pieces: int | None = None):
@@ -126,14 +126,17 @@ def test_back_to_back_batches_reuse_the_arena_only_after_their_copies_ran(data_f
         eng.close()
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_ordered_and_ordinary_batches_interleave(data_file, seed):
+@pytest.mark.parametrize("seed,threads,ordered_threads", [(0, 2, None), (1, 2, None), (2, 2, None), (3, 4, 1)])
+def test_ordered_and_ordinary_batches_interleave(data_file, seed, threads, ordered_threads):
     """submit and submit_ordered in random order, waits in random order, a lagging stream: all exact;
-    ordinary batches keep the ring's other slots (their own chunks, their own workers)."""
+    ordinary batches keep the ring's other slots (their own chunks, their own workers: as many as
+    ``ordered_threads`` for the ordered ones, as the vLLM backend sets with hybrid)."""
     path, data = data_file
     rng = random.Random(seed)
-    eng = engine(delay_us=200, threads=2)
+    eng = engine(delay_us=200, threads=threads, ordered_threads=ordered_threads)
     try:
+        assert eng.metrics["threads"] == threads
+        assert eng.metrics["ordered_threads"] == (ordered_threads or threads)
         pending = []
         for _ in range(80):
             if pending and rng.random() < 0.3:

@@ -276,6 +276,12 @@ def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):
     assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0
     assert s["residency_host_copied_experts"] + s["residency_pool_misses"] > 0
     assert s["residency_late_checks"] == 0  # check_after_experts off here: the check in route()
+    # whole layers (prefill) by 8 copy threads; decode's stream-ordered misses by 6 of their own, the
+    # count the host's threads leave room for (options.layer_copy_threads, copy_threads; the ordered
+    # part needs the native pool, which a CPU without AVX2 lacks)
+    assert s["engine_threads"] == 8, s
+    if "engine_ordered_threads" in s:
+        assert s["engine_ordered_threads"] == 6, s
 
 
 def test_routing_trace_replaces_the_routers_choice(runs):

@@ -263,6 +263,10 @@ def test_copy_threads_default_to_six_with_hybrid_and_eight_without():
     assert MmapOptions.resolve({"hybrid": True}, env={}).copy_threads() == 6
     assert MmapOptions.resolve({"hybrid": True, "threads": 8}, env={}).copy_threads() == 8
     assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_THREADS": "3"}).copy_threads() == 3
+    # whole layers (prefill) keep 8 with hybrid: its host threads sleep there (session 33)
+    assert MmapOptions.resolve({"hybrid": True}, env={}).layer_copy_threads() == 8
+    assert MmapOptions.resolve(None, env={}).layer_copy_threads() == 8
+    assert MmapOptions.resolve({"hybrid": True, "threads": 5}, env={}).layer_copy_threads() == 5
     with pytest.raises(UnsupportedError, match="threads must be >= 0"):
         MmapOptions.resolve({"threads": -1}, env={})
     with pytest.raises(UnsupportedError, match="host_threads must be >= 0"):

@@ -116,6 +116,7 @@ def make_engine(kind: str = "auto", device: torch.device | str | None = None, *,
     if kind == "mmap":
         return MmapEngine(dev, pinned_bytes=pinned_bytes, threads=threads, **options)
     options.pop("ordered_fraction", None)  # stream-ordered batches: the mmap engine's only
+    options.pop("ordered_threads", None)
     if kind == "pread":
         return PreadEngine(dev, pinned_bytes=pinned_bytes, threads=threads, **options)
     options.pop("slot_bytes", None)

@@ -38,7 +38,8 @@ class MmapEngine(_RingEngine):
 
     ``ordered_fraction`` (0 by default; the vLLM backend's expert cache uses 0.5) sets that part of
     the ring aside for stream-ordered batches (``submit_ordered``, ``submit_ordered_raw``; the native
-    pool only), each cut into up to ``ordered_gates`` groups with a gate each (TRANSFER.md)."""
+    pool only), each cut into up to ``ordered_gates`` groups with a gate each (TRANSFER.md), filled by
+    ``ordered_threads`` threads of their own (None: as many as ``threads``, which fill the rest)."""
 
     kind = "mmap"
     ORDERED_MIN_GROUP = 1 << 20  # submit_ordered: a gate per group of at least this many bytes
@@ -48,7 +49,7 @@ class MmapEngine(_RingEngine):
                  blocking_events: bool = True, copy_impl: str = "auto", native: bool | str = "auto",
                  stream_delay_us: int = 0, chunks_per_thread: int | None = None,
                  min_chunk_bytes: int | None = None, ring_hugepage: bool = True, slot_reuse: str = "auto",
-                 ordered_fraction: float = 0.0, ordered_gates: int = 4):
+                 ordered_fraction: float = 0.0, ordered_gates: int = 4, ordered_threads: int | None = None):
         if slot_reuse not in ("auto", "oldest", "hot"):
             raise ValueError(f"slot_reuse must be 'auto', 'oldest' or 'hot', got {slot_reuse!r}")
         if copy_impl not in COPY_IMPLS:
@@ -57,6 +58,8 @@ class MmapEngine(_RingEngine):
             raise ValueError(f"native must be True, False or 'auto', got {native!r}")
         if not 0.0 <= ordered_fraction < 1.0:
             raise ValueError(f"ordered_fraction must be in [0, 1), got {ordered_fraction!r}")
+        if ordered_threads is not None and not 1 <= ordered_threads <= 64:
+            raise ValueError(f"ordered_threads must be in 1..64, got {ordered_threads}")
         # submit_ordered cuts a batch into up to this many groups, each behind its own gate
         self.ordered_gates = max(1, int(ordered_gates))
         self.populate = populate
@@ -96,7 +99,8 @@ class MmapEngine(_RingEngine):
                 ordered = min(max(int(n * ordered_fraction), 1), n - 1) if ordered_fraction else 0
                 self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
                                          _NATIVE_COPY_KINDS[self.copy_impl], stream_delay_us,
-                                         hot_slots=self.slot_reuse == "hot", ordered_slots=ordered)
+                                         hot_slots=self.slot_reuse == "hot", ordered_slots=ordered,
+                                         ordered_threads=ordered_threads or self.threads)
             except BaseException:
                 self.ring.close()
                 self.stream.close()

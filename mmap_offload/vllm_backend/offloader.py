@@ -388,9 +388,13 @@ class MmapOffloader(_OffloaderBase):
             # half of the ring for the expert cache's stream-ordered misses (residency.py), when
             # an expert cache may be built (its size is settled after the buffers exist)
             ordered = 0.5 if opts.stream_ordered and opts.expert_cache_gib != 0 else 0.0
+            # with an ordered part, decode's misses are filled by copy_threads() threads of its own
+            # (fewer with hybrid, whose host threads take the other cores) and whole layers by
+            # layer_copy_threads(); without one, every copy is the same threads'
+            extra = {"ordered_fraction": ordered, "ordered_threads": opts.copy_threads()} if ordered else {}
             self.engine = make_engine(
-                opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes, threads=opts.copy_threads(),
-                ordered_fraction=ordered,
+                opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes,
+                threads=opts.layer_copy_threads() if ordered else opts.copy_threads(), **extra,
             )
             self.prefetcher = LayerPrefetcher(
                 self.cache, self.engine, self.device, lookahead=opts.lookahead,
