@@ -193,6 +193,10 @@ class LayerPrefetcher:
             return
         self._load(buf, layer)
 
+    def holds(self, layer: int) -> bool:
+        """Whether ``layer`` is in its buffer or on its way there (``start_prefetch`` would do nothing)."""
+        return self._buffer_of(layer).layer == layer
+
     def wait_for_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """Return ``{name: [E, *shape]}`` holding ``layer``'s cache bytes; blocks until copied."""
         buf = self._buffer_of(layer)

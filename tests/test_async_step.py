@@ -557,7 +557,8 @@ def test_residency_serves_large_calls_sparse_with_sparse_max_ids(tmp_path, spars
     targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
     prefetched = []
     pf = SimpleNamespace(claim=lambda layer, event=True: (bufs[layer], None), start_prefetch=prefetched.append,
-                         layer_after=lambda layer, n: LAYERS[(LAYERS.index(layer) + n) % len(LAYERS)])
+                         layer_after=lambda layer, n: LAYERS[(LAYERS.index(layer) + n) % len(LAYERS)],
+                         buffer_index=LAYERS.index, holds=lambda layer: False)
     opts = MmapOptions(layer_stream_fraction=0.5, hybrid_parts=2)
     if sparse_max_ids is not None:
         opts.sparse_max_ids = sparse_max_ids

@@ -570,11 +570,25 @@ class Residency:
         self.metrics["small_hybrid_steps"] += int(was)
 
     def _layer_mode(self, t, ids: torch.Tensor, ahead: bool) -> torch.Tensor:
+        """The whole layer in its buffer (the kernel reads the ids as they are). ``ahead`` (a call that
+        streams whole layers by the threshold, as prefill's do): the next layer is started too.
+        Where this layer is already on its way, the next one's copy is queued before this one is
+        waited for, so the copy threads go on to it while this layer's last chunks cross the link
+        (queued after the wait they idled until vLLM's thread woke and queued it). Its buffer is an
+        earlier layer's, whose kernel is enqueued: the prefetcher's release event orders the copy
+        after it. With one buffer for all layers (lookahead 0) nothing is started ahead: the next
+        layer's copy would overwrite this one's bytes before its kernel ran."""
         self.metrics["layer_calls"] += 1
+        pf = self.off.prefetcher
+        nxt = pf.layer_after(t.layer, 1) if ahead and len(self.off.targets) > 1 else None
+        if nxt is not None and pf.buffer_index(nxt) == pf.buffer_index(t.layer):
+            nxt = None
+        if nxt is not None and pf.holds(t.layer):
+            pf.start_prefetch(nxt)
+            nxt = None
         self._bind_layer(t, self.off._layer_tensors(t))
-        if ahead and len(self.off.targets) > 1:
-            pf = self.off.prefetcher
-            pf.start_prefetch(pf.layer_after(t.layer, 1))  # a distinct buffer (any 2 consecutive are)
+        if nxt is not None:  # this layer was not on its way: it first (the engine copies in order)
+            pf.start_prefetch(nxt)
         return ids
 
     def _sparse_mode(self, t, ids: torch.Tensor, used: np.ndarray) -> torch.Tensor:
