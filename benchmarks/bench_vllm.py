@@ -591,6 +591,17 @@ def _bar(name: str, rows, config, routing, workload, need: float | None) -> dict
     return out
 
 
+def hybrid_prefill_bar(rows: list[dict], prefill_name: str) -> dict:
+    """Issue 15's prefill bar: mmap-hybrid at least the best copy variant of this run (mmap-layer,
+    mmap-cache), each as the mean x uva of its runs; None where hybrid or neither copy variant ran."""
+    hy, _ = _runs_ratio(rows, "mmap-hybrid", "uniform", prefill_name)
+    best = max((v for v in (_runs_ratio(rows, c, "uniform", prefill_name)[0] for c in ("mmap-layer", "mmap-cache"))
+                if v is not None), default=None)
+    v = round(hy / best, 3) if hy is not None and best else None
+    return {"bar": f"{prefill_name} uniform: mmap-hybrid / the best copy variant (issue 15)", "value": v,
+            "need": f">= {BARS['prefill']}", "met": None if v is None else v >= BARS["prefill"]}
+
+
 def bars(rows: list[dict], prefill_name: str) -> list[dict]:
     """The bars of issue 12, from this run's rows (None where a row is missing; the mean of a
     configuration's runs where it ran more than once)."""
@@ -604,6 +615,7 @@ def bars(rows: list[dict], prefill_name: str) -> list[dict]:
             out.append(ceiling)
     for cfg in ("mmap-cache", "mmap-layer"):
         out.append(_bar(f"{prefill_name} uniform: {cfg} / uva", rows, cfg, "uniform", prefill_name, BARS["prefill"]))
+    out.append(hybrid_prefill_bar(rows, prefill_name))
     issue15 = [("uniform", 1.0), ("skewed", 1.5)]
     if any(r["routing"] == "uniform-trace" for r in rows):  # the uniform bar on independent picks too
         issue15.insert(1, ("uniform-trace", 1.0))

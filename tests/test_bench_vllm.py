@@ -382,6 +382,28 @@ def test_rows_ratios_bars_and_markdown():
             "`native_pool.py:wait:224` 25%") in md
 
 
+def test_hybrid_prefill_bar_reads_hybrid_against_the_best_copy_variant():
+    """Issue 15's prefill bar from session 33's run 3 (the H200, bench_moe's shapes): mmap-hybrid
+    2.077x uva against mmap-layer's 2.852x is 0.728 of the best copy variant: missed; not measured
+    without hybrid or without a copy variant."""
+    import bench_vllm
+
+    def row(config, x, variant=None):
+        return {"config": config, "routing": "uniform", "workload": "prefill-2k", "tok_s": 1.0, "x_uva": x,
+                **({"variant": variant} if variant else {})}
+
+    rows = [row("uva", 1.0), row("mmap-layer", 2.852), row("mmap-hybrid", 2.077),
+            row("mmap-hybrid", 2.124, variant="hybrid_share=-1")]  # a variant does not count
+    b = {x["bar"]: x for x in bench_vllm.bars(rows, "prefill-2k")}
+    bar = b["prefill-2k uniform: mmap-hybrid / the best copy variant (issue 15)"]
+    assert bar["value"] == 0.728 and bar["met"] is False and bar["need"] == ">= 1.0"
+    rows.append(row("mmap-cache", 1.9))  # the best of the two is the reference
+    rows.append(row("mmap-hybrid", 3.0))  # hybrid's runs: their mean, (2.077 + 3.0) / 2
+    assert bench_vllm.hybrid_prefill_bar(rows, "prefill-2k")["value"] == round(2.5385 / 2.852, 3)
+    assert bench_vllm.hybrid_prefill_bar(rows[:2], "prefill-2k")["met"] is None  # no hybrid
+    assert bench_vllm.hybrid_prefill_bar([rows[0], rows[2]], "prefill-2k")["value"] is None  # no copy variant
+
+
 def test_child_specs_give_uva_the_pool_bytes(tmp_path):
     import bench_vllm
 
