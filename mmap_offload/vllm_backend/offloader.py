@@ -390,7 +390,9 @@ class MmapOffloader(_OffloaderBase):
             ordered = 0.5 if opts.stream_ordered and opts.expert_cache_gib != 0 else 0.0
             # with an ordered part, decode's misses are filled by copy_threads() threads of its own
             # (fewer with hybrid, whose host threads take the other cores) and whole layers by
-            # layer_copy_threads(); without one, every copy is the same threads'
+            # layer_copy_threads(); without one, every copy is the same threads' (where the engine
+            # cannot make the part it is asked for, Python copy threads without the native pool, the
+            # layer threads copy decode's misses too: 8 with hybrid, beside its host threads)
             extra = {"ordered_fraction": ordered, "ordered_threads": opts.copy_threads()} if ordered else {}
             self.engine = make_engine(
                 opts.engine, self.device, pinned_bytes=pinned, slot_bytes=slot_bytes,
