@@ -100,7 +100,7 @@ class MmapEngine(_RingEngine):
                 self._pool = _NativePool(lib, device, self.stream, self.ring, self.threads,
                                          _NATIVE_COPY_KINDS[self.copy_impl], stream_delay_us,
                                          hot_slots=self.slot_reuse == "hot", ordered_slots=ordered,
-                                         ordered_threads=ordered_threads or self.threads)
+                                         ordered_threads=ordered_threads)
             except BaseException:
                 self.ring.close()
                 self.stream.close()

@@ -153,7 +153,7 @@ class _NativePool:
 
     def __init__(self, lib: Any, device: torch.device, stream: Any, ring: PinnedRing, threads: int,
                  copy_kind: int, stream_delay_us: int = 0, hot_slots: bool = False,
-                 ordered_slots: int = 0, ordered_threads: int = 0) -> None:
+                 ordered_slots: int = 0, ordered_threads: int | None = None) -> None:
         self.lib = lib
         self.device = device
         self._fake_stream = None
@@ -186,7 +186,7 @@ class _NativePool:
             self._destroy_stream()
             raise MemoryError("the native copy pool could not start (threads or CUDA events)")
         # stream-ordered batches (submit_ordered): the ring's last ``ordered_slots`` slots, filled
-        # by ``ordered_threads`` threads of their own (0: as many as ``threads``); ordered_bytes 0
+        # by ``ordered_threads`` threads of their own (None: as many as ``threads``); ordered_bytes 0
         # when not asked for or not possible (no cudaLaunchHostFunc)
         self.ordered_bytes = 0
         if 0 < ordered_slots < ring.num_slots:
