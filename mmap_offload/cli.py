@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a synthetic Hugging Face MoE checkpoint (no download)")
     s.add_argument("out_dir")
     s.add_argument("--preset", help="a named size (demo, tiny-mixtral, ...)")
-    s.add_argument("--arch", choices=["mixtral", "qwen_moe"])
+    s.add_argument("--arch", choices=["mixtral", "qwen_moe", "qwen2_moe", "glm4_moe"])  # synth.ARCHS (not imported: torch)
     s.add_argument("--quant", choices=["w4a16", "bf16"])
     s.add_argument("--num-layers", type=int)
     s.add_argument("--num-experts", type=int)

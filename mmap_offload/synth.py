@@ -15,6 +15,11 @@ Architectures (``arch``) and their routed-expert names:
                                         q_norm / k_norm, no shared expert
     "qwen2_moe"  Qwen2MoeForCausalLM   as qwen_moe plus q/k/v biases and a shared expert
                                         (mlp.shared_expert.*, mlp.shared_expert_gate) that is not routed
+    "glm4_moe"   Glm4MoeForCausalLM    GLM-4.5 / 4.6 (the user's model class): layer 0 dense
+                                        (mlp.{gate,up,down}_proj, ``first_k_dense_replace`` 1), then
+                                        mlp.experts.E.{gate,up,down}_proj; router mlp.gate with a float32
+                                        mlp.gate.e_score_correction_bias (sigmoid scores, grouped top-k), a
+                                        shared expert mlp.shared_experts.*, q/k/v biases, partial rotary
 
 Quantization (``quant``): "bf16" writes every tensor in ``dtype``; "w4a16" writes the routed experts the way
 llm-compressor saves compressed-tensors ``pack-quantized`` symmetric int4 weights, per projection:
@@ -57,9 +62,10 @@ from .errors import CheckpointError, StorageError
 
 __all__ = ["PRESETS", "embedded_default", "make_checkpoint", "ARCHS", "QUANTS"]
 
-ARCHS = ("mixtral", "qwen_moe", "qwen2_moe")
+ARCHS = ("mixtral", "qwen_moe", "qwen2_moe", "glm4_moe")
 QUANTS = ("bf16", "w4a16")
 CHUNK_BYTES = 8 << 20
+GLM_DENSE_LAYERS = 1  # glm4_moe: first_k_dense_replace (GLM-4.5-Air's; GLM-4.5 has 3)
 DEFAULT_SHARD_BYTES = 1 << 30
 TRANSFORMERS_VERSION = "4.57.1"
 COMPRESSED_TENSORS_VERSION = "0.12.2"
@@ -80,6 +86,10 @@ PRESETS: dict[str, dict] = {
                                intermediate=256, top_k=2, vocab_size=1000, num_heads=4, num_kv_heads=2,
                                group_size=64),
     "tiny-qwen-moe": dict(arch="qwen_moe", quant="bf16", num_layers=2, num_experts=8, hidden=128,
+                          intermediate=128, top_k=2, vocab_size=1000, num_heads=4, num_kv_heads=2),
+    # the user's model class in small: a dense first layer, then 2 MoE layers of 8 experts, top-2 by
+    # sigmoid score plus correction bias (one group, as GLM-4.5's n_group 1), a shared expert
+    "tiny-glm4-moe": dict(arch="glm4_moe", quant="bf16", num_layers=3, num_experts=8, hidden=128,
                           intermediate=128, top_k=2, vocab_size=1000, num_heads=4, num_kv_heads=2),
 }
 
@@ -209,6 +219,9 @@ def _check_args(arch, quant, num_layers, num_experts, hidden, intermediate, top_
             "choose num_kv_heads dividing num_heads")
     if arch == "qwen2_moe" and head_dim * num_heads != hidden:
         bad("qwen2_moe needs head_dim * num_heads == hidden", "drop head_dim or make them agree")
+    if arch == "glm4_moe" and num_layers < GLM_DENSE_LAYERS + 1:
+        bad(f"glm4_moe's first {GLM_DENSE_LAYERS} layer is dense, so num_layers {num_layers} leaves no MoE layer",
+            f"give num_layers >= {GLM_DENSE_LAYERS + 1}")
     if quant == "w4a16":
         for label, k in (("hidden", hidden), ("intermediate", intermediate)):
             if k % 8:
@@ -230,15 +243,21 @@ def _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vo
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
         for proj, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             plans.append(_Plan(f"{p}.self_attn.{proj}.weight", dtype, (n, H), "weight"))
-            if arch == "qwen2_moe":
+            if arch in ("qwen2_moe", "glm4_moe"):
                 plans.append(_Plan(f"{p}.self_attn.{proj}.bias", dtype, (n,), "weight"))
         plans.append(_Plan(f"{p}.self_attn.o_proj.weight", dtype, (H, q), "weight"))
         if arch == "qwen_moe":
             plans.append(_Plan(f"{p}.self_attn.q_norm.weight", dtype, (head_dim,), "ones"))
             plans.append(_Plan(f"{p}.self_attn.k_norm.weight", dtype, (head_dim,), "ones"))
         plans.append(_Plan(f"{p}.post_attention_layernorm.weight", dtype, (H,), "ones"))
+        if arch == "glm4_moe" and L < GLM_DENSE_LAYERS:  # a dense MLP, no experts
+            for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+                plans.append(_Plan(f"{p}.mlp.{proj}.weight", dtype, (n, k), "weight"))
+            continue
         moe = f"{p}.block_sparse_moe" if arch == "mixtral" else f"{p}.mlp"
         plans.append(_Plan(f"{moe}.gate.weight", dtype, (num_experts, H), "weight"))
+        if arch == "glm4_moe":  # float32, as GLM's checkpoints store it
+            plans.append(_Plan(f"{moe}.gate.e_score_correction_bias", torch.float32, (num_experts,), "weight"))
         projs = (("w1", I, H), ("w2", H, I), ("w3", I, H)) if arch == "mixtral" else (
             ("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I))
         for e in range(num_experts):
@@ -257,6 +276,9 @@ def _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vo
             for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
                 plans.append(_Plan(f"{moe}.shared_expert.{proj}.weight", dtype, (n, k), "weight"))
             plans.append(_Plan(f"{moe}.shared_expert_gate.weight", dtype, (1, H), "weight"))
+        if arch == "glm4_moe":
+            for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+                plans.append(_Plan(f"{moe}.shared_experts.{proj}.weight", dtype, (n, k), "weight"))
     plans.append(_Plan("model.norm.weight", dtype, (H,), "ones"))
     if not tie:
         plans.append(_Plan("lm_head.weight", dtype, (vocab_size, H), "weight"))
@@ -282,6 +304,9 @@ def _ignored_linears(arch: str, num_layers: int, tie: bool) -> list[str]:
     for L in range(num_layers):
         p = f"model.layers.{L}"
         names += [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
+        if arch == "glm4_moe" and L < GLM_DENSE_LAYERS:
+            names += [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
+            continue
         if arch == "mixtral":
             names.append(f"{p}.block_sparse_moe.gate")
         else:
@@ -289,6 +314,8 @@ def _ignored_linears(arch: str, num_layers: int, tie: bool) -> list[str]:
         if arch == "qwen2_moe":
             names += [f"{p}.mlp.shared_expert.{x}_proj" for x in ("gate", "up", "down")]
             names.append(f"{p}.mlp.shared_expert_gate")
+        if arch == "glm4_moe":
+            names += [f"{p}.mlp.shared_experts.{x}_proj" for x in ("gate", "up", "down")]
     names.append("lm_head")
     return names
 
@@ -337,6 +364,15 @@ def _config(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, v
         cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "head_dim": head_dim,
                "intermediate_size": intermediate, "num_local_experts": num_experts, "rms_norm_eps": 1e-5,
                "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0}
+    elif arch == "glm4_moe":
+        # GLM-4.5-Air's config.json in small (its n_group / topk_group 1, routed_scaling_factor 1.0,
+        # partial_rotary_factor 0.5, no multi-token-prediction layer here: num_nextn_predict_layers 0)
+        cfg = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+               "first_k_dense_replace": GLM_DENSE_LAYERS, "head_dim": head_dim, "intermediate_size": intermediate,
+               "moe_intermediate_size": intermediate, "n_group": 1, "n_routed_experts": num_experts,
+               "n_shared_experts": 1, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+               "pad_token_id": 0, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+               "routed_scaling_factor": 1.0, "topk_group": 1, "use_qk_norm": False}
     else:
         cfg = {"decoder_sparse_step": 1, "intermediate_size": intermediate, "max_window_layers": num_layers,
                "mlp_only_layers": [], "moe_intermediate_size": intermediate, "norm_topk_prob": True,

@@ -115,6 +115,24 @@ def test_round_trip(tmp_path, arch, quant):
         assert ckpt.bytes_read == total
 
 
+@pytest.mark.parametrize("quant", ["bf16", "w4a16"])
+def test_glm4_moe_experts_start_after_the_dense_layer(tmp_path, quant):
+    """GLM-4.5's layout: the MoE layers are 1 and 2 (layer 0 is dense); the shared experts, the dense
+    MLP and the router's correction bias are not routed experts."""
+    path = make_checkpoint(tmp_path / "g", arch="glm4_moe", quant=quant, **TINY)
+    with open_checkpoint(path) as ckpt:
+        moe = ckpt.moe
+        assert (moe.num_experts, moe.hidden, moe.intermediate, moe.top_k, moe.layers) == (4, 128, 256, 2, [1, 2])
+        assert moe.prefixes == {L: f"model.layers.{L}.mlp.experts" for L in (1, 2)}
+        others = ckpt.non_expert_names()
+        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                     "model.layers.2.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"):
+            assert name in others, name
+        assert not [n for n in others if ".mlp.experts." in n]
+        assert sorted(others + [r.name for L in moe.layers for e in range(4)
+                                for parts in ckpt.expert_refs(L, e).values() for r in parts.values()]) == ckpt.names()
+
+
 def test_read_expert_and_read_into_out(w4a16):
     ckpt = open_checkpoint(w4a16)
     tensors = ckpt.read_expert(2, 3)

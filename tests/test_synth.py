@@ -299,8 +299,56 @@ def test_compressed_tensors_reads_the_w4a16_bytes_and_config(tmp_path):
         assert torch.equal(theirs, (unpack(packed) - 8).to(torch.int8))
 
 
+@pytest.mark.parametrize("quant", ["bf16", "w4a16"])
+def test_glm4_moe_has_a_dense_first_layer_a_biased_router_and_a_shared_expert(tmp_path, quant):
+    """GLM-4.5's layout (the user's model class): layer 0 a dense MLP, layers 1.. routed experts beside
+    a shared expert, the router's float32 correction bias, q/k/v biases; W4A16 quantizes the routed
+    experts only (the dense MLP and the shared expert are ignored by name)."""
+    path = make_checkpoint(tmp_path / "g", arch="glm4_moe", quant=quant, **{**TINY, "num_layers": 3})
+    tensors = load_all(path)
+    cfg = json.loads((path / "config.json").read_text())
+    H, I, E = TINY["hidden"], TINY["intermediate"], TINY["num_experts"]
+    assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["model_type"] == "glm4_moe"
+    assert (cfg["first_k_dense_replace"], cfg["n_routed_experts"], cfg["n_shared_experts"]) == (1, E, 1)
+    assert (cfg["n_group"], cfg["topk_group"], cfg["moe_intermediate_size"]) == (1, 1, I)
+    assert cfg["attention_bias"] is True and cfg["num_nextn_predict_layers"] == 0
+    assert not [n for n in tensors if n.startswith("model.layers.0.") and ("experts" in n or ".gate." in n)]
+    for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        assert tuple(tensors[f"model.layers.0.mlp.{proj}.weight"].shape) == shape
+        assert tuple(tensors[f"model.layers.2.mlp.shared_experts.{proj}.weight"].shape) == shape
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and tuple(bias.shape) == (E,)
+    assert tuple(tensors["model.layers.1.mlp.gate.weight"].shape) == (E, H)
+    assert tuple(tensors["model.layers.0.self_attn.k_proj.bias"].shape) == (2 * 32,)
+    suffix = "weight" if quant == "bf16" else "weight_packed"
+    assert {L for L in range(3) if f"model.layers.{L}.mlp.experts.{E - 1}.down_proj.{suffix}" in tensors} == {1, 2}
+    if quant == "w4a16":
+        ignore = cfg["quantization_config"]["ignore"]
+        for m in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate",
+                  "model.layers.1.mlp.shared_experts.up_proj", "model.layers.2.self_attn.o_proj"):
+            assert vllm_ignored(m, ignore), m
+        assert not vllm_ignored("model.layers.1.mlp.experts.0.gate_proj", ignore)
+
+
+def test_the_cli_offers_every_arch(tmp_path):
+    from mmap_offload.cli import build_parser, main
+    from mmap_offload.synth import ARCHS
+
+    (action,) = [a for a in build_parser()._subparsers._group_actions[0].choices["synth"]._actions
+                 if a.dest == "arch"]
+    assert tuple(action.choices) == ARCHS
+    assert main(["synth", str(tmp_path / "g"), "--preset", "tiny-glm4-moe", "--num-layers", "2"]) == 0
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["model_type"] == "glm4_moe"
+
+
+def test_glm4_moe_needs_a_layer_after_its_dense_one(tmp_path):
+    with pytest.raises(CheckpointError, match="leaves no MoE layer"):
+        make_checkpoint(tmp_path / "g", arch="glm4_moe", quant="bf16", **{**TINY, "num_layers": 1})
+    assert not (tmp_path / "g").exists()
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["mixtral", "qwen_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen_moe", "qwen2_moe", "glm4_moe"])
 def test_vllm_quantizes_exactly_the_routed_experts(tmp_path, arch):
     ct = pytest.importorskip("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors")
     path = make_checkpoint(tmp_path / "c", arch=arch, quant="w4a16", group_size=64, **TINY)
@@ -324,12 +372,15 @@ def test_vllm_quantizes_exactly_the_routed_experts(tmp_path, arch):
     if arch == "qwen2_moe":
         others += ["model.layers.1.mlp.shared_expert.gate_up_proj", "model.layers.1.mlp.shared_expert.down_proj",
                    "model.layers.1.mlp.shared_expert_gate"]
+    if arch == "glm4_moe":  # the dense first layer and the shared experts stay bf16
+        others += ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
+                   "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj"]
     for name in others:
         assert config.get_scheme_dict(linear, name) is None, name
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen-moe", "tiny-mixtral-w4a16"])
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen-moe", "tiny-mixtral-w4a16", "tiny-glm4-moe"])
 def test_transformers_loads_the_presets_and_runs_a_finite_forward(tmp_path, preset):
     transformers = pytest.importorskip("transformers")
     if "w4a16" in preset:

@@ -94,6 +94,24 @@ CHILD = textwrap.dedent(
             result["w4a16"] = "served"
         except Exception as e:  # noqa: BLE001 - the engine wraps the error; keep its text
             result["w4a16"] = f"{type(e).__name__}: {e}"
+    elif mode == "glm":
+        # GLM-4.5's layout in small (synth "tiny-glm4-moe"): layer 0 dense, experts from layer 1,
+        # sigmoid + correction-bias routing, a shared expert beside the routed ones
+        result["ref"] = run()
+        result["ref_seq"] = run(sequential=True)
+        result["cold"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 0}})
+        from mmap_offload.cache_reader import open_cache
+        c = open_cache(cache, tp_rank=0, tp_size=1)
+        result["cache_layers"] = list(c.layers)
+        slot_gib = len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
+        c.close()
+        # 3 slots per layer for 8 experts: misses, evictions; prefill streams whole layers
+        result["experts"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "sparse_max_ids": 0}})
+        # hybrid with its defaults but one host thread (check_after_experts on: the check in patch 4b)
+        result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
+            "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
+            "host_threads": 1}})
     else:
         # cold: one slot buffer for two layers, so every layer is copied at every step;
         # warm: lookahead 1, both layers stay resident after the first pass
@@ -431,6 +449,57 @@ TP2_CHILD = textwrap.dedent(
                                      "hybrid": hybrid}))
     '''
 )
+
+
+@pytest.fixture(scope="module")
+def glm_runs(tmp_path_factory):
+    from mmap_offload.synth import PRESETS, make_checkpoint
+
+    tmp = tmp_path_factory.mktemp("vllm_e2e_glm")
+    ckpt = make_checkpoint(tmp / "ckpt", **PRESETS["tiny-glm4-moe"])
+    cache = tmp / "cache"
+    return {"ckpt": ckpt, "cache": cache, **_run_child(tmp, "glm", ckpt, cache)}
+
+
+def test_glm4_moe_layers_after_a_dense_one_serve_the_same_tokens(glm_runs):
+    """The user's model class (Glm4MoeForCausalLM: a dense first layer, then MoE layers whose router
+    scores by sigmoid plus a correction bias, a shared expert beside the routed ones): the cache holds
+    the MoE layers only, under their own indices, and layer streaming (one buffer: every layer copied
+    at every forward) gives no offload's tokens; vLLM's loader reads no routed-expert byte."""
+    r = glm_runs
+    assert r["ref"]["offloader"] == "NoopOffloader"
+    assert r["ref"]["loader_expert_bytes"] == _expert_bytes(r["ckpt"]) > 0
+    assert r["cache_layers"] == [1, 2]
+    cold = r["cold"]
+    assert cold["offloader"] == "MmapOffloader"
+    assert cold["tokens"] == r["ref"]["tokens"]
+    assert cold["loader_expert_bytes"] == 0 and cold["warmup_bytes"] == _expert_bytes(r["ckpt"])
+    s = cold["summary"]
+    assert s["skipped_bytes"] == _expert_bytes(r["ckpt"])
+    assert s["prefetch_loads"] >= 2 * MAX_TOKENS  # 2 MoE layers, one buffer: both copied every forward
+    # the dense layer's MLP and the shared experts were loaded by vLLM, not skipped
+    assert 0 < cold["loader_bytes"] == r["ref"]["loader_bytes"] - _expert_bytes(r["ckpt"])
+
+
+def test_glm4_moe_expert_cache_and_hybrid_serve_the_same_tokens(glm_runs):
+    """The same model through the expert pool (decode fetches only routed experts, sigmoid-routed
+    ids remapped to slots) and with hybrid (misses computed on the host, added before vLLM adds the
+    shared expert and applies its routed scaling): tokens equal no offload's (hybrid: up to a
+    near-tie, tests/token_match.py)."""
+    from token_match import assert_equal_up_to_a_near_tie
+
+    r = glm_runs
+    ex = r["experts"]
+    assert ex["tokens"] == r["ref_seq"]["tokens"]
+    s = ex["summary"]
+    assert s["residency_pool_slots_per_layer"] == 3
+    assert s["residency_expert_calls"] >= 2 * (MAX_TOKENS - 1)
+    assert s["residency_pool_misses"] > 0 and s["residency_pool_evictions"] > 0 and s["residency_pool_hits"] > 0
+    hy = r["hybrid"]
+    assert_equal_up_to_a_near_tie(hy["tokens"], r["ref_seq"]["tokens"], r["ref_seq"]["top2_gap"])
+    s = hy["summary"]
+    assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0, s
+    assert s["residency_late_checks"] > 0, s  # check_after_experts (the default): in patch 4b
 
 
 @pytest.mark.slow
