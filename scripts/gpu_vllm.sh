@@ -5,8 +5,9 @@
 #
 # Steps (STEPS, comma-separated, run in this order; default "tests,oom,bench"):
 #   tests  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_gpu.py     limit TESTS_TIMEOUT (480 s)
-#          (TP=2 left out unless TESTS_ARGS says otherwise: it has its own step; MMO_GPU_QUANTS=w4a16
-#          runs one quantization's child only, ~half the time; MMO_CHILD_HANG_S bounds each case, and
+#          (TP=2 left out unless TESTS_ARGS says otherwise: it has its own step; three children by
+#          default, bf16, w4a16 and glm-w4a16 (GLM-4.5's layout); MMO_GPU_QUANTS=w4a16 runs one child
+#          only; MMO_CHILD_HANG_S bounds each case, and
 #          a W4A16 child alone on a fresh machine spends ~100 s of its first case compiling kernels)
 #   tp2    the TP=2 test alone (two GPUs: nvidia-h200-x2), limit TP2_TIMEOUT (540 s); its cases (no
 #          offload, then layer streaming, the expert cache and hybrid) each start vLLM at TP=2 (session 6:

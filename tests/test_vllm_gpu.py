@@ -1,5 +1,6 @@
 """Real vLLM on a GPU (the lent H200 with the vllm 0.26 bundle: scripts/gpu_vllm.sh): bf16 and
-compressed-tensors W4A16 (Marlin MoE) synthetic Mixtral-style models, greedy tokens of
+compressed-tensors W4A16 (Marlin MoE) synthetic Mixtral-style models, and a W4A16 model of GLM-4.5's
+layout (``glm-w4a16``: the user's model class; added in session 34, not yet run on a GPU), greedy tokens of
 ``--offload-backend mmap`` (cold cache, warm cache; layer streaming and the expert cache) equal to
 no offload and to vLLM's own ``uva``; a warm start reads no expert byte from the checkpoint; pinned
 host memory of the backend <= 0.5 GiB. One child process per quantization (tests/vllm_gpu_child.py).
@@ -27,7 +28,7 @@ from child_runner import run_child  # noqa: E402
 
 
 # MMO_GPU_QUANTS=w4a16 runs one child only (-k cannot: "w4a16" is also in a test's name, session 11)
-@pytest.fixture(scope="module", params=os.environ.get("MMO_GPU_QUANTS", "bf16,w4a16").split(","))
+@pytest.fixture(scope="module", params=os.environ.get("MMO_GPU_QUANTS", "bf16,w4a16,glm-w4a16").split(","))
 def run(request, tmp_path_factory):
     quant = request.param
     work = tmp_path_factory.mktemp(f"vllm_gpu_{quant}")

