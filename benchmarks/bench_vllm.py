@@ -902,7 +902,11 @@ def expert_sizes(ckpt: Path) -> tuple[int, int, int]:
 def synth(args, work: Path) -> Path:
     from mmap_offload.synth import make_checkpoint
 
-    kw = dict(arch="mixtral", quant=args.quant, num_layers=args.layers, num_experts=args.experts_n, hidden=args.hidden,
+    from mmap_offload.synth import GLM_DENSE_LAYERS
+
+    # --layers counts MoE layers: glm4_moe's dense first layer comes on top
+    layers = args.layers + (GLM_DENSE_LAYERS if args.arch == "glm4_moe" else 0)
+    kw = dict(arch=args.arch, quant=args.quant, num_layers=layers, num_experts=args.experts_n, hidden=args.hidden,
               intermediate=args.intermediate, top_k=args.top_k, vocab_size=args.vocab, num_heads=args.num_heads,
               num_kv_heads=args.num_kv_heads, group_size=args.group_size, max_position_embeddings=max(4096, args.prefill_tokens + 512))
     ckpt = work / "ckpt"
@@ -924,7 +928,11 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default="user", choices=sorted(SHAPES),
                    help="user: the user's per-rank experts (H 5120, I 768, 160, top-8); harness: bench_moe's "
                         "default (H 4096, I 1536, 64, top-8), where issue 15's bars are set")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--arch", default="mixtral", choices=("mixtral", "glm4_moe"),
+                   help="the synthetic model's layout: mixtral (experts in every layer; the runs in the docs), or "
+                        "glm4_moe (GLM-4.5's: a dense first layer, sigmoid routing with a correction bias, a shared "
+                        "expert beside the routed ones, in every config alike)")
+    p.add_argument("--layers", type=int, default=8, help="MoE layers")
     p.add_argument("--experts", dest="experts_n", type=int, default=None, help="routed experts per layer (160)")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--intermediate", type=int, default=None, help="per-rank I (768 = 1536 / TP 2)")
@@ -1092,8 +1100,9 @@ def main(argv=None) -> int:
         "command": "python3 benchmarks/bench_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "env": env, "device": args.device,
         "shapes": {"layers": n_layers, "experts": args.experts_n, "hidden": args.hidden, "intermediate": args.intermediate,
-                   "top_k": args.top_k, "quant": args.quant, "group_size": args.group_size},
-        "shapes_text": f"{args.quant.upper()} {n_layers} layers x {args.experts_n} experts, H {args.hidden}, I {args.intermediate}, top-{args.top_k}",
+                   "top_k": args.top_k, "quant": args.quant, "group_size": args.group_size, "arch": args.arch},
+        "shapes_text": f"{args.quant.upper()} {n_layers} layers x {args.experts_n} experts, H {args.hidden}, I {args.intermediate}, top-{args.top_k}"
+                       + (f" ({args.arch}: a dense first layer, a shared expert)" if args.arch != "mixtral" else ""),
         "expert_bytes": expert_bytes, "expert_nbytes": expert_nbytes, "layer_bytes": layer_bytes,
         "budget_bytes": budget_bytes(args, expert_bytes),
         "budget_frac_text": f"{budget_bytes(args, expert_bytes) / expert_bytes:.2f} x expert bytes",

@@ -549,6 +549,32 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert r.returncode == 0
 
 
+@pytest.mark.vllm
+def test_bench_runs_glm4_moes_layout_on_vllm_cpu(tmp_path):
+    """--arch glm4_moe (GLM-4.5's layout: a dense first layer, a shared expert): the MoE layers are the
+    ones --layers counts, the trace and the per-layer clock follow them, and uva and the expert cache
+    both run."""
+    pytest.importorskip("vllm")
+    import subprocess
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--out", str(out), "--device", "cpu",
+                        "--tiny", "--arch", "glm4_moe", "--configs", "uva,mmap-cache", "--workloads", "decode-8",
+                        "--decode-tokens", "4", "--workdir", str(tmp_path / "w"), "--routings", "skewed"],
+                       capture_output=True, text=True, timeout=240)
+    assert (out / "bench_vllm.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "bench_vllm.json").read_text())
+    assert [c["outcome"] for c in res["configs"]] == ["ok", "ok"], res["configs"]
+    assert res["shapes"]["arch"] == "glm4_moe" and res["shapes"]["layers"] == 2 and "glm4_moe" in res["shapes_text"]
+    cfg = json.loads((tmp_path / "w" / "ckpt" / "config.json").read_text())
+    assert cfg["model_type"] == "glm4_moe" and cfg["num_hidden_layers"] == 3  # the dense layer on top
+    assert res["trace"]["shape"][1] == 2
+    rows = [x for x in res["rows"] if x.get("tok_s")]
+    assert {x["config"] for x in rows} == {"uva", "mmap-cache"}
+    assert all(x["layers_per_step"] == 2.0 for x in rows), rows
+    assert r.returncode == 0
+
+
 def test_mmap_options_reach_every_mmap_config(tmp_path):
     import bench_vllm
 
