@@ -365,14 +365,14 @@ def _config(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, v
                "intermediate_size": intermediate, "num_local_experts": num_experts, "rms_norm_eps": 1e-5,
                "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0}
     elif arch == "glm4_moe":
-        # GLM-4.5-Air's config.json in small (its n_group / topk_group 1, routed_scaling_factor 1.0,
+        # GLM-4.5-Air's config.json in small (its n_group / topk_group 1, GLM-4.5's routed_scaling_factor 2.5,
         # partial_rotary_factor 0.5, no multi-token-prediction layer here: num_nextn_predict_layers 0)
         cfg = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
                "first_k_dense_replace": GLM_DENSE_LAYERS, "head_dim": head_dim, "intermediate_size": intermediate,
                "moe_intermediate_size": intermediate, "n_group": 1, "n_routed_experts": num_experts,
                "n_shared_experts": 1, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
                "pad_token_id": 0, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-               "routed_scaling_factor": 1.0, "topk_group": 1, "use_qk_norm": False}
+               "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": False}
     else:
         cfg = {"decoder_sparse_step": 1, "intermediate_size": intermediate, "max_window_layers": num_layers,
                "mlp_only_layers": [], "moe_intermediate_size": intermediate, "norm_topk_prob": True,
