@@ -900,9 +900,7 @@ def expert_sizes(ckpt: Path) -> tuple[int, int, int]:
 
 
 def synth(args, work: Path) -> Path:
-    from mmap_offload.synth import make_checkpoint
-
-    from mmap_offload.synth import GLM_DENSE_LAYERS
+    from mmap_offload.synth import GLM_DENSE_LAYERS, make_checkpoint
 
     # --layers counts MoE layers: glm4_moe's dense first layer comes on top
     layers = args.layers + (GLM_DENSE_LAYERS if args.arch == "glm4_moe" else 0)
