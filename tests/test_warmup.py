@@ -48,16 +48,25 @@ def bf16_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("bf16") / "ckpt", quant="bf16", **SMALL)
 
 
-@pytest.mark.parametrize("flavour", ["w4a16", "bf16", "w4a16-actorder"])
+@pytest.fixture(scope="module")
+def glm_ckpt(tmp_path_factory) -> Path:
+    """GLM-4.5's layout (the user's model class): layer 0 dense, MoE layers 1 and 2, a shared expert."""
+    return make_checkpoint(tmp_path_factory.mktemp("glm") / "ckpt", quant="w4a16", group_size=128,
+                           **{**SMALL, "arch": "glm4_moe", "num_layers": 3})
+
+
+@pytest.mark.parametrize("flavour", ["w4a16", "bf16", "w4a16-actorder", "glm-w4a16"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_cache_bytes_equal_the_layout_of_the_checkpoint(flavour, tp, w4a16_ckpt, bf16_ckpt, actorder_ckpt, tmp_path):
-    path = {"w4a16": w4a16_ckpt, "bf16": bf16_ckpt, "w4a16-actorder": actorder_ckpt}[flavour]
+def test_cache_bytes_equal_the_layout_of_the_checkpoint(flavour, tp, w4a16_ckpt, bf16_ckpt, actorder_ckpt, glm_ckpt,
+                                                        tmp_path):
+    path = {"w4a16": w4a16_ckpt, "bf16": bf16_ckpt, "w4a16-actorder": actorder_ckpt, "glm-w4a16": glm_ckpt}[flavour]
     warmup(path, tmp_path, tp_size=tp, device="cpu")
     ckpt = open_checkpoint(path)
     layout = layout_for(ckpt.quant)
     for r in range(tp):
         cache = open_cache(tmp_path, r, tp)
         assert cache.verify().ok
+        assert cache.layers == ([1, 2] if flavour.startswith("glm") else [0, 1])  # the checkpoint's own indices
         for layer in ckpt.moe.layers:
             for e in range(ckpt.moe.num_experts):
                 want = layout.transform_expert(ckpt.read_expert(layer, e), ckpt.quant, r, tp, torch.device("cpu"))
