@@ -19,7 +19,8 @@ Architectures (``arch``) and their routed-expert names:
                                         (mlp.{gate,up,down}_proj, ``first_k_dense_replace`` 1), then
                                         mlp.experts.E.{gate,up,down}_proj; router mlp.gate with a float32
                                         mlp.gate.e_score_correction_bias (sigmoid scores, grouped top-k), a
-                                        shared expert mlp.shared_experts.*, q/k/v biases, partial rotary
+                                        shared expert mlp.shared_experts.*, q/k/v biases, partial rotary;
+                                        ``mtp_layers`` adds its multi-token-prediction layer(s) after the last
 
 Quantization (``quant``): "bf16" writes every tensor in ``dtype``; "w4a16" writes the routed experts the way
 llm-compressor saves compressed-tensors ``pack-quantized`` symmetric int4 weights, per projection:
@@ -135,11 +136,16 @@ def make_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = False,
+    mtp_layers: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
     """Write a synthetic MoE checkpoint into ``out_dir`` (created if missing) and return its path.
 
     ``group_size`` -1 means channelwise scales; ``actorder`` adds ``weight_g_idx`` (needs grouped scales).
+    ``mtp_layers`` (glm4_moe only): multi-token-prediction layers after the last decoder layer, as GLM-4.5's
+    checkpoints ship one (``model.layers.<num_layers>.*``: a whole MoE layer, experts included, plus
+    ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm``; config ``num_nextn_predict_layers``); vLLM
+    builds them only for speculative decoding, and they are not routed experts of the served model.
     ``progress`` is called with the bytes of each chunk written. Files of an earlier run in ``out_dir`` are
     replaced; shards the new index does not name are removed. On any failure the files written so far are
     removed again. Raises CheckpointError for sizes that cannot make a checkpoint, StorageError when the
@@ -148,14 +154,14 @@ def make_checkpoint(
     out = Path(out_dir)
     head_dim = head_dim or (hidden // num_heads if num_heads else 0)
     _check_args(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, vocab_size, num_heads,
-                num_kv_heads, head_dim, group_size, actorder, dtype, shard_bytes)
+                num_kv_heads, head_dim, group_size, actorder, dtype, shard_bytes, mtp_layers)
     plans = _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vocab_size, num_heads,
-                          num_kv_heads, head_dim, group_size, actorder, dtype, tie_word_embeddings)
+                          num_kv_heads, head_dim, group_size, actorder, dtype, tie_word_embeddings, mtp_layers)
     shards = _split_shards(plans, shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     config = _config(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, vocab_size, num_heads,
                      num_kv_heads, head_dim, group_size, actorder, dtype, max_position_embeddings,
-                     tie_word_embeddings)
+                     tie_word_embeddings, mtp_layers)
     index = {"metadata": {"total_size": sum(p.nbytes for p in plans)},
              "weight_map": {p.name: names[i] for i, shard in enumerate(shards) for p in shard}}
     total = index["metadata"]["total_size"]
@@ -195,7 +201,7 @@ def make_checkpoint(
 
 
 def _check_args(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, vocab_size, num_heads,
-                num_kv_heads, head_dim, group_size, actorder, dtype, shard_bytes) -> None:
+                num_kv_heads, head_dim, group_size, actorder, dtype, shard_bytes, mtp_layers=0) -> None:
     def bad(msg: str, fix: str) -> None:
         raise CheckpointError(f"cannot synthesize this checkpoint: {msg}", fix)
 
@@ -219,6 +225,8 @@ def _check_args(arch, quant, num_layers, num_experts, hidden, intermediate, top_
             "choose num_kv_heads dividing num_heads")
     if arch == "qwen2_moe" and head_dim * num_heads != hidden:
         bad("qwen2_moe needs head_dim * num_heads == hidden", "drop head_dim or make them agree")
+    if mtp_layers and (arch != "glm4_moe" or mtp_layers < 0):
+        bad(f"mtp_layers {mtp_layers} with arch {arch}", "give mtp_layers >= 0, and > 0 only with arch glm4_moe")
     if arch == "glm4_moe" and num_layers < GLM_DENSE_LAYERS + 1:
         bad(f"glm4_moe's first {GLM_DENSE_LAYERS} layer is dense, so num_layers {num_layers} leaves no MoE layer",
             f"give num_layers >= {GLM_DENSE_LAYERS + 1}")
@@ -234,11 +242,14 @@ def _check_args(arch, quant, num_layers, num_experts, hidden, intermediate, top_
 
 
 def _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vocab_size, num_heads,
-                  num_kv_heads, head_dim, group_size, actorder, dtype, tie) -> list[_Plan]:
+                  num_kv_heads, head_dim, group_size, actorder, dtype, tie, mtp_layers=0) -> list[_Plan]:
     H, I = hidden, intermediate
     plans = [_Plan("model.embed_tokens.weight", dtype, (vocab_size, H), "weight")]
-    for L in range(num_layers):
+    for L in range(num_layers + mtp_layers):
         p = f"model.layers.{L}"
+        if L >= num_layers:  # a multi-token-prediction layer's own tensors (GLM-4.5's), then a MoE layer
+            plans.append(_Plan(f"{p}.eh_proj.weight", dtype, (H, 2 * H), "weight"))
+            plans += [_Plan(f"{p}.{n}.weight", dtype, (H,), "ones") for n in ("enorm", "hnorm", "shared_head.norm")]
         plans.append(_Plan(f"{p}.input_layernorm.weight", dtype, (H,), "ones"))
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
         for proj, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
@@ -298,11 +309,13 @@ def _split_shards(plans: list[_Plan], shard_bytes: int) -> list[list[_Plan]]:
     return shards
 
 
-def _ignored_linears(arch: str, num_layers: int, tie: bool) -> list[str]:
+def _ignored_linears(arch: str, num_layers: int, tie: bool, mtp_layers: int = 0) -> list[str]:
     """Every Linear module left unquantized, in module order, as compressed-tensors lists them."""
     names = []
-    for L in range(num_layers):
+    for L in range(num_layers + mtp_layers):
         p = f"model.layers.{L}"
+        if L >= num_layers:
+            names.append(f"{p}.eh_proj")
         names += [f"{p}.self_attn.{x}_proj" for x in "qkvo"]
         if arch == "glm4_moe" and L < GLM_DENSE_LAYERS:
             names += [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")]
@@ -320,7 +333,8 @@ def _ignored_linears(arch: str, num_layers: int, tie: bool) -> list[str]:
     return names
 
 
-def _quantization_config(arch: str, num_layers: int, group_size: int, actorder: bool, tie: bool) -> dict:
+def _quantization_config(arch: str, num_layers: int, group_size: int, actorder: bool, tie: bool,
+                         mtp_layers: int = 0) -> dict:
     channel = group_size == -1
     weights = {
         "actorder": "group" if actorder else None,
@@ -340,7 +354,7 @@ def _quantization_config(arch: str, num_layers: int, group_size: int, actorder: 
                                       "weights": weights}},
         "format": "pack-quantized",
         "global_compression_ratio": None,
-        "ignore": _ignored_linears(arch, num_layers, tie),
+        "ignore": _ignored_linears(arch, num_layers, tie, mtp_layers),
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -351,7 +365,7 @@ def _quantization_config(arch: str, num_layers: int, group_size: int, actorder: 
 
 
 def _config(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, vocab_size, num_heads,
-            num_kv_heads, head_dim, group_size, actorder, dtype, max_pos, tie) -> dict:
+            num_kv_heads, head_dim, group_size, actorder, dtype, max_pos, tie, mtp_layers=0) -> dict:
     common = {
         "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
         "hidden_size": hidden, "initializer_range": 0.02, "max_position_embeddings": max_pos,
@@ -366,11 +380,11 @@ def _config(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, v
                "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0}
     elif arch == "glm4_moe":
         # GLM-4.5-Air's config.json in small (its n_group / topk_group 1, GLM-4.5's routed_scaling_factor 2.5,
-        # partial_rotary_factor 0.5, no multi-token-prediction layer here: num_nextn_predict_layers 0)
+        # partial_rotary_factor 0.5; num_nextn_predict_layers: mtp_layers)
         cfg = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
                "first_k_dense_replace": GLM_DENSE_LAYERS, "head_dim": head_dim, "intermediate_size": intermediate,
                "moe_intermediate_size": intermediate, "n_group": 1, "n_routed_experts": num_experts,
-               "n_shared_experts": 1, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+               "n_shared_experts": 1, "norm_topk_prob": True, "num_nextn_predict_layers": mtp_layers,
                "pad_token_id": 0, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": False}
     else:
@@ -387,7 +401,7 @@ def _config(arch, quant, num_layers, num_experts, hidden, intermediate, top_k, v
                         "shared_expert_intermediate_size": intermediate})
     cfg.update(common)
     if quant == "w4a16":
-        cfg["quantization_config"] = _quantization_config(arch, num_layers, group_size, actorder, tie)
+        cfg["quantization_config"] = _quantization_config(arch, num_layers, group_size, actorder, tie, mtp_layers)
     return dict(sorted(cfg.items()))
 
 

@@ -133,6 +133,17 @@ def test_glm4_moe_experts_start_after_the_dense_layer(tmp_path, quant):
                                 for parts in ckpt.expert_refs(L, e).values() for r in parts.values()]) == ckpt.names()
 
 
+def test_glm4_moe_multi_token_prediction_layer_is_not_served(tmp_path):
+    """GLM-4.5 ships a multi-token-prediction layer after its last decoder layer (experts included,
+    config num_nextn_predict_layers): past num_hidden_layers, so its experts stay non-expert tensors."""
+    path = make_checkpoint(tmp_path / "g", arch="glm4_moe", quant="w4a16", mtp_layers=1, **TINY)
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.config["num_nextn_predict_layers"] == 1 and ckpt.moe.layers == [1, 2]
+        mtp = [n for n in ckpt.names() if n.startswith("model.layers.3.")]
+        assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.mlp.experts.3.down_proj.weight_packed" in mtp
+        assert set(mtp) <= set(ckpt.non_expert_names())
+
+
 def test_read_expert_and_read_into_out(w4a16):
     ckpt = open_checkpoint(w4a16)
     tensors = ckpt.read_expert(2, 3)

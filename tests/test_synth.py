@@ -345,6 +345,24 @@ def test_glm4_moe_needs_a_layer_after_its_dense_one(tmp_path):
     with pytest.raises(CheckpointError, match="leaves no MoE layer"):
         make_checkpoint(tmp_path / "g", arch="glm4_moe", quant="bf16", **{**TINY, "num_layers": 1})
     assert not (tmp_path / "g").exists()
+    with pytest.raises(CheckpointError, match="mtp_layers"):  # GLM's multi-token-prediction layer only
+        make_checkpoint(tmp_path / "m", arch="mixtral", quant="bf16", mtp_layers=1, **TINY)
+
+
+def test_glm4_moe_multi_token_prediction_layer_follows_the_last_one(tmp_path):
+    path = make_checkpoint(tmp_path / "g", arch="glm4_moe", quant="w4a16", mtp_layers=1, **{**TINY, "num_layers": 3})
+    tensors = load_all(path)
+    cfg = json.loads((path / "config.json").read_text())
+    H = TINY["hidden"]
+    assert cfg["num_hidden_layers"] == 3 and cfg["num_nextn_predict_layers"] == 1
+    assert tuple(tensors["model.layers.3.eh_proj.weight"].shape) == (H, 2 * H)
+    for n in ("enorm", "hnorm", "shared_head.norm"):
+        assert tuple(tensors[f"model.layers.3.{n}.weight"].shape) == (H,)
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight_packed" in tensors
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in tensors
+    ignore = cfg["quantization_config"]["ignore"]
+    assert vllm_ignored("model.layers.3.eh_proj", ignore) and vllm_ignored("model.layers.3.mlp.shared_experts.up_proj", ignore)
+    assert not [n for n in tensors if n.startswith("model.layers.4.")]
 
 
 @pytest.mark.vllm

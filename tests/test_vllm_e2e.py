@@ -456,24 +456,33 @@ def glm_runs(tmp_path_factory):
     from mmap_offload.synth import PRESETS, make_checkpoint
 
     tmp = tmp_path_factory.mktemp("vllm_e2e_glm")
-    ckpt = make_checkpoint(tmp / "ckpt", **PRESETS["tiny-glm4-moe"])
+    # with the multi-token-prediction layer GLM-4.5's checkpoints ship (layer 3 here, experts included)
+    ckpt = make_checkpoint(tmp / "ckpt", **PRESETS["tiny-glm4-moe"], mtp_layers=1)
     cache = tmp / "cache"
     return {"ckpt": ckpt, "cache": cache, **_run_child(tmp, "glm", ckpt, cache)}
 
 
 def test_glm4_moe_layers_after_a_dense_one_serve_the_same_tokens(glm_runs):
     """The user's model class (Glm4MoeForCausalLM: a dense first layer, then MoE layers whose router
-    scores by sigmoid plus a correction bias, a shared expert beside the routed ones): the cache holds
-    the MoE layers only, under their own indices, and layer streaming (one buffer: every layer copied
-    at every forward) gives no offload's tokens; vLLM's loader reads no routed-expert byte."""
+    scores by sigmoid plus a correction bias, a shared expert beside the routed ones, and after the
+    last layer the multi-token-prediction layer its checkpoints ship): the cache holds the served MoE
+    layers only, under their own indices, and layer streaming (one buffer: every layer copied at every
+    forward) gives no offload's tokens; vLLM's loader reads no served expert byte."""
+    from mmap_offload.checkpoint import open_checkpoint
+
     r = glm_runs
+    with open_checkpoint(r["ckpt"]) as c:  # the multi-token-prediction layer's experts (layer 3)
+        mtp = sum(c.ref(n).nbytes for n in c.names() if n.startswith("model.layers.3.") and ".experts." in n)
+    assert mtp > 0
     assert r["ref"]["offloader"] == "NoopOffloader"
-    assert r["ref"]["loader_expert_bytes"] == _expert_bytes(r["ckpt"]) > 0
-    assert r["cache_layers"] == [1, 2]
+    assert r["ref"]["loader_expert_bytes"] == _expert_bytes(r["ckpt"]) + mtp
+    assert r["cache_layers"] == [1, 2]  # not the dense layer 0, not the MTP layer 3
     cold = r["cold"]
     assert cold["offloader"] == "MmapOffloader"
     assert cold["tokens"] == r["ref"]["tokens"]
-    assert cold["loader_expert_bytes"] == 0 and cold["warmup_bytes"] == _expert_bytes(r["ckpt"])
+    # our warm-up read the served experts once; vLLM's loader read none of them, only the MTP layer's,
+    # which vLLM drops without speculative decoding (as it does without offload)
+    assert cold["loader_expert_bytes"] == mtp and cold["warmup_bytes"] == _expert_bytes(r["ckpt"])
     s = cold["summary"]
     assert s["skipped_bytes"] == _expert_bytes(r["ckpt"])
     assert s["prefetch_loads"] >= 2 * MAX_TOKENS  # 2 MoE layers, one buffer: both copied every forward
