@@ -500,9 +500,11 @@ print(json.dumps(k.diag()))
     units = sum(t["units"] * t["joined"] for t in th)
     assert units > 0 and units % 4 == 0  # the same units in every call, each taken by one thread
     assert units / 4 >= 2 * len(experts)  # at least one unit per job and phase
+    # a thread may join a call after the others took its last unit (busy 0 then: session 34's CI on 2 cores)
+    assert sum(t["busy_us"] * t["joined"] for t in th) > 0
     for t in th:
         if t["joined"]:
-            assert t["busy_us"] > 0 and 0 <= t["red_us"] <= t["busy_us"] and 0 <= t["wait_us"] <= t["busy_us"]
+            assert 0 <= t["red_us"] <= t["busy_us"] and 0 <= t["wait_us"] <= t["busy_us"]
             assert 0 <= t["join_us"] <= t["last_us"]
     for out in torch.load(tmp_path / "out.pt"):
         assert torch.equal(out, want)
