@@ -244,6 +244,7 @@ def _check_args(arch, quant, num_layers, num_experts, hidden, intermediate, top_
 def _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vocab_size, num_heads,
                   num_kv_heads, head_dim, group_size, actorder, dtype, tie, mtp_layers=0) -> list[_Plan]:
     H, I = hidden, intermediate
+    glu = (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I))  # (name, N, K) of a gated MLP
     plans = [_Plan("model.embed_tokens.weight", dtype, (vocab_size, H), "weight")]
     for L in range(num_layers + mtp_layers):
         p = f"model.layers.{L}"
@@ -262,15 +263,14 @@ def _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vo
             plans.append(_Plan(f"{p}.self_attn.k_norm.weight", dtype, (head_dim,), "ones"))
         plans.append(_Plan(f"{p}.post_attention_layernorm.weight", dtype, (H,), "ones"))
         if arch == "glm4_moe" and L < GLM_DENSE_LAYERS:  # a dense MLP, no experts
-            for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+            for proj, n, k in glu:
                 plans.append(_Plan(f"{p}.mlp.{proj}.weight", dtype, (n, k), "weight"))
             continue
         moe = f"{p}.block_sparse_moe" if arch == "mixtral" else f"{p}.mlp"
         plans.append(_Plan(f"{moe}.gate.weight", dtype, (num_experts, H), "weight"))
         if arch == "glm4_moe":  # float32, as GLM's checkpoints store it
             plans.append(_Plan(f"{moe}.gate.e_score_correction_bias", torch.float32, (num_experts,), "weight"))
-        projs = (("w1", I, H), ("w2", H, I), ("w3", I, H)) if arch == "mixtral" else (
-            ("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I))
+        projs = (("w1", I, H), ("w2", H, I), ("w3", I, H)) if arch == "mixtral" else glu
         for e in range(num_experts):
             for proj, n, k in projs:
                 base = f"{moe}.experts.{e}.{proj}"
@@ -284,11 +284,11 @@ def _plan_tensors(arch, quant, num_layers, num_experts, hidden, intermediate, vo
                 if actorder:
                     plans.append(_Plan(f"{base}.weight_g_idx", torch.int32, (k,), "g_idx", (group_size,)))
         if arch == "qwen2_moe":
-            for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+            for proj, n, k in glu:
                 plans.append(_Plan(f"{moe}.shared_expert.{proj}.weight", dtype, (n, k), "weight"))
             plans.append(_Plan(f"{moe}.shared_expert_gate.weight", dtype, (1, H), "weight"))
         if arch == "glm4_moe":
-            for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+            for proj, n, k in glu:
                 plans.append(_Plan(f"{moe}.shared_experts.{proj}.weight", dtype, (n, k), "weight"))
     plans.append(_Plan("model.norm.weight", dtype, (H,), "ones"))
     if not tie:
