@@ -81,6 +81,15 @@ CHILD = textwrap.dedent(
         cleanup_dist_env_and_memory()
         return info
 
+    def cache_layers_and_slot_gib():
+        """The cache's MoE layers (built by the first offloaded run) and GiB of one slot per layer."""
+        from mmap_offload.cache_reader import open_cache
+        c = open_cache(cache, tp_rank=0, tp_size=1)
+        try:
+            return list(c.layers), len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
+        finally:
+            c.close()
+
     result = {}
     if mode == "ref":
         result["ref"] = run()
@@ -100,11 +109,7 @@ CHILD = textwrap.dedent(
         result["ref"] = run()
         result["ref_seq"] = run(sequential=True)
         result["cold"] = run(offload_backend="mmap", additional_config={"mmap_offload": {"cache_dir": cache, "lookahead": 0}})
-        from mmap_offload.cache_reader import open_cache
-        c = open_cache(cache, tp_rank=0, tp_size=1)
-        result["cache_layers"] = list(c.layers)
-        slot_gib = len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
-        c.close()
+        result["cache_layers"], slot_gib = cache_layers_and_slot_gib()
         # 3 slots per layer for 8 experts: misses, evictions; prefill streams whole layers
         result["experts"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "sparse_max_ids": 0}})
@@ -120,10 +125,7 @@ CHILD = textwrap.dedent(
         # expert cache: 3 slots per layer for 4 experts (decode batch 1 routes 2: fetched, evicted),
         # prefill is expected to route more than 3 of 4 (layer_stream_fraction 0.75): whole layers
         # (sparse_max_ids 0: the threshold alone decides; by default calls of up to 512 ids are sparse)
-        from mmap_offload.cache_reader import open_cache
-        c = open_cache(cache, tp_rank=0, tp_size=1)
-        slot_gib = len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30  # one slot per layer
-        c.close()
+        _, slot_gib = cache_layers_and_slot_gib()
         result["experts"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75,
             "sparse_max_ids": 0}})
