@@ -1,6 +1,6 @@
 """Real vLLM on a GPU (the lent H200 with the vllm 0.26 bundle: scripts/gpu_vllm.sh): bf16 and
 compressed-tensors W4A16 (Marlin MoE) synthetic Mixtral-style models, and a W4A16 model of GLM-4.5's
-layout (``glm-w4a16``: the user's model class; added in session 34, not yet run on a GPU), greedy tokens of
+layout (``glm-w4a16``: the user's model class; added in session 34, first run on the H200 in session 35), greedy tokens of
 ``--offload-backend mmap`` (cold cache, warm cache; layer streaming and the expert cache) equal to
 no offload and to vLLM's own ``uva``; a warm start reads no expert byte from the checkpoint; pinned
 host memory of the backend <= 0.5 GiB. One child process per quantization (tests/vllm_gpu_child.py).
