@@ -207,6 +207,18 @@ class Checkpoint:
             raise KeyError(f"no routed expert {expert} in layer {layer} (MoE layers {self.moe.layers}, "
                            f"{self.moe.num_experts} experts)") from None
 
+    def mtp_names(self) -> list[str]:
+        """Every tensor of the multi-token-prediction layers (config ``num_nextn_predict_layers`` layers
+        after the ``num_hidden_layers`` decoder layers: GLM-4.5, DeepSeek-V3), named as vLLM's
+        ``get_spec_layer_idx_from_weight_name`` matches them. vLLM's main model drops these while loading
+        (its MTP head loads them for speculative decoding); the cache never serves them."""
+        tc = _text_config(self.config)
+        base, n = tc.get("num_hidden_layers"), tc.get("num_nextn_predict_layers")
+        if not isinstance(base, int) or not isinstance(n, int) or n <= 0:
+            return []
+        heads = tuple(f"{p}layers.{base + i}." for i in range(n) for p in ("model.", "", "model.language_model."))
+        return sorted(name for name in self._refs if name.startswith(heads))
+
     def non_expert_names(self) -> list[str]:
         """Every tensor that is not part of a routed expert (attention, norms, routers, embeddings...)."""
         return sorted(n for n in self._refs if n not in self._expert_names)

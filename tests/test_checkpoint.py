@@ -142,6 +142,10 @@ def test_glm4_moe_multi_token_prediction_layer_is_not_served(tmp_path):
         mtp = [n for n in ckpt.names() if n.startswith("model.layers.3.")]
         assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.mlp.experts.3.down_proj.weight_packed" in mtp
         assert set(mtp) <= set(ckpt.non_expert_names())
+        assert ckpt.mtp_names() == sorted(mtp)  # what vLLM's main model drops (skip_spec_layers)
+    no_mtp = make_checkpoint(tmp_path / "n", arch="glm4_moe", quant="w4a16", **TINY)
+    with open_checkpoint(no_mtp) as ckpt:
+        assert ckpt.config["num_nextn_predict_layers"] == 0 and ckpt.mtp_names() == []
 
 
 def test_read_expert_and_read_into_out(w4a16):
@@ -382,6 +386,12 @@ def test_layers_past_num_hidden_layers_are_not_routed_experts(bf16, tmp_path):
     ckpt = open_checkpoint(write_variant(bf16, tmp_path / "mtp", tensors_of(bf16), cfg))
     assert ckpt.moe.layers == [0, 1]
     assert "model.layers.2.block_sparse_moe.experts.0.w1.weight" in ckpt.non_expert_names()
+    # without num_nextn_predict_layers vLLM's main model does not drop layer 2: neither do we
+    assert ckpt.mtp_names() == []
+    cfg["num_nextn_predict_layers"] = 1
+    ckpt = open_checkpoint(write_variant(bf16, tmp_path / "mtp1", tensors_of(bf16), cfg))
+    assert ckpt.mtp_names() == sorted(n for n in ckpt.names() if n.startswith("model.layers.2."))
+    assert len(ckpt.mtp_names()) > 0
 
 
 def test_no_moe_experts(tmp_path):

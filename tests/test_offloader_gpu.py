@@ -172,6 +172,44 @@ def test_partial_selection_is_refused(ckpt, tmp_path):
         off.wrap_modules(iter(layers))
 
 
+def test_the_multi_token_prediction_layer_is_skipped_unless_speculative_decoding_loads_it(ckpt, tmp_path):
+    """A checkpoint whose last layer is a multi-token-prediction layer (num_nextn_predict_layers past
+    num_hidden_layers, as GLM-4.5 and DeepSeek-V3 ship): the model has no such layer and vLLM's main
+    model drops its tensors after reading them (skip_spec_layers), so the loader is told to skip them
+    unread with the served experts; with speculative decoding (its MTP head loads them) they stay."""
+    import json
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend import skipped_checkpoint_names
+
+    mtp_ckpt = tmp_path / "mtp"
+    mtp_ckpt.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "config.json":
+            (mtp_ckpt / f.name).symlink_to(f)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(num_hidden_layers=LAYERS - 1, num_nextn_predict_layers=1)
+    (mtp_ckpt / "config.json").write_text(json.dumps(cfg))
+    layers = [ToyLayer(l, "cpu") for l in range(LAYERS - 1)]
+    off = MmapOffloader(MmapOptions(cache_dir=str(tmp_path / "cache"), pinned_mib=8), checkpoint=mtp_ckpt, device="cpu")
+    try:
+        off.wrap_modules(iter(layers))
+        with open_checkpoint(mtp_ckpt) as c:
+            last = sorted(n for n in c.names() if n.startswith(f"model.layers.{LAYERS - 1}."))
+            served = {r.name for l in c.moe.layers for e in range(E) for p in c.expert_refs(l, e).values() for r in p.values()}
+            assert c.moe.layers == list(range(LAYERS - 1)) and last
+            assert skipped_checkpoint_names() == served | set(last)
+            s = off.summary()
+            assert s["skipped_tensors"] == len(served) and s["skipped_mtp_tensors"] == len(last)
+            assert s["skipped_mtp_bytes"] == sum(c.ref(n).nbytes for n in last) > 0
+            off._vcfg = SimpleNamespace(speculative_config=SimpleNamespace(method="mtp"))
+            assert off._unread_mtp_names(c) == set()
+            off._vcfg = SimpleNamespace(speculative_config=None)
+            assert off._unread_mtp_names(c) == set(last)
+    finally:
+        off.close()
+
+
 def test_each_layer_is_shrunk_before_the_next_is_built(ckpt, tmp_path):
     """vLLM builds decoder layers lazily inside wrap_modules: full-size experts of one layer at most."""
     seen = []

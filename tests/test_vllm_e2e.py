@@ -469,27 +469,32 @@ def test_glm4_moe_layers_after_a_dense_one_serve_the_same_tokens(glm_runs):
     scores by sigmoid plus a correction bias, a shared expert beside the routed ones, and after the
     last layer the multi-token-prediction layer its checkpoints ship): the cache holds the served MoE
     layers only, under their own indices, and layer streaming (one buffer: every layer copied at every
-    forward) gives no offload's tokens; vLLM's loader reads no served expert byte."""
+    forward) gives no offload's tokens; vLLM's loader reads no served expert byte, and none of the
+    multi-token-prediction layer, which it would read and drop (no speculative decoding here)."""
     from mmap_offload.checkpoint import open_checkpoint
 
     r = glm_runs
-    with open_checkpoint(r["ckpt"]) as c:  # the multi-token-prediction layer's experts (layer 3)
-        mtp = sum(c.ref(n).nbytes for n in c.names() if n.startswith("model.layers.3.") and ".experts." in n)
-    assert mtp > 0
+    with open_checkpoint(r["ckpt"]) as c:  # the multi-token-prediction layer (layer 3)
+        mtp_names = [n for n in c.names() if n.startswith("model.layers.3.")]
+        assert c.mtp_names() == mtp_names
+        mtp = sum(c.ref(n).nbytes for n in mtp_names if ".experts." in n)
+        mtp_all = sum(c.ref(n).nbytes for n in mtp_names)
+    assert 0 < mtp < mtp_all
     assert r["ref"]["offloader"] == "NoopOffloader"
     assert r["ref"]["loader_expert_bytes"] == _expert_bytes(r["ckpt"]) + mtp
     assert r["cache_layers"] == [1, 2]  # not the dense layer 0, not the MTP layer 3
     cold = r["cold"]
     assert cold["offloader"] == "MmapOffloader"
     assert cold["tokens"] == r["ref"]["tokens"]
-    # our warm-up read the served experts once; vLLM's loader read none of them, only the MTP layer's,
-    # which vLLM drops without speculative decoding (as it does without offload)
-    assert cold["loader_expert_bytes"] == mtp and cold["warmup_bytes"] == _expert_bytes(r["ckpt"])
+    # our warm-up read the served experts once; vLLM's loader read none of them, nor the MTP layer's
+    # (without offload it reads them and drops them: skip_spec_layers)
+    assert cold["loader_expert_bytes"] == 0 and cold["warmup_bytes"] == _expert_bytes(r["ckpt"])
     s = cold["summary"]
     assert s["skipped_bytes"] == _expert_bytes(r["ckpt"])
+    assert s["skipped_mtp_tensors"] == len(mtp_names) and s["skipped_mtp_bytes"] == mtp_all
     assert s["prefetch_loads"] >= 2 * MAX_TOKENS  # 2 MoE layers, one buffer: both copied every forward
     # the dense layer's MLP and the shared experts were loaded by vLLM, not skipped
-    assert 0 < cold["loader_bytes"] == r["ref"]["loader_bytes"] - _expert_bytes(r["ckpt"])
+    assert 0 < cold["loader_bytes"] == r["ref"]["loader_bytes"] - _expert_bytes(r["ckpt"]) - mtp_all
 
 
 def test_glm4_moe_expert_cache_and_hybrid_serve_the_same_tokens(glm_runs):

@@ -113,7 +113,8 @@ class MmapOffloader(_OffloaderBase):
         self._kernel_buffers: list[dict[str, torch.Tensor]] = []
         self._kernel_layer: list[int | None] = []  # layer whose bytes each twin holds
         self._ready_lock = threading.Lock()
-        self.metrics: dict[str, Any] = {"skipped_tensors": 0, "skipped_bytes": 0}
+        self.metrics: dict[str, Any] = {"skipped_tensors": 0, "skipped_bytes": 0, "skipped_mtp_tensors": 0,
+                                        "skipped_mtp_bytes": 0}
 
     @classmethod
     def from_offload_config(cls, offload_config) -> "MmapOffloader":
@@ -224,15 +225,28 @@ class MmapOffloader(_OffloaderBase):
                 return modules
             self.metrics["skipped_tensors"] = len(skip)
             self.metrics["skipped_bytes"] = sum(ckpt.ref(n).nbytes for n in skip)
+            mtp = self._unread_mtp_names(ckpt)
+            self.metrics["skipped_mtp_tensors"] = len(mtp)
+            self.metrics["skipped_mtp_bytes"] = sum(ckpt.ref(n).nbytes for n in mtp)
         finally:
             if ckpt is not None:
                 ckpt.close()
-        set_skipped_checkpoint_names(skip)
+        set_skipped_checkpoint_names(skip | mtp)
         log.info(
-            "mmap-offload: serving %d MoE layers from %s (rank %d of %d); skipping %d checkpoint tensors (%.2f GiB)",
+            "mmap-offload: serving %d MoE layers from %s (rank %d of %d); skipping %d checkpoint tensors (%.2f GiB)%s",
             len(self.targets), self.cache.dir, self.tp_rank, self.tp_size, len(skip), self.metrics["skipped_bytes"] / 2**30,
+            f" and the {len(mtp)} of the multi-token-prediction layer ({self.metrics['skipped_mtp_bytes'] / 2**30:.2f} GiB, "
+            "dropped by vLLM without speculative decoding)" if mtp else "",
         )
         return modules
+
+    def _unread_mtp_names(self, ckpt) -> set[str]:
+        """The multi-token-prediction layer's tensors, which vLLM's main model reads and drops
+        (``skip_spec_layers``): skipped unread too, unless speculative decoding is on, whose MTP head
+        loads them through the same loader."""
+        if getattr(self._vcfg, "speculative_config", None) is not None:
+            return set()
+        return set(ckpt.mtp_names())
 
     def _expert_modules(self, module: torch.nn.Module, pre: str):
         """(name, fused-experts submodule, selected parameter names) inside one decoder layer."""
