@@ -1,6 +1,7 @@
 """Real vLLM on a GPU (the lent H200 with the vllm 0.26 bundle: scripts/gpu_vllm.sh): bf16 and
 compressed-tensors W4A16 (Marlin MoE) synthetic Mixtral-style models, and a W4A16 model of GLM-4.5's
-layout (``glm-w4a16``: the user's model class; added in session 34, first run on the H200 in session 35), greedy tokens of
+layout (``glm-w4a16``: the user's model class; added in session 34, first run on the H200 in session 35; its
+multi-token-prediction layer added after that run), greedy tokens of
 ``--offload-backend mmap`` (cold cache, warm cache; layer streaming and the expert cache) equal to
 no offload and to vLLM's own ``uva``; a warm start reads no expert byte from the checkpoint; pinned
 host memory of the backend <= 0.5 GiB. One child process per quantization (tests/vllm_gpu_child.py).
@@ -95,6 +96,9 @@ def test_warm_start_reads_no_expert_byte(run):
     for case in ("mmap_warm", "mmap_experts"):
         assert run["cases"][case]["loader_expert_bytes"] == 0 and run["cases"][case]["warmup_bytes"] == 0, case
     assert warm["summary"]["skipped_bytes"] == run["expert_bytes"]
+    if run["arch"] == "glm4_moe":  # its MTP layer: read and dropped without offload, skipped unread with it
+        assert run["cases"]["ref"]["loader_expert_bytes"] > run["expert_bytes"]
+        assert warm["summary"]["skipped_mtp_tensors"] > 0 and warm["summary"]["skipped_mtp_bytes"] > 0
 
 
 def test_expert_cache_fetches_routed_experts_and_streams_prefill(run):

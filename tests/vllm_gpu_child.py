@@ -3,8 +3,9 @@
     python3 tests/vllm_gpu_child.py MODEL WORKDIR OUT.json
 
 MODEL: bf16 | w4a16 (a Mixtral-style model) | glm-w4a16 (GLM-4.5's layout, the user's model class:
-synth arch glm4_moe, a dense first layer, sigmoid routing with a correction bias, a shared expert; the
-same sizes otherwise). Cases, in this order (each a fresh ``LLM``, the same greedy prompts):
+synth arch glm4_moe, a dense first layer, sigmoid routing with a correction bias, a shared expert, and
+the multi-token-prediction layer GLM ships after its last layer, which vLLM's main model drops: the mmap
+backend skips it unread; the same sizes otherwise). Cases, in this order (each a fresh ``LLM``, the same greedy prompts):
     ref          no offload (experts in VRAM)
     uva          vLLM's own --cpu-offload-params experts --offload-backend uva
     mmap_cold    --offload-backend mmap, cache built while loading (layer streaming)
@@ -46,12 +47,13 @@ MAX_TOKENS = 16
 SHAPES = dict(arch="mixtral", num_layers=4, num_experts=8, hidden=512, intermediate=1024, top_k=2,
               vocab_size=2048, num_heads=4, num_kv_heads=2, group_size=128)
 ARCH_OF = {"glm": "glm4_moe"}  # MODEL's prefix before "-" (none: SHAPES' arch)
+EXTRA_OF = {"glm": {"mtp_layers": 1}}  # GLM-4.5/4.6 checkpoints ship one MTP layer
 
 
 def main() -> int:
     model, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     prefix, _, quant = model.rpartition("-")
-    shapes = {**SHAPES, "arch": ARCH_OF[prefix]} if prefix else SHAPES
+    shapes = {**SHAPES, "arch": ARCH_OF[prefix], **EXTRA_OF.get(prefix, {})} if prefix else SHAPES
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap, child_runner
     from child_runner import CaseClock, save_results
 
