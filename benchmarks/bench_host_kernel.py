@@ -22,7 +22,7 @@ host >= 80% of dram at M = 1 with all cores; host > torch at every M. Prints a t
 (inputs, machine, every row). ``--isa`` takes one path, a comma-separated list or ``all`` (every path this CPU
 has): the paths are then measured back to back at each (threads, M), a row each; the bars are the first
 path's. Each call's job list (a tuple of views per expert) is made before timing, as a caller keeps them
-(until session 35 the timed call made it too: ~20-45 us of list building per 6-expert call counted as the
+(until session 35 the timed call made it too: ~20 us of list building per 6-expert call on the build box, counted as the
 kernel's Python side). Each host row's JSON carries ``diag``: the timed calls' mean, the part of it in C and
 the rest (Python: checks and the job array), and in a library built with ``-DDIAG_TIMING`` (``scripts/host_kernel_sweep.sh``)
 the threads' join delay, time in units and idle time per call; ``--diag`` prints it.
