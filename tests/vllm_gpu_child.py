@@ -46,14 +46,15 @@ PROMPTS = [[1, 5, 9, 200, 33], [7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 16
 SHAPES = dict(arch="mixtral", num_layers=4, num_experts=8, hidden=512, intermediate=1024, top_k=2,
               vocab_size=2048, num_heads=4, num_kv_heads=2, group_size=128)
-ARCH_OF = {"glm": "glm4_moe"}  # MODEL's prefix before "-" (none: SHAPES' arch)
-EXTRA_OF = {"glm": {"mtp_layers": 1}}  # GLM-4.5/4.6 checkpoints ship one MTP layer
+# MODEL's prefix before "-" -> what it changes in SHAPES (no prefix: SHAPES as they are);
+# GLM-4.5/4.6 checkpoints ship one MTP layer
+SHAPES_OF = {"glm": {"arch": "glm4_moe", "mtp_layers": 1}}
 
 
 def main() -> int:
     model, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     prefix, _, quant = model.rpartition("-")
-    shapes = {**SHAPES, "arch": ARCH_OF[prefix], **EXTRA_OF.get(prefix, {})} if prefix else SHAPES
+    shapes = {**SHAPES, **SHAPES_OF[prefix]} if prefix else SHAPES
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # fakes.SafeOpenTap, child_runner
     from child_runner import CaseClock, save_results
 
