@@ -265,7 +265,8 @@ def decode_tasks(args, routing: str) -> list[dict]:
         if w.startswith("decode-"):
             b = int(w.split("-")[1])
             out.append({"kind": "decode", "name": f"{routing}/{w}", "batch": b, "tokens": args.decode_tokens,
-                        "prompt_len": 16, "warmup_tokens": args.decode_warmup_tokens})
+                        "prompt_len": 16, "warmup_tokens": args.decode_warmup_tokens,
+                        "repeats": args.decode_repeats})
     return out
 
 
@@ -436,6 +437,7 @@ def rows_from_child(child: dict) -> list[dict]:
             steps = r["tokens"]
             row["step_ms"] = r["step_ms"]
             for k in ("thread_cpu_ms", "thread_nivcsw", "thread_nvcsw", "cpu_calib_us", "bg_check_wait_s",  # the launching thread per step
+                      "repeats", "rep_tok_s", "rep_calib_us",  # each timed run, the row's the median
                       "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "layers_per_step",  # and per layer
                       "layers_gpu_span_ms", "layers_cpu_span_ms", "stream_behind_frac",  # the stream's side
                       "sys_busy_cpus", "sys_steal_frac"):  # the whole machine
@@ -752,6 +754,8 @@ def markdown(res: dict) -> str:
             step += f" (thread cpu {r['thread_cpu_ms']:.2f}, {r.get('thread_nivcsw', 0):.1f} forced)"
         if r.get("cpu_calib_us") is not None:  # this child's single-thread speed, idle (vllm_runner.cpu_calibration)
             step += f" {{calib {r['cpu_calib_us']:.2f} us}}"
+        if len(r.get("rep_tok_s") or ()) > 1:  # every timed run's tokens/s and calibration; the row is the median
+            step += " {runs " + ", ".join(f"{v:.1f}@{c:.1f}" for v, c in zip(r["rep_tok_s"], r.get("rep_calib_us") or ())) + "}"
         if r.get("bg_check_running"):
             step += " (background check running)"
         if r.get("sys_busy_cpus") is not None:  # the machine's CPUs busy meanwhile, the hypervisor's share of them
@@ -953,6 +957,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-tokens", type=int, default=96,
                    help="timed decode steps per batch size (32 until session 10: ~0.6 s at batch 1, where one "
                         "host hiccup moved a ratio by percents)")
+    p.add_argument("--decode-repeats", type=int, default=3,
+                   help="timed decode runs per batch size, the row from the median by time (1 until session 36: "
+                        "one run read whatever speed the launching thread's vCPU had then, ~1.0-1.85x)")
     p.add_argument("--decode-warmup-tokens", type=int, default=32,
                    help="untimed decode steps first, per batch size: the pool fills and each expert's "
                         "first-use check is paid before timing (sessions 4-5 used 4, so their decode rows "
@@ -1022,7 +1029,7 @@ def main(argv=None) -> int:
     trace, trace_stats = None, None
     # the traces' length: about the decode steps the run's decode tasks take, their warm-up included
     n_dec = sum(1 for w in workloads(args) if w.startswith("decode-"))
-    trace_steps = max(64, n_dec * (args.decode_tokens + 8) + 32)
+    trace_steps = max(64, n_dec * (max(1, args.decode_repeats) * (args.decode_tokens + 3) + 8) + 32)
     if "skewed" in args.routings:
         if args.trace == "auto":
             trace = work / "trace.csv"

@@ -531,6 +531,10 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     assert all(x["thread_cpu_ms"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
     # and its speed with the machine idle, measured in the same child (vllm_runner.cpu_calibration)
     assert all(x["cpu_calib_us"] > 0 for x in res["rows"] if x["workload"].startswith("decode"))
+    # three timed runs per decode row, each with its own calibration; the row is the median run
+    for x in (x for x in res["rows"] if x["workload"].startswith("decode")):
+        assert x["repeats"] == 3 and len(x["rep_tok_s"]) == 3 and len(x["rep_calib_us"]) == 3, x
+        assert x["tok_s"] == sorted(x["rep_tok_s"])[1] and x["cpu_calib_us"] in x["rep_calib_us"], x
     # the mmap configuration's background checksum pass was over before each timed decode run
     assert not any(x.get("bg_check_running") for x in res["rows"]), res["rows"]
     assert all(x["bg_check_wait_s"] >= 0 for x in res["rows"] if x["workload"].startswith("decode"))
@@ -591,7 +595,7 @@ def test_mmap_options_reach_every_mmap_config(tmp_path):
     assert "additional_config" not in next(s for s in specs if s["config"] == "uva")["llm"]
     # decode is timed over 96 steps after 32 untimed ones (the pool's warm-up and first-use checks paid first)
     dec = [t for s in specs for t in s["tasks"] if t["kind"] == "decode"]
-    assert dec and all(t["warmup_tokens"] == 32 and t["tokens"] == 96 for t in dec)
+    assert dec and all(t["warmup_tokens"] == 32 and t["tokens"] == 96 and t["repeats"] == 3 for t in dec)
 
 
 def test_shapes_presets_set_the_model_and_keep_explicit_values(tmp_path):
