@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     all_r = sorted(r for i in cpus for r in ratio[i].values())
     print(f"\npair ratios: median {statistics.median(all_r):.3f}, max {all_r[-1]:.3f}; "
           f"pairs at >= {a.sibling_ratio}: {pairs if pairs else 'none'}")
-    res["measured_siblings"] = {c: v for c, v in sib.items()}
+    res["measured_siblings"] = dict(sib)
     res["measured_pairs"] = [list(p) for p in pairs]
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
