@@ -965,13 +965,17 @@ class _Child:
             # truth: session 20's runs 2-3, ~0.1-0.15 ms per step)
             calib = cpu_calibration(self.torch)
             self._gen(warm, 1)
-            t1, _, a0, a1 = self._timed(prompts, 1)
-            th1, ly1 = self.last_thread, self.last_layers
-            tT, outs, b0, b1 = self._timed(prompts, T + 1)
-            reps.append((max(tT - t1, 1e-9), calib, t1, a0, a1, th1, ly1, tT, outs, b0, b1, self.last_thread,
-                         self.last_layers, self.last_system))
-        chosen = sorted(range(len(reps)), key=lambda i: reps[i][0])[len(reps) // 2]
-        dec, calib, t1, a0, a1, th1, ly1, tT, outs, b0, b1, thT, lyT, syT = reps[chosen]
+            one = {"calib": calib}
+            one["t1"], _, one["a0"], one["a1"] = self._timed(prompts, 1)
+            one["th1"], one["ly1"] = self.last_thread, self.last_layers
+            one["tT"], one["outs"], one["b0"], one["b1"] = self._timed(prompts, T + 1)
+            one["thT"], one["lyT"], one["syT"] = self.last_thread, self.last_layers, self.last_system
+            one["dec"] = max(one["tT"] - one["t1"], 1e-9)
+            reps.append(one)
+        chosen = sorted(range(len(reps)), key=lambda i: reps[i]["dec"])[len(reps) // 2]
+        r = reps[chosen]
+        dec, calib, t1, a0, a1, th1, ly1 = (r[k] for k in ("dec", "calib", "t1", "a0", "a1", "th1", "ly1"))
+        tT, outs, b0, b1, thT, lyT, syT = (r[k] for k in ("tT", "outs", "b0", "b1", "thT", "lyT", "syT"))
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         res = {"batch": b, "tokens": T, "generated": n, "seconds": round(dec, 4), "t_1": round(t1, 4),
                "t_T1": round(tT, 4), "tok_s": round(b * T / dec, 2), "step_ms": round(1000 * dec / T, 3),
@@ -982,7 +986,7 @@ class _Child:
                "thread_nivcsw": round((thT["nivcsw"] - th1["nivcsw"]) / T, 2),
                "thread_nvcsw": round((thT["nvcsw"] - th1["nvcsw"]) / T, 2), "cpu_calib_us": calib,
                "bg_check_wait_s": bg_wait, "repeats": len(reps), "rep_chosen": chosen,
-               "rep_tok_s": [round(b * T / r[0], 2) for r in reps], "rep_calib_us": [r[1] for r in reps]}
+               "rep_tok_s": [round(b * T / x["dec"], 2) for x in reps], "rep_calib_us": [x["calib"] for x in reps]}
         if syT:  # the whole machine over the T-token run (not a difference: /proc/stat counts 10 ms ticks)
             tot = syT["busy"] + syT["idle"] + syT["steal"]
             res["sys_busy_cpus"] = round(syT["busy"] / max(tT, 1e-9), 2)  # CPUs busy on average
