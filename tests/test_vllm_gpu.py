@@ -170,6 +170,16 @@ def test_hybrid_small_calls_auto_switches_and_keeps_the_tokens(run):
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 
+def test_a_start_without_enforce_eager_is_refused(run):
+    """Without enforce_eager vLLM captures CUDA graphs (its default) or compiles the model (graphs off):
+    the backend refuses both at start with one line naming --enforce-eager, and serves nothing."""
+    cases = run["cases"]
+    graphs, compiled = cases["mmap_not_eager"], cases["mmap_compiled"]
+    assert "which CUDA graphs cannot capture" in graphs.get("refused", ""), graphs
+    assert "does not run under torch.compile (mode VLLM_COMPILE)" in compiled.get("refused", ""), compiled
+    assert all("pass --enforce-eager" in c["refused"] for c in (graphs, compiled))
+
+
 def test_pinned_host_memory_is_small(run):
     for case in ("mmap_cold", "mmap_warm", "mmap_experts", "mmap_hybrid", "mmap_auto", "mmap_sparse",
                  "mmap_hybrid_sparse"):

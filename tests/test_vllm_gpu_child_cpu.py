@@ -33,7 +33,10 @@ def test_the_gpu_childs_cases_give_no_offloads_tokens_on_cpu(tmp_path, model):
     assert res["returncode"] == 0 and res["complete"], cases.why[-4000:]
     assert res["arch"] == ("glm4_moe" if model.startswith("glm-") else "mixtral")
     ref = cases["ref"]["tokens"]
-    assert len(cases) == 9
+    assert len(cases) == 11
+    for case in ("mmap_not_eager", "mmap_compiled"):  # vLLM-CPU compiles without enforce_eager: refused
+        got = cases.pop(case)
+        assert "does not run under torch.compile" in got.get("refused", "") and "--enforce-eager" in got["refused"], got
     for case in cases:
         assert cases[case]["tokens"] == ref, case
     s = cases["mmap_experts"]["summary"]

