@@ -19,8 +19,9 @@
 # A device call lasts at most 10 minutes: run "tests,oom" in one call and "bench" in the next (the machine
 # keeps /tmp/site, the Marlin JIT cache and $WORK between calls while it stays warm).
 #
-# Everything lands in $OUT, at most 8 files: gpu_vllm.log, vllm_gpu_bf16.json, vllm_gpu_w4a16.json (tests),
-# oom_vllm.json, oom_vllm.md, bench_vllm.json, bench_vllm.md, bench_vllm.png.
+# Everything lands in $OUT (the device tool brings back 8 files or fewer: run "tests" and "bench" into their
+# own OUT): gpu_vllm.log, vllm_gpu_*.json and .log (tests), oom_vllm.json, oom_vllm.md, cpu_pairs.json,
+# bench_vllm.json, bench_vllm.md, bench_vllm.png.
 # Knobs: OUT (gpu-vllm-out), WORK (/tmp/mmo-vllm: checkpoints, caches, child logs; the bench checkpoint is
 # kept for a later call), PYTHON (python3), OOM_ARGS / BENCH_ARGS / TESTS_ARGS (extra arguments; e.g.
 # TESTS_ARGS="-k tensor_parallel"), TESTS_TIMEOUT,
@@ -104,6 +105,9 @@ if has bench; then
   D=$(cap "${BENCH_DEADLINE:-420}" 55)
   say "== bench_vllm (deadline $D s)"
   thr0=$(awk '/throttled_usec/{print $2}' /sys/fs/cgroup/cpu.stat 2>/dev/null)
+  # the VM's vCPUs before the children: which run slow now (one speed or the other, 1.8x apart, for
+  # seconds at a time: session 36), ~6 s; cpu_pairs.json beside the bench's files
+  timeout 60 "$PY" benchmarks/bench_cpu_pairs.py --rounds 1 --repeats 5 --out "$OUT" 2>&1 | tail -3 >>"$LOG"
   timeout -k 10 $((D + 45)) "$PY" benchmarks/bench_vllm.py --out "$OUT" --workdir "$WORK/bench" --deadline "$D" \
     ${BENCH_ARGS:-} >>"$LOG" 2>&1
   r=$?
