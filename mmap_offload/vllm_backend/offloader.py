@@ -92,8 +92,8 @@ def _check_eager(vcfg) -> None:
             "pass --enforce-eager",
         )
     mode = getattr(cc, "mode", None)
-    if mode is not None and int(mode) != 0:
-        name = str(getattr(mode, "name", mode))
+    name = str(getattr(mode, "name", mode))  # an IntEnum in 0.26 and 0.32: NONE = 0
+    if mode is not None and name.upper() not in ("NONE", "0"):
         why = ("vLLM's CPU backend would compile the MoE layer's routing, where the backend places each call's "
                "experts, into a fixed graph" if dev == "cpu" else "serving was tested in eager mode only")
         raise UnsupportedError(f"--offload-backend mmap does not run under torch.compile (mode {name}): {why}",
