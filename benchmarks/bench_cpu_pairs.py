@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{worst[0]} ({worst[1]:.2f}) | {allbusy[c]:.2f} | {res['os_siblings'][c]} |")
     pairs = sorted({tuple(sorted((i, j))) for i in cpus for j in sib[i]})
     all_r = sorted(r for i in cpus for r in ratio[i].values())
-    print(f"\npair ratios: median {statistics.median(all_r):.3f}, max {all_r[-1]:.3f}; "
-          f"pairs at >= {a.sibling_ratio}: {pairs if pairs else 'none'}")
+    if all_r:  # one CPU: no pairs
+        print(f"\npair ratios: median {statistics.median(all_r):.3f}, max {all_r[-1]:.3f}; "
+              f"pairs at >= {a.sibling_ratio}: {pairs if pairs else 'none'}")
     res["measured_siblings"] = dict(sib)
     res["measured_pairs"] = [list(p) for p in pairs]
     if a.out:

@@ -34,3 +34,11 @@ def test_cpu_lists_parse_like_the_kernels():
 
     assert bench_cpu_pairs.parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
     assert bench_cpu_pairs.parse_cpus(None) == sorted(os.sched_getaffinity(0))
+
+
+def test_one_cpu_has_no_pairs(tmp_path):
+    import bench_cpu_pairs
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    res = bench_cpu_pairs.main(["--cpus", str(cpu), "--rounds", "1", "--repeats", "1"])
+    assert res["pair_ratio"] == {cpu: {}} and res["measured_pairs"] == [] and res["all_busy_ratio"][cpu] > 0
