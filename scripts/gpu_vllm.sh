@@ -102,12 +102,13 @@ fi
 
 if has bench; then
   t=$SECONDS
+  # the VM's vCPUs before the children: which run slow now (one speed or the other, 1.8x apart, for
+  # seconds at a time: session 36), ~6 s, before the bench's deadline is taken from what is left;
+  # cpu_pairs.json beside the bench's files
+  timeout 60 "$PY" benchmarks/bench_cpu_pairs.py --rounds 1 --repeats 5 --out "$OUT" 2>&1 | tail -3 >>"$LOG"
   D=$(cap "${BENCH_DEADLINE:-420}" 55)
   say "== bench_vllm (deadline $D s)"
   thr0=$(awk '/throttled_usec/{print $2}' /sys/fs/cgroup/cpu.stat 2>/dev/null)
-  # the VM's vCPUs before the children: which run slow now (one speed or the other, 1.8x apart, for
-  # seconds at a time: session 36), ~6 s; cpu_pairs.json beside the bench's files
-  timeout 60 "$PY" benchmarks/bench_cpu_pairs.py --rounds 1 --repeats 5 --out "$OUT" 2>&1 | tail -3 >>"$LOG"
   timeout -k 10 $((D + 45)) "$PY" benchmarks/bench_vllm.py --out "$OUT" --workdir "$WORK/bench" --deadline "$D" \
     ${BENCH_ARGS:-} >>"$LOG" 2>&1
   r=$?
