@@ -233,17 +233,20 @@ def test_split_explores_a_side_not_measured_then_follows_the_model(setup):
     he.close()
 
 
-def test_default_threads_leave_the_copy_engine_its_cores(monkeypatch):
+def test_default_threads_leave_the_copy_engine_its_cores(monkeypatch, tmp_path):
     from mmap_offload.vllm_backend import host_experts
 
-    monkeypatch.setattr(host_experts.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    from mmap_offload import cpus
+
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    monkeypatch.setattr(cpus, "SYSFS", tmp_path)  # no topology: each CPU a core
     assert host_experts.default_threads(1) == 16
     assert host_experts.default_threads(1, engine_threads=8) == 7  # 16 - 8 copy threads - 1 launching
     assert host_experts.default_threads(2, engine_threads=4) == 3
     assert host_experts.default_threads(4, engine_threads=8) == 1
 
 
-def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, monkeypatch):
+def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, monkeypatch, tmp_path):
     """Python path: the kernel has one thread more than the computing count (the launching thread
     joins at add_to, when it has nothing to launch). Stream path: CUDA's callback thread joins while
     vLLM's thread launches on, so the count is the kernel's whole. 16 cores, 6 copy threads (hybrid's
@@ -255,8 +258,11 @@ def test_the_stream_paths_kernel_counts_the_callback_thread_that_joins(setup, mo
     from mmap_offload.vllm_backend import host_experts
     from mmap_offload.vllm_backend.options import MmapOptions
 
+    from mmap_offload import cpus
+
     cache, _, _ = setup
-    monkeypatch.setattr(host_experts.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    monkeypatch.setattr(cpus, "SYSFS", tmp_path)  # no topology: each CPU a core
     cases = ((dict(), 9, 12), (dict(hybrid_share=-1), 9, 9), (dict(hybrid_share=0.5), 9, 9),
              (dict(threads=8), 7, 12), (dict(threads=8, hybrid_share=-1), 7, 7), (dict(threads=2), 13, 13))
     for kw, python_path, stream_path in cases:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +51,7 @@ __all__ = [
 # Host kernels: the native one, or a torch stand-in with the same contract
 # ---------------------------------------------------------------------------------------------
 
+from ..cpus import core_count
 from .kernel import dequantize_marlin  # the torch reference of the Marlin layout (fp32 [K, N])
 
 
@@ -575,9 +575,7 @@ def calibrate(cache, engine, device, kernels: dict, *, group: int, hidden: int, 
 
 
 def default_threads(engine_threads: int) -> tuple[int, int]:
-    """(split, all): host threads beside a copy engine of ``engine_threads``, and all cores."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    """(split, all): host threads beside a copy engine of ``engine_threads``, and all cores
+    (physical: ``cpus.core_count``)."""
+    cores = core_count()
     return max(1, cores - engine_threads), max(1, cores)

@@ -27,7 +27,8 @@ largest |x|, about bf16's own rounding of x at values 1/128 of that largest; int
 scaled in fp32. Every path meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest
 output), outlier channels included.
 
-Threads: ``threads=0`` takes the CPUs this process may run on (``os.sched_getaffinity``). The pool is
+Threads: ``threads=0`` takes the physical cores of the CPUs this process may run on (``cpus.core_count``:
+hardware threads of one core count once). The pool is
 this object's; its workers spin for ``spin_us`` after a call (default ``SPIN_US``, 1 ms, or
 ``$MMAP_OFFLOAD_HOST_SPIN_US``), then sleep; ``diag()`` says where the calls' time went. ISA paths, fastest first:
 ``avx512vnni`` (AVX-512 VNNI + VBMI, vpdpbusd: one column's four nibbles of a word are one lane's four
@@ -54,6 +55,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cpus import core_count
 from ..errors import UnsupportedError
 
 __all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
@@ -140,11 +142,6 @@ def available_isas() -> list[str]:
     return [i for i in ISAS if lib.mo_host_isa_available(_ISA_CODE[i])]
 
 
-def _default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 class HostKernel:
@@ -166,7 +163,7 @@ class HostKernel:
                                    f"(it has: {', '.join(available_isas())})",
                                    "use isa='auto' or one of those (MMAP_OFFLOAD_HOST_ISA)")
         self.isa: str = want
-        self.threads: int = int(threads) if threads and threads > 0 else _default_threads()
+        self.threads: int = int(threads) if threads and threads > 0 else core_count()
         self._lib = lib
         self._geo: dict[tuple, tuple] = {}  # tensor geometry checked once per (shapes, dtypes, group)
         self._started: HostCall | None = None  # experts_mlp_start's call not yet waited for

@@ -27,7 +27,7 @@ from the first copies. A side the model has not seen in service yet is tried onc
 the cheapest miss goes to the host), and again whenever the host got nothing for
 ``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
 
-Threads (``default_threads``): the cores of this rank, less the copy engine's threads (6 by default
+Threads (``default_threads``): the cores of this rank (physical cores, not hardware threads: ``cpus.py``), less the copy engine's threads (6 by default
 with hybrid, ``MmapOptions.copy_threads``: 9 host threads at 16 cores) and one for the thread that
 launches vLLM's GPU work. On the stream path with ``hybrid_share`` 1 (the default) the copy threads copy
 only the pool's admissions (~18 MiB per decode step at batch 8) and sleep while idle, so at most
@@ -56,7 +56,6 @@ agree unless two logits are within that rounding.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cpus import core_count
 from ..errors import UnsupportedError
 from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_host
 from .options import HELD_SHARE_COPY_CORES
@@ -374,13 +374,10 @@ def _fits_in_memory(cache) -> bool:
 
 
 def default_threads(tp_size: int, engine_threads: int = 0) -> int:
-    """Host compute threads per rank: this process's cores shared among the ranks, less the copy
-    engine's threads and, beside them, one for the thread that launches the GPU work (module
-    docstring)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    """Host compute threads per rank: this process's cores (physical: ``cpus.core_count``) shared
+    among the ranks, less the copy engine's threads and, beside them, one for the thread that
+    launches the GPU work (module docstring)."""
+    cores = core_count()
     per_rank = cores // max(1, tp_size)
     if engine_threads > 0:
         per_rank -= engine_threads + 1

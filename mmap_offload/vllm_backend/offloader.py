@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..cache_format import warmup_command
+from ..cpus import allowed_cpus, core_count
 from ..errors import CacheError, UnsupportedError
 from .options import CONFIG_KEY, MmapOptions
 from .patches import (
@@ -459,7 +460,10 @@ class MmapOffloader(_OffloaderBase):
                 nb, self.prefetcher.layer_nbytes / 2**20, getattr(self.engine, "kind", opts.engine), opts.lookahead,
                 "layer streaming only" if self.residency is None else
                 f"expert cache {self.residency.ec.capacity_bytes / 2**30:.2f} GiB "
-                f"({self.residency.slots} slots per layer, layer streaming above {self.residency.threshold} experts)",
+                f"({self.residency.slots} slots per layer, layer streaming above {self.residency.threshold} experts)"
+                + ("" if self.residency.host is None else
+                   f"; hybrid: {self.residency.host.threads} host threads ({core_count()} cores, "
+                   f"{len(allowed_cpus())} hardware threads)"),
             )
 
     def _start_background_check(self) -> None:
