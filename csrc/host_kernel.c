@@ -30,6 +30,8 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -792,6 +794,54 @@ static size_t scratch_floats(int M) {
 
 typedef struct pool pool_t;
 struct mlp_task_s;
+/* --- SIGBUS guard of the reads from the mapped cache ----------------------------------------
+ * The jobs' weights and scales are views of the cache's mapping. A page that cannot be read (the file
+ * truncated under the mapping, or a disk I/O error on a page the page cache had dropped) raises SIGBUS
+ * in the thread that touches it, which by default kills the process (a vLLM server). Each thread of a
+ * call runs its units inside a guard: the handler (installed by the first mo_host_create) jumps out of
+ * the unit, the call is marked failed with the faulting address, and every later unit is counted
+ * without its reads, so the call ends as usual and returns -EFAULT (mo_host_last_fault: the address);
+ * out's rows are then not the experts' (ranges that ended before the fault wrote theirs): discard them. A SIGBUS in any other thread, or outside a unit, goes to the handler that was
+ * there before (mo_native's copy pool chains the same way; the default: the process dies as without
+ * this). initial-exec TLS: the handler may run in any thread. */
+#define HK_TLS __thread __attribute__((tls_model("initial-exec")))
+static HK_TLS sigjmp_buf *hk_jmp;
+static HK_TLS void *volatile hk_fault_addr;
+static struct sigaction hk_prev_bus;
+static pthread_once_t hk_bus_once = PTHREAD_ONCE_INIT;
+
+static void hk_on_sigbus(int sig, siginfo_t *si, void *uc) {
+    sigjmp_buf *jb = hk_jmp;
+    if (jb) {
+        hk_jmp = NULL;
+        hk_fault_addr = si && si->si_code > 0 ? si->si_addr : NULL; /* kernel-sent: the faulting address */
+        siglongjmp(*jb, 1);
+    }
+    if (hk_prev_bus.sa_flags & SA_SIGINFO) {
+        if (hk_prev_bus.sa_sigaction) { hk_prev_bus.sa_sigaction(sig, si, uc); return; }
+    } else if (hk_prev_bus.sa_handler != SIG_DFL && hk_prev_bus.sa_handler != SIG_IGN) {
+        hk_prev_bus.sa_handler(sig);
+        return;
+    }
+    signal(SIGBUS, SIG_DFL); /* returning re-runs the access, which now dies of the default */
+}
+
+static void hk_install_bus_handler(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = hk_on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK; /* NODEFER: the jump leaves the mask as it was */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &hk_prev_bus);
+}
+
+/* 1 while the process's SIGBUS handler is this library's (one installed later that does not pass
+   faults on disarms the guard). */
+int mo_host_sigbus_guarded(void) {
+    struct sigaction cur;
+    return sigaction(SIGBUS, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == hk_on_sigbus;
+}
+
 typedef void (*task_fn)(pool_t *, int tid, void *arg);
 static int64_t now_ns(void);
 
@@ -847,6 +897,7 @@ struct pool {
     int64_t *uniq;
     size_t uniq_n;
     int64_t spin_ns;             /* an idle worker spins this long before it sleeps (atomic) */
+    int64_t last_fault;          /* the last failed call's fault address (mo_host_last_fault) */
     int64_t diag_open;           /* the current call's open (ns) */
     int64_t diag_entry;          /* its entry (ns) */
     int64_t diag_calls, diag_wall, diag_prep, diag_run, diag_finish; /* sums over calls (ns), mo_host_diag */
@@ -902,6 +953,7 @@ void *mo_host_create(int nthreads) {
     if (!P) return NULL;
     P->nthreads = nthreads;
     P->spin_ns = SPIN_NS_DEFAULT;
+    pthread_once(&hk_bus_once, hk_install_bus_handler);
 #if MO_X86
     pthread_once(&sperm_once, make_sperms);
 #endif
@@ -1083,6 +1135,7 @@ typedef struct mlp_task_s {
     int64_t nuniq;
     int64_t next;         /* unit counter (atomic) */
     int64_t done2;        /* phase-2 units completed, reductions included (atomic): the call ends at n2 */
+    int64_t fault;        /* 0, or the address whose read raised SIGBUS (1: unknown) (atomic): the call failed */
     int maxm;
 } mlp_task;
 
@@ -1131,7 +1184,8 @@ static void seg_part(const mlp_task *T, const mat_t *A, int64_t nt0, int C, cons
 }
 
 /* Phase-1 unit: job j, chunk c, gate/up pairs of range r. */
-static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y) {
+static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y,
+                  int compute) {
     const mo_job_t *J = &T->jobs[j];
     job_plan_t *JP = &T->jp[j];
     const int esz = T->xdt == DT_FP32 ? 4 : 2, M = (int)J->m, cmax = seg_tiles(M);
@@ -1143,11 +1197,15 @@ static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     act_t X = {xrow, T->xdt, M};
     float *part = P->part + JP->p1.part;
     float *pc = part + (size_t)c * M * N;
-    for (int64_t c0 = a0; c0 < a1; c0 += cmax) {
+    for (int64_t c0 = a0; compute && c0 < a1; c0 += cmax) {
         const int C = (int)(a1 - c0 < cmax ? a1 - c0 : cmax);
         for (int h = 0; h < 2; h++) seg_part(T, &A, c0 + h * pairs, C, &X, y, scr, pc); /* gate, up */
     }
     if (__atomic_add_fetch(&T->cnt1[(int64_t)j * T->nr1 + r], 1, __ATOMIC_ACQ_REL) < JP->p1.nk) return;
+    if (__atomic_load_n(&T->fault, __ATOMIC_ACQUIRE)) { /* a failed call: its sums are not the experts' */
+        __atomic_add_fetch(&JP->ready, 1, __ATOMIC_ACQ_REL);
+        return;
+    }
     /* the range's last chunk: silu(gate) * up of the chunks' sums, in chunk order */
     DIAG_NOW(tr);
     float *inter = P->inter + JP->inter;
@@ -1170,7 +1228,8 @@ static void unit1(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
 }
 
 /* Phase-2 unit: job j, chunk c, tiles of H of range r; the range's last unit sums every job's rows. */
-static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y) {
+static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const void **xrow, float *scr, float *y,
+                  int compute) {
     const mo_job_t *J = &T->jobs[j];
     job_plan_t *JP = &T->jp[j];
     const int M = (int)J->m, cmax = seg_tiles(M);
@@ -1185,11 +1244,12 @@ static void unit2(pool_t *P, mlp_task *T, int j, int64_t c, int64_t r, const voi
     for (int m = 0; m < M; m++) xrow[m] = inter + (size_t)m * T->I + k0;
     act_t X = {xrow, DT_FP32, M};
     float *pc = P->part + JP->p2.part + (size_t)c * M * N;
-    for (int64_t c0 = t0; c0 < t1; c0 += cmax) {
+    for (int64_t c0 = t0; compute && c0 < t1; c0 += cmax) {
         const int C = (int)(t1 - c0 < cmax ? t1 - c0 : cmax);
         seg_part(T, &A, c0, C, &X, y, scr, pc);
     }
     if (__atomic_add_fetch(&T->cnt2[r], 1, __ATOMIC_ACQ_REL) < T->per_range2) return;
+    if (__atomic_load_n(&T->fault, __ATOMIC_ACQUIRE)) return; /* a failed call: no more rows written */
     /* the range's last unit: out rows = sum over jobs (in order) of weight * (sum of its chunks) */
     DIAG_NOW(tr);
     const int64_t n0 = t0 * 64, n1 = t1 * 64;
@@ -1236,40 +1296,65 @@ static int find_job(const mlp_task *T, int j, int64_t u, int phase) {
     }
 }
 
+/* The call's units, one at a time from the shared counter, from unit ``again`` first where >= 0 (the unit
+   a fault interrupted: counted once more, without its reads). *cur: the unit under way (mlp_run's guard). */
+static __attribute__((noinline)) void run_units(pool_t *P, mlp_task *T, const void **xrow, float *scr, float *y,
+                                                volatile int64_t *cur, int64_t again) {
+    int j1 = 0, j2 = 0;
+    for (;;) {
+        int64_t u = again;
+        again = -1;
+        if (u < 0) {
+            u = __atomic_fetch_add(&T->next, 1, __ATOMIC_RELAXED);
+            if (u >= T->n1 + T->n2) break;
+        }
+        const int compute = !__atomic_load_n(&T->fault, __ATOMIC_ACQUIRE); /* a failed call reads no more */
+        *cur = u;
+        DIAG_NOW(tu);
+        if (u < T->n1) {
+            j1 = find_job(T, j1, u, 1);
+            const int64_t local = u - T->jp[j1].p1.first;
+            unit1(P, T, j1, local / T->nr1, local % T->nr1, xrow, scr, y, compute);
+        } else {
+            const int64_t v = u - T->n1;
+            j2 = find_job(T, j2, v, 2);
+            const int64_t local = v - T->jp[j2].p2.first;
+            unit2(P, T, j2, local / T->nr2, local % T->nr2, xrow, scr, y, compute);
+            if (__atomic_add_fetch(&T->done2, 1, __ATOMIC_ACQ_REL) == T->n2)
+                __atomic_store_n(&P->async_t1, now_ns(), __ATOMIC_RELEASE); /* the call's work ends here */
+        }
+        *cur = -1;
+        DIAG_ADD(busy, now_ns() - tu);
+        DIAG_ADD(units, 1);
+    }
+}
+
 static void mlp_run(pool_t *P, int tid, void *vp) {
     mlp_task *T = vp;
-    float *scr = P->scratch[tid];
-    float *y = scr + scratch_floats(T->maxm) - ytiles_floats(T->maxm);
+    /* volatile: read after a jump to the guard below (they do not change; -Wclobbered cannot tell) */
+    float *const scr = P->scratch[tid];
+    float *volatile const y = scr + scratch_floats(T->maxm) - ytiles_floats(T->maxm);
     const void *rowp[1024];
-    const void **xrow = T->maxm <= 1024 ? rowp : NULL;
-    if (!xrow) xrow = malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
-    int j1 = 0, j2 = 0;
+    const void **volatile const xrow = T->maxm <= 1024 ? rowp : malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
 #ifdef DIAG_TIMING
     diag_self = &P->diag[tid];
     diag_self->joined++;
     diag_self->join += now_ns() - P->diag_open;
 #endif
-    for (;;) {
-        const int64_t u = __atomic_fetch_add(&T->next, 1, __ATOMIC_RELAXED);
-        if (u >= T->n1 + T->n2) break;
-        DIAG_NOW(tu);
-        if (u < T->n1) {
-            j1 = find_job(T, j1, u, 1);
-            const int64_t local = u - T->jp[j1].p1.first;
-            unit1(P, T, j1, local / T->nr1, local % T->nr1, xrow, scr, y);
-        } else {
-            const int64_t v = u - T->n1;
-            j2 = find_job(T, j2, v, 2);
-            const int64_t local = v - T->jp[j2].p2.first;
-            unit2(P, T, j2, local / T->nr2, local % T->nr2, xrow, scr, y);
-            if (__atomic_add_fetch(&T->done2, 1, __ATOMIC_ACQ_REL) == T->n2)
-                __atomic_store_n(&P->async_t1, now_ns(), __ATOMIC_RELEASE); /* the call's work ends here */
-        }
-        DIAG_ADD(busy, now_ns() - tu);
-        DIAG_ADD(units, 1);
+    /* the guard: nothing of this frame but cur (volatile) changes between sigsetjmp and a jump to it */
+    sigjmp_buf jb;
+    volatile int64_t cur = -1, again = -1;
+    if (sigsetjmp(jb, 0)) { /* a read of unit cur raised SIGBUS: the call fails; every unit still counts */
+        const int64_t a = (int64_t)(uintptr_t)hk_fault_addr;
+        int64_t none = 0;
+        __atomic_compare_exchange_n(&T->fault, &none, a ? a : 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        again = cur;
     }
+    hk_jmp = &jb;
+    if (xrow) run_units(P, T, xrow, scr, y, &cur, again);
+    hk_jmp = NULL;
     DIAG_ADD(last, now_ns() - P->diag_open);
-    if (xrow != rowp) free(xrow);
+    if (xrow != rowp) free((void *)xrow);
 }
 
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
@@ -1440,7 +1525,8 @@ int mo_host_diag(void *h, int64_t *out, int n) {
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
    x: [x_rows, H] of xdt (bf16/fp16/fp32), out: the same shape and dtype. Returns 0, or -EINVAL /
    -ENOMEM / -ENOTSUP (isa not available), -EBUSY (a call started with mo_host_mlp_start is not waited
-   for). Calls from several threads run one after the other. */
+   for), -EFAULT (a read of the jobs' weights raised SIGBUS: out not to be used; mo_host_last_fault).
+   Calls from several threads run one after the other. */
 int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_t H, int64_t I,
                 const mo_job_t *jobs, int njobs, void *out, int mode) {
     pool_t *P = h;
@@ -1455,10 +1541,14 @@ int mo_host_mlp(void *h, int isa, const void *x, int xdt, int64_t x_rows, int64_
         pool_finish(P, &T.done2, T.n2);
         mlp_free(&T);
         diag_call(P);
+        if (T.fault) { P->last_fault = T.fault; rc = -EFAULT; }
     }
     pool_release(P);
     return rc < 0 ? rc : 0;
 }
+
+/* The address whose read failed the last call that returned -EFAULT (1: unknown; 0: none yet). */
+int64_t mo_host_last_fault(void *h) { return h ? ((pool_t *)h)->last_fault : 0; }
 
 /* The same call, started on the pool's workers; the caller returns at once and collects it with
    mo_host_mlp_wait (x, jobs, their rows and weights, and out must stay valid until then; nothing runs
@@ -1488,7 +1578,8 @@ int mo_host_mlp_start(void *h, int isa, const void *x, int xdt, int64_t x_rows, 
 /* Collects the call of mo_host_mlp_start: the caller takes part in what is left, then returns 0 with
    *ns = nanoseconds from the start to the end of its work and *ready = 1 if that work was complete
    before this call (then *ns is the workers' time alone; else it may include the caller's delay).
-   -EINVAL if no call was started. */
+   -EINVAL if no call was started; -EFAULT if a read of the jobs' weights raised SIGBUS (out not to be used,
+   the call collected all the same; mo_host_last_fault: the address). */
 int mo_host_mlp_wait(void *h, int64_t *ns, int *ready) {
     pool_t *P = h;
     if (!P) return -EINVAL;
@@ -1498,15 +1589,16 @@ int mo_host_mlp_wait(void *h, int64_t *ns, int *ready) {
     pthread_mutex_unlock(&P->call_mu);
     if (!started) return -EINVAL;
     mlp_task *T = P->async_task;
-    int r = 1;
+    int r = 1, rc = 0;
     if (!P->async_empty) {
         r = pool_finish(P, &T->done2, T->n2);
         mlp_free(T);
         diag_call(P);
+        if (T->fault) { P->last_fault = T->fault; rc = -EFAULT; }
     }
     int64_t end = __atomic_load_n(&P->async_t1, __ATOMIC_ACQUIRE);
     if (ns) *ns = (P->async_empty || end < P->async_t0) ? 0 : end - P->async_t0;
     if (ready) *ready = r;
     pool_release(P);
-    return 0;
+    return rc;
 }

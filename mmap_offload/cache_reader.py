@@ -142,6 +142,22 @@ class Cache:
         raw = self._array(layer)[start : start + s.nbytes]
         return torch.from_numpy(raw).view(s.torch_dtype).view(s.shape)
 
+    def fault_error(self, address: int) -> CacheError:
+        """The one-line error of a read of this cache's mapping (``tensor``'s views: the host kernel's
+        weights) that raised SIGBUS at ``address``: the file, the offset, the expert and tensor."""
+        for layer, arr in list(self._arrays.items()):
+            base = arr.ctypes.data
+            if base <= address < base + arr.nbytes:
+                off = address - base
+                expert, within = divmod(off, self.record_nbytes)
+                name = next((s.name for s in self.expert_specs if s.offset <= within < s.offset + s.nbytes), None)
+                what = f"layer {layer} expert {expert}" + (f" {name}" if name else "")
+                return CacheError(f"reading cache file {self.layer_file(layer)} at offset {off} ({what}) failed: the "
+                                  "file was truncated, or the disk returned an I/O error, while it was mapped (SIGBUS)",
+                                  f"check the disk, then {self.repair_command()}")
+        return CacheError(f"reading a mapped file of the cache in {self.dir} at address {address:#x} failed (SIGBUS: "
+                          "truncated, or an I/O error)", f"check the disk, then {self.repair_command()}")
+
     def close(self) -> None:
         """Drop the mappings (views handed out keep theirs alive until they are freed)."""
         with self._map_lock:

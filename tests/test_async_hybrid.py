@@ -883,3 +883,117 @@ def test_gpu_collect_adds_the_host_rows_in_place_as_torchs_add(tmp_path, kernel,
         if a is not None:
             a.close()
         eng.close()
+
+
+def test_a_cache_file_truncated_while_serving_fails_the_step_not_the_process(tmp_path):
+    """A layer file truncated under the serving mappings (a stray ``truncate``; a disk I/O error on a page
+    the page cache dropped looks the same to a reader): the host kernel's reads of it raise SIGBUS in its
+    threads, which its guard turns into a failed host job; the end-of-step check raises one CacheError
+    line naming the file, the process lives, and the other layer keeps serving exact rows."""
+    import os
+
+    from mmap_offload.errors import CacheError
+
+    res, eng, cache, bufs, targets = _hybrid_residency(tmp_path, seed=5)
+    try:
+        refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+        calls = _calls(8, 3, seed=9)
+        for step in calls[:3]:
+            for t in targets:
+                ids, w, x = step[t.index]
+                _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
+        assert res.summary()["async_host_experts"] > 0
+        k = res.host.kernel
+        # (the process's SIGBUS handler may be the copy pool's, installed after the kernel's by another
+        # test: it passes faults outside its copies on to the kernel's)
+        assert k._lib.mo_host_last_fault(k._pool) == 0
+        path = cache.layer_file(LAYERS[0])
+        os.truncate(path, 0)
+        with pytest.raises(CacheError) as err:
+            for step in calls[3:]:
+                for t in targets:
+                    ids, w, x = step[t.index]
+                    wk, ik = res.route(t, w, ids, x)
+                    res.add_host(t, torch.zeros(x.shape, dtype=torch.bfloat16))
+        msg = str(err.value)
+        assert str(path) in msg and "SIGBUS" in msg and "\n" not in msg, msg
+        assert k._lib.mo_host_last_fault(k._pool) != 0  # the host kernel's read faulted, under its guard
+        # the process and the pool go on: the whole layer still computes exact rows on the host
+        t = targets[1]
+        ids, w, x = calls[-1][t.index]
+        out = torch.zeros(x.shape, dtype=torch.bfloat16)
+        k.experts_mlp(x, [(torch.arange(3), *(refs[t.layer][n][e] for n in EXPERT_TENSORS), GROUP,
+                           torch.ones(3)) for e in range(2)], out)
+        want = sum(_mlp(x, refs[t.layer], e) for e in range(2))
+        assert (out.float() - want).abs().max().item() <= TOL * want.abs().max().item()
+    finally:
+        res.close()
+        eng.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_truncated_cache_file_fails_the_hybrid_step_not_the_process(tmp_path, kernel, device):
+    """The host job is started and collected from the stream's callbacks (CUDA's callback thread on the
+    GPU); a layer file truncated under the mapping makes its reads raise SIGBUS there and in the kernel's
+    threads, which the host kernel's guard turns into a failed job: ``wait()`` raises one CacheError line
+    naming the file, the process lives, and the next calls of the other layer are exact."""
+    import contextlib
+    import os
+
+    from mmap_offload.errors import CacheError
+
+    c = make_marlin_cache(tmp_path, hidden=H, inter=INTER, group=GROUP, experts=E, layers=LAYERS, seed=2)
+    for layer in LAYERS:
+        c.check_experts_once(layer, list(range(E)))
+    refs = {l: _cache_tensors(c, l) for l in LAYERS}
+    dev = torch.device(device)
+    if device == "cuda":
+        from fakes import cuda_engine
+
+        eng = cuda_engine("ordered")
+        ctx = torch.cuda.stream(torch.cuda.Stream(dev))
+    else:
+        eng, ctx = _ordered_engine(), contextlib.nullcontext()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a = None
+    try:
+        with ctx:
+            ec = ExpertCache(c, eng, dev, capacity_experts=SLOTS * len(LAYERS), stream_ordered=True)
+            a = AsyncStep.create(ExpertStep.create(ec), max_experts=3)
+            assert isinstance(a, AsyncStep), a
+            a.set_host(kernel, _geometry(c), max_rows=8, dtype=torch.bfloat16, share=1.0, adapt=False)
+            src = _sources(c)
+            calls = _calls(6, 3, seed=6)
+
+            def step(layers, s):
+                got = []
+                for li, layer in enumerate(LAYERS):
+                    if layer in layers:
+                        ids, w, x = calls[s][li]
+                        buf = {k: v.to(dev) for k, v in _buffer(c).items()}
+                        wk, ik = a.run_hybrid(layer, ids.to(dev), buf, w.to(dev), x.to(dev), src[layer])
+                        out = torch.zeros(3, H, dtype=torch.bfloat16, device=dev)
+                        a.collect(out)
+                        got.append((layer, ids, w, x, wk, ik, buf, out))
+                a.wait()
+                return got
+
+            step(LAYERS, 0)
+            os.truncate(c.layer_file(LAYERS[0]), 0)
+            with pytest.raises(CacheError) as err:
+                for s in (1, 2, 3):
+                    step(LAYERS, s)
+            msg = str(err.value)
+            assert str(c.layer_file(LAYERS[0])) in msg and "SIGBUS" in msg and "\n" not in msg, msg
+            assert kernel._lib.mo_host_last_fault(kernel._pool) != 0
+            assert a.summary()["host_experts"] > 0
+            for layer, ids, w, x, wk, ik, buf, out in step(LAYERS[1:], 4):  # the other layer: exact
+                sync()
+                got = _moe(x, ik.cpu(), wk.cpu(), {k: v.cpu() for k, v in buf.items()}) + out.cpu().float()
+                want = _moe(x, ids, w, refs[layer])
+                assert (got - want).abs().max().item() <= TOL * want.abs().max().item()
+    finally:
+        if a is not None:
+            a.close()
+        eng.close()

@@ -620,3 +620,74 @@ def test_tiny_rows_keep_their_relative_accuracy(isa):
     assert 0 < float(ref[0].abs().max()) < 1e-33
     assert_close(y[:1], ref[:1], torch.bfloat16)
     assert_close(y[1:], ref[1:], torch.bfloat16)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_truncated_mapping_fails_the_call_not_the_process(tmp_path, threads):
+    """The weights are views of a file mapping; the file is truncated under it (as a stray ``truncate``
+    or a disk I/O error on a dropped page would make it): the kernel's read raises SIGBUS, which its
+    guard turns into HostReadFault with an address inside the mapping, for the blocking and the started
+    call, with one thread and with several; the process lives, the pool is not wedged (the next call on
+    good weights gives the reference's bytes), and a SIGBUS outside a call still kills the process. Runs
+    in a child process: without the guard the child dies of SIGBUS and this test fails, not pytest."""
+    import subprocess
+    import sys
+
+    hidden, inter, group = 384, 256, 128
+    cache, _ = expert(hidden, inter, group)
+    torch.save({n: cache[n] for n in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed",
+                                      "w2_weight_scale")}, tmp_path / "expert.pt")
+    script = f"""
+import os, sys, numpy as np, torch
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from mmap_offload.host.kernel import HostKernel, HostReadFault, library
+from test_host_kernel import _jobs_of
+names = ["w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"]
+ex = torch.load({str(tmp_path / "expert.pt")!r})
+x = torch.randn(3, {hidden}, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+k = HostKernel(threads={threads}, isa="plain")
+assert library().mo_host_sigbus_guarded() == 1
+want = torch.zeros_like(x)
+k.experts_mlp(x, _jobs_of([ex], x, {group}), want)
+for mode in ("blocking", "started"):
+    path = {str(tmp_path)!r} + "/" + mode + ".bin"
+    with open(path, "wb") as f:
+        for n in names:
+            f.write(ex[n].contiguous().view(torch.uint8).numpy().tobytes())
+    mm = np.memmap(path, dtype=np.uint8, mode="c")
+    views, off = {{}}, 0
+    for n in names:
+        nb = ex[n].numel() * ex[n].element_size()
+        views[n] = torch.frombuffer(mm, dtype=torch.uint8, offset=off, count=nb).view(ex[n].dtype).view(ex[n].shape)
+        off += nb
+    out = torch.zeros_like(x)
+    k.experts_mlp(x, _jobs_of([views], x, {group}), out)
+    assert torch.equal(out, want), mode  # the mapping reads right while the file is whole
+    os.truncate(path, 0)
+    out = torch.zeros_like(x)
+    try:
+        if mode == "blocking":
+            k.experts_mlp(x, _jobs_of([views], x, {group}), out)
+        else:
+            k.experts_mlp_start(x, _jobs_of([views], x, {group}), out).wait()
+    except HostReadFault as e:
+        base = mm.ctypes.data
+        assert base <= e.address < base + mm.nbytes, (hex(e.address), hex(base))
+        print(mode, "fault at offset", e.address - base)
+    else:
+        raise SystemExit(mode + ": no HostReadFault")
+    again = torch.zeros_like(x)
+    k.experts_mlp(x, _jobs_of([ex], x, {group}), again)  # the pool serves the next call
+    assert torch.equal(again, want), mode
+    k.experts_mlp_start(x, _jobs_of([ex], x, {group}), again.zero_()).wait()
+    assert torch.equal(again, want), mode
+print("ok")
+sys.stdout.flush()
+print(int(mm[0]))  # Python's own read of the truncated mapping, outside a call: passed on, the process dies
+print("SURVIVED")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONFAULTHANDLER": ""})
+    assert "ok" in r.stdout.splitlines(), (r.returncode, r.stdout, r.stderr[-3000:])
+    assert "blocking fault at offset" in r.stdout and "started fault at offset" in r.stdout
+    assert "SURVIVED" not in r.stdout and r.returncode == -7, (r.returncode, r.stderr[-2000:])  # SIGBUS

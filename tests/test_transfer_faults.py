@@ -49,9 +49,13 @@ TRUNCATE_UNDER_THE_ENGINE = """
     a, b = os.path.join(d, "a.bin"), os.path.join(d, "b.bin")
     eng = make_engine("mmap", "cpu", pinned_bytes=4 << 20, slot_bytes=1 << 20, threads=2, native=native)
     assert eng.native == native
-    if len(sys.argv) > 3:  # a SIGBUS handler installed after the pool's: it sees the fault first
+    if len(sys.argv) > 3 and sys.argv[3] == "faulthandler":  # a SIGBUS handler after the pool's: sees it first
         import faulthandler
         faulthandler.enable()
+    elif len(sys.argv) > 3:  # the host kernel's guard after the pool's (vLLM's hybrid order): passes it on
+        from mmap_offload.host.kernel import HostKernel, library
+        hk = HostKernel(threads=2, isa="plain")
+        assert library().mo_host_sigbus_guarded() == 1
     dst = torch.zeros(n, dtype=torch.uint8)
     copy = Copy(Extent(a, 0, n), [(0, n, dst)], label="layer 3 expert 5")
     eng.wait(eng.submit([copy]))  # mapped, pre-faulted, read once
@@ -79,11 +83,12 @@ TRUNCATE_UNDER_THE_ENGINE = """
 
 
 @needs_native
-@pytest.mark.parametrize("later_handler", [False, True])
+@pytest.mark.parametrize("later_handler", [None, "faulthandler", "host-kernel"])
 def test_native_pool_survives_a_file_truncated_while_mapped(tmp_path, later_handler):
     """With faulthandler enabled after the pool (it dumps, then re-raises to the pool's handler)
-    the process still lives; the message then names the faulting piece's start."""
-    r = _child(TRUNCATE_UNDER_THE_ENGINE, str(tmp_path), "1", *(["faulthandler"] if later_handler else []))
+    the process still lives; the message then names the faulting piece's start. The host kernel's own
+    SIGBUS guard (host/kernel.py), installed after the pool's as hybrid does, passes the pool's faults on."""
+    r = _child(TRUNCATE_UNDER_THE_ENGINE, str(tmp_path), "1", *([later_handler] if later_handler else []))
     assert r.returncode == 0, f"child died (rc {r.returncode}): {r.stderr[-3000:]}"
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
     assert "NO" not in lines, r.stdout

@@ -56,9 +56,9 @@ from typing import Any, Sequence
 import torch
 
 from ..cpus import core_count
-from ..errors import UnsupportedError
+from ..errors import CacheError, UnsupportedError
 
-__all__ = ["HostCall", "HostKernel", "ISAS", "available_isas", "dequantize_marlin", "library"]
+__all__ = ["HostCall", "HostKernel", "HostReadFault", "ISAS", "available_isas", "dequantize_marlin", "library"]
 
 # fastest first (the build box and the H200's host; BENCHMARKS.md "Host compute", sessions 15 and 16)
 ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
@@ -132,6 +132,13 @@ def library() -> ctypes.CDLL:
             lib.mo_host_set_spin.restype = ctypes.c_int64
             lib.mo_host_diag.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
             lib.mo_host_diag.restype = ctypes.c_int
+            if not hasattr(lib, "mo_host_last_fault"):
+                raise UnsupportedError("the mo_host library predates its SIGBUS guard (a stale build)",
+                                       "rebuild it (pip install -e . or remove the stale build)")
+            lib.mo_host_last_fault.argtypes = [ctypes.c_void_p]
+            lib.mo_host_last_fault.restype = ctypes.c_int64
+            lib.mo_host_sigbus_guarded.argtypes = []
+            lib.mo_host_sigbus_guarded.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -330,11 +337,26 @@ class HostKernel:
                 inter, ctypes.cast(arr, ctypes.POINTER(_Job)), len(jobs), out.data_ptr(), mode)
         if rc == -errno.EINVAL:
             raise ValueError(f"a job's rows must index x's {n} rows (or its group sizes are invalid)")
+        if rc == -errno.EFAULT:
+            raise HostReadFault(int(self._lib.mo_host_last_fault(self._pool)))
         if rc != 0:
             raise RuntimeError(f"mo_host_mlp failed ({os.strerror(-rc) if rc < 0 else rc})")
         if call is not None:  # the C call reads all of these until it is waited for
             call._keep = (x, out, jobs, keep, arr)
         del keep
+
+
+class HostReadFault(CacheError):
+    """A host kernel call whose read of an expert's mapped bytes raised SIGBUS (the cache file was
+    truncated, or the disk returned an I/O error, while it was mapped): the call was stopped, its output
+    rows are not the experts' and must not be used; the process and the kernel's pool go on.
+    ``address``: where the read failed (1: unknown). ``Cache.fault_error`` names the file and offset."""
+
+    def __init__(self, address: int):
+        super().__init__(f"the host kernel's read of mapped expert bytes at address {address:#x} failed (SIGBUS: "
+                         "a cache file was truncated, or the disk returned an I/O error, while it was mapped)",
+                         "run mmap-offload verify DIR")
+        self.address = address
 
 
 class HostCall:
@@ -359,6 +381,12 @@ class HostCall:
                 raise RuntimeError("HostKernel is closed")
             ns, ready = ctypes.c_int64(0), ctypes.c_int(0)
             rc = k._lib.mo_host_mlp_wait(k._pool, ctypes.byref(ns), ctypes.byref(ready))
+            if rc == -errno.EFAULT:  # collected all the same: the pool is free again
+                self._keep = None
+                if k._started is self:
+                    k._started = None
+                self.seconds, self.ready = ns.value / 1e9, bool(ready.value)
+                raise HostReadFault(int(k._lib.mo_host_last_fault(k._pool)))
             if rc != 0:
                 raise RuntimeError(f"mo_host_mlp_wait failed ({os.strerror(-rc) if rc < 0 else rc})")
             self.seconds, self.ready = ns.value / 1e9, bool(ready.value)

@@ -68,6 +68,7 @@ import torch
 from ..cpus import core_count
 from ..errors import UnsupportedError
 from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_host
+from ..host.kernel import HostReadFault
 from .options import HELD_SHARE_COPY_CORES
 
 
@@ -329,7 +330,10 @@ class HostExperts:
             raise UnsupportedError("this MoE kernel returns an unfinalized output, which hybrid cannot add to",
                                    "pass hybrid=false")
         t0 = time.perf_counter()
-        call = job.call.wait()  # HostCall: the kernel's own clock, from the start to its last unit of work
+        try:
+            call = job.call.wait()  # HostCall: the kernel's own clock, from the start to its last unit of work
+        except HostReadFault as e:  # the rows are not the experts': the step fails, the process goes on
+            raise self.cache.fault_error(e.address) from None
         host, seconds = job.out, call.seconds
         self.metrics["host_wait_s"] += time.perf_counter() - t0
         self.metrics["host_s"] += seconds
