@@ -136,7 +136,8 @@ class Cache:
         return self._array(layer)[ext.offset : ext.offset + ext.nbytes]
 
     def tensor(self, layer: int, expert: int, name: str) -> torch.Tensor:
-        """Zero-copy view of the mapping; unguarded: reading it after a truncation or disk I/O error raises SIGBUS."""
+        """Zero-copy view of the mapping; unguarded: reading it after a truncation or disk I/O error raises SIGBUS
+        (the host kernel reads these views inside its own guard; ``fault_error`` names what failed)."""
         s = self.spec(name)
         start = expert * self.record_nbytes + s.offset
         raw = self._array(layer)[start : start + s.nbytes]

@@ -27,6 +27,11 @@ largest |x|, about bf16's own rounding of x at values 1/128 of that largest; int
 scaled in fp32. Every path meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest
 output), outlier channels included.
 
+Faults: the weights are usually views of the cache's mapping; a page that cannot be read (the file
+truncated under it, a disk I/O error) raises SIGBUS in whichever thread reads it. Every thread computes
+inside a guard (csrc/host_kernel.c) that ends the call with ``HostReadFault`` (its ``address``;
+``Cache.fault_error`` names the file) instead of killing the process; the pool serves the next call.
+
 Threads: ``threads=0`` takes the physical cores of the CPUs this process may run on (``cpus.core_count``:
 hardware threads of one core count once). The pool is
 this object's; its workers spin for ``spin_us`` after a call (default ``SPIN_US``, 1 ms, or
