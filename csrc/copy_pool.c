@@ -305,6 +305,10 @@ int mo_sigbus_guarded(void) {
            cur.sa_sigaction == on_sigbus;
 }
 
+/* The pool's handler (a library installed after it that passes faults on names it as its previous one:
+ * mo_host's guard, mo_host_sigbus_prev). */
+void *mo_sigbus_handler(void) { return (void *)on_sigbus; }
+
 /* Copy a chunk's pieces from the mapping into the slot; 0, or ERR_FAULT with *fault set. */
 static int guarded_copy(const chunk *c, const planned_piece *pieces, char *slot, int movsb, uint64_t *fault) {
     sigjmp_buf jb;

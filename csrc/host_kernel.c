@@ -835,6 +835,12 @@ static void hk_install_bus_handler(void) {
     sigaction(SIGBUS, &sa, &hk_prev_bus);
 }
 
+/* The handler this library's passes faults outside its calls on to (NULL: the default or a plain one). */
+void *mo_host_sigbus_prev(void) {
+    pthread_once(&hk_bus_once, hk_install_bus_handler);
+    return (hk_prev_bus.sa_flags & SA_SIGINFO) ? (void *)hk_prev_bus.sa_sigaction : NULL;
+}
+
 /* 1 while the process's SIGBUS handler is this library's (one installed later that does not pass
    faults on disarms the guard). */
 int mo_host_sigbus_guarded(void) {

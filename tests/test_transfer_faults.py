@@ -56,6 +56,7 @@ TRUNCATE_UNDER_THE_ENGINE = """
         from mmap_offload.host.kernel import HostKernel, library
         hk = HostKernel(threads=2, isa="plain")
         assert library().mo_host_sigbus_guarded() == 1
+        assert eng.metrics["sigbus_guarded"] is True  # the host kernel's guard passes the pool's faults on
     dst = torch.zeros(n, dtype=torch.uint8)
     copy = Copy(Extent(a, 0, n), [(0, n, dst)], label="layer 3 expert 5")
     eng.wait(eng.submit([copy]))  # mapped, pre-faulted, read once

@@ -144,6 +144,8 @@ def library() -> ctypes.CDLL:
             lib.mo_host_last_fault.restype = ctypes.c_int64
             lib.mo_host_sigbus_guarded.argtypes = []
             lib.mo_host_sigbus_guarded.restype = ctypes.c_int
+            lib.mo_host_sigbus_prev.argtypes = []
+            lib.mo_host_sigbus_prev.restype = ctypes.c_void_p
             _lib = lib
         return _lib
 

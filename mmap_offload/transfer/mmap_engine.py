@@ -295,8 +295,22 @@ class MmapEngine(_RingEngine):
             m.update(self._pool.stats())
             if self._pool.ordered_bytes:
                 m.update(self._pool.ordered_stats())
-            m["sigbus_guarded"] = bool(self._pool.lib.mo_sigbus_guarded())  # csrc/copy_pool.c
+            m["sigbus_guarded"] = self._sigbus_guarded()
         return m
+
+    def _sigbus_guarded(self) -> bool:
+        """Whether a SIGBUS in the pool's copies reaches its guard (csrc/copy_pool.c): its handler is the
+        process's, or the host kernel's guard is, installed after it and passing other faults on to it."""
+        lib = self._pool.lib
+        if lib.mo_sigbus_guarded():
+            return True
+        from ..host import kernel
+
+        host = kernel._lib  # only where the host kernel was loaded (hybrid)
+        if host is None or not host.mo_host_sigbus_guarded():
+            return False
+        lib.mo_sigbus_handler.restype = ctypes.c_void_p
+        return host.mo_host_sigbus_prev() == lib.mo_sigbus_handler()
 
     def close(self) -> None:
         """Cancel chunks not started, finish those in flight, free the ring. Idempotent."""
