@@ -997,3 +997,39 @@ def test_a_truncated_cache_file_fails_the_hybrid_step_not_the_process(tmp_path, 
         if a is not None:
             a.close()
         eng.close()
+
+
+def test_hybrid_admit_zero_computes_every_routed_expert_on_the_host(tmp_path):
+    """Option hybrid_admit 0 (experts on the CPU, the llama.cpp / KTransformers way, inside vLLM): the pool
+    admits nothing from hybrid calls, so nothing hits and, with hybrid_share 1, the host computes every
+    routed expert but the one a call without a hit copies (the row its host pairs point at); outputs equal
+    every pair from the cache. The default (4) admits and hits."""
+    got = {}
+    for admit in (4, 0):
+        res, eng, cache, bufs, targets = _hybrid_residency(tmp_path / str(admit), seed=5, hybrid_admit=admit)
+        try:
+            refs = {l: _cache_tensors(cache, l) for l in LAYERS}
+            steps = _calls(12, 3, seed=9)
+            for step in steps:
+                for t in targets:
+                    ids, w, x = step[t.index]
+                    _route_exact(res, t, ids, w, x, bufs[t.layer], refs[t.layer])
+            got[admit] = s = res.summary()
+            assert s["hybrid_async_calls"] == len(steps) * len(LAYERS), s
+        finally:
+            res.close()
+            eng.close()
+    assert got[4]["async_admitted"] > 0 and got[4]["async_sparse_hits"] > 0
+    s = got[0]
+    assert s["async_admitted"] == 0 and s["async_sparse_hits"] == 0, s
+    assert s["async_host_experts"] == s["async_sparse_misses"] - s["hybrid_async_calls"], s
+
+
+def test_hybrid_admit_option_is_checked():
+    from mmap_offload.errors import UnsupportedError
+    from mmap_offload.vllm_backend.options import MmapOptions
+
+    assert MmapOptions.resolve({"hybrid_admit": "0"}).hybrid_admit == 0
+    for bad in (-1, 65):
+        with pytest.raises(UnsupportedError, match="hybrid_admit must be in"):
+            MmapOptions.resolve({"hybrid_admit": bad})

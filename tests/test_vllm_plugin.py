@@ -244,6 +244,14 @@ def test_launcher_hybrid_share_holds_the_hosts_share_and_refuses_a_bad_one():
         launcher_argv(["serve", "/m", "--mmap-hybrid-share", "2"])
 
 
+def test_launcher_hybrid_admit_reaches_the_options_and_refuses_a_bad_one():
+    argv = launcher_argv(["serve", "/m", "--mmap-hybrid", "--mmap-hybrid-admit", "0", "--mmap-hybrid-small-calls"])
+    got = json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY]
+    assert got == {"hybrid": True, "hybrid_admit": 0, "hybrid_small_calls": "on"}
+    with pytest.raises(UnsupportedError, match="hybrid_admit"):
+        launcher_argv(["serve", "/m", "--mmap-hybrid-admit", "-1"])
+
+
 def test_launcher_keeps_user_choices():
     argv = launcher_argv(["serve", "/m", "--offload-backend=uva", "-cc.cudagraph_mode=NONE"])
     assert argv == ["serve", "/m", "--offload-backend=uva", "-cc.cudagraph_mode=NONE"]

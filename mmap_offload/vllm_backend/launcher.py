@@ -34,6 +34,7 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
                                                          "choices": ("auto", "on", "off")}),
     "--mmap-hybrid-small-ms": ("hybrid_small_ms", {"type": float}),
     "--mmap-hybrid-share": ("hybrid_share", {"type": float}),
+    "--mmap-hybrid-admit": ("hybrid_admit", {"type": int}),
 }
 
 

@@ -82,6 +82,13 @@ class MmapOptions:
     # when the stream waited for it), as if the host and the copies were independent (the default
     # before session 32). Another value in [0, 1] holds the share there
     hybrid_share: float = 1.0
+    # with hybrid_stream: how many of a hybrid call's misses the VRAM pool may admit (copy and keep for the
+    # calls after it; the pool's policy picks which). 4 (default): as a plain sparse call. 0: the pool
+    # learns nothing from hybrid calls, so (with hybrid_share 1) the host computes every routed expert the
+    # pool does not hold already, but one copied where a call has no hit (the row its host pairs point
+    # at): experts on the CPU, llama.cpp's --cpu-moe / KTransformers' way, inside vLLM; with
+    # hybrid_small_calls "on" batch 1 too
+    hybrid_admit: int = 4
     # host compute threads; 0 = this rank's cores less vLLM's launching thread and the copy threads, of
     # which at most HELD_SHARE_COPY_CORES are counted where hybrid_share is 1 on the stream path (they
     # copy only the pool's admissions then, and sleep while idle): 12 at 16 cores, else 9
@@ -195,6 +202,9 @@ class MmapOptions:
         if not (self.hybrid_share == -1 or 0 <= self.hybrid_share <= 1):
             raise UnsupportedError(f"mmap_offload hybrid_share must be -1 or in [0, 1], got {self.hybrid_share}",
                                    "pass 1 (every miss the pool does not admit, the default), -1 (adapted per call) or a share in [0, 1]")
+        if not 0 <= self.hybrid_admit <= 64:
+            raise UnsupportedError(f"mmap_offload hybrid_admit must be in [0, 64], got {self.hybrid_admit}",
+                                   "pass 4 (the default: as a plain sparse call) or 0 (the pool admits nothing)")
         if self.hybrid_parts < -1:
             raise UnsupportedError(
                 f"mmap_offload hybrid_parts must be >= -1, got {self.hybrid_parts}",

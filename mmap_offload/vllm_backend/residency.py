@@ -95,6 +95,7 @@ class Residency:
             else:
                 self.async_step = got
                 got.hybrid_parts = opts.hybrid_parts  # hybrid calls' parts (kept across set_host)
+        self.hybrid_admit = int(opts.hybrid_admit)  # admissions per hybrid call (0: host-only decode)
         self._hy_share = float(opts.hybrid_share)  # -1: adapted from the calibrated start; else held
         # ids per call the async step can take (at most one miss per id: the pool and its staging)
         self.async_fits = min(self.ec.slots_per_pool, self.async_step.max_experts) if self.async_step is not None else 0
@@ -431,7 +432,7 @@ class Residency:
         if host._pending:  # the Python path's job of a failed step: the kernel is the callback's now
             host._drop_pending()
         tensors, _ = self.off.prefetcher.claim(t.layer, event=False)  # copies on this stream: ordered anyway
-        c = a.hybrid_call(t.layer, ids, tensors, weights, x, src)
+        c = a.hybrid_call(t.layer, ids, tensors, weights, x, src, max_admit=self.hybrid_admit)
         got = a.run_prepared(c, ids, weights, x) if c is not None else None
         self.metrics["native_s"] += time.perf_counter() - t0
         if got is None:
