@@ -171,6 +171,21 @@ def test_hybrid_small_calls_auto_switches_and_keeps_the_tokens(run):
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 
+def test_host_only_decode_keeps_the_tokens(run):
+    """hybrid_admit 0 with hybrid_small_calls on (experts on the host, llama.cpp's --cpu-moe way inside
+    vLLM): decode calls admit nothing into the pool and never hit it, the host computes experts, and the
+    tokens follow test_hybrid_tokens_equal_no_offload's rule. W4A16 only."""
+    from token_match import assert_equal_up_to_a_near_tie
+
+    if run["quant"] != "w4a16":
+        pytest.skip("the stream hybrid path is W4A16's")
+    hy, ref = run["cases"]["mmap_host_only"], run["cases"]["ref"]
+    s = hy["summary"]
+    assert s["residency_hybrid_async_calls"] > 0 and s["residency_async_host_experts"] > 0, s
+    assert s["residency_async_admitted"] == 0 and s["residency_async_sparse_hits"] == 0, s
+    assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
+
+
 def test_a_start_without_enforce_eager_is_refused(run):
     """Without enforce_eager vLLM captures CUDA graphs (its default) or compiles the model (graphs off):
     the backend refuses both at start with one line naming --enforce-eager, and serves nothing."""

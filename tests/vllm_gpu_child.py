@@ -22,6 +22,8 @@ backend skips it unread; the same sizes otherwise). Cases, in this order (each a
     mmap_hybrid_small   (W4A16 only) mmap_experts' pool with hybrid, hybrid_small_calls=auto at
                  hybrid_small_ms 0: decode calls that fit the pool switch to the hybrid form after
                  the first step's check
+    mmap_host_only      (W4A16 only) hybrid_admit 0 and hybrid_small_calls on: the pool admits nothing from
+                 decode calls, every routed expert but one per call without a hit computed on the host
     mmap_not_eager, mmap_compiled   started without enforce_eager (vLLM's default; and with CUDA graphs
                  off, torch.compile on): refused at start, the refusal's text kept
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
@@ -185,7 +187,10 @@ def main() -> int:
                   ("mmap_hybrid_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0, "hybrid": True}))
     if quant == "w4a16":  # hybrid_small_calls=auto with a threshold of 0: from the first step's check on,
         # the decode calls that fit the 6-slot pool take the hybrid form on the stream (W4A16 only)
-        pool_cases += (("mmap_hybrid_small", {"expert_cache_gib": g, "hybrid": True, "hybrid_small_ms": 0.0}),)
+        pool_cases += (("mmap_hybrid_small", {"expert_cache_gib": g, "hybrid": True, "hybrid_small_ms": 0.0}),
+                       # every decode call hybrid, the pool admitting nothing: experts on the host (session 37)
+                       ("mmap_host_only", {"expert_cache_gib": g, "hybrid": True, "hybrid_admit": 0,
+                                           "hybrid_small_calls": "on"}))
     for case, extra in pool_cases:
         if only and case not in only:
             continue
