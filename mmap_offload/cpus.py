@@ -1,13 +1,13 @@
 """The CPUs this process may run on, and how many physical cores they are.
 
-Default thread counts (the host kernel's, the hybrid path's per rank) count **cores**, not hardware
-threads: on a host with two threads per core (SMT), two busy threads of one core share its load and
-store units and its caches, and the host kernel is DRAM-bound with one thread per core already
-(docs/BENCHMARKS.md: 80% of DRAM read bandwidth at all cores of the H200's host). Counting hardware
-threads would put twice as many workers on the same cores, and vLLM's launching thread, the bound of
-eager decode at batch 1, would share a core with one of them. llama.cpp's default thread count is
-the physical cores for the same reason. An explicit count (``--mmap-host-threads``, ``HostKernel(threads=)``)
-is taken as given.
+Default thread counts count **cores**, not hardware threads: the host kernel's (``HostKernel(threads=0)``)
+is the core count, and hybrid's per rank (``vllm_backend.host_experts.default_threads``) at most one per
+core but the launching thread's. On a host with two threads per core (SMT) two busy threads of one core
+share its load and store units and its caches, and the host kernel is DRAM-bound with one thread per
+core already (docs/BENCHMARKS.md: 80% of DRAM read bandwidth at all cores of the H200's host); counting
+hardware threads would put vLLM's launching thread, the bound of eager decode at batch 1, beside a busy
+sibling. llama.cpp's default thread count is the physical cores for the same reason. An explicit count
+(``--mmap-host-threads``, ``HostKernel(threads=)``) is taken as given.
 
 Cores are read from sysfs: CPUs whose ``topology/thread_siblings_list`` (``core_cpus_list`` on newer
 kernels) names the same set are one core. A CPU whose topology cannot be read counts as a core of its

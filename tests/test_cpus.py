@@ -51,8 +51,9 @@ def test_unreadable_topology_counts_each_cpu(tmp_path):
 
 
 def test_default_thread_counts_use_cores_not_hardware_threads(tmp_path, monkeypatch):
-    """On 8 cores x 2 threads the backend's default host threads per rank are those of 8 cores, so
-    vLLM's launching thread keeps a core of its own; the kernel's own default is the core count."""
+    """On 8 cores x 2 threads the backend's default host threads per rank are one per core but the
+    launching thread's (the copy threads, asleep while idle, on the siblings); the kernel's own default
+    is the core count."""
     from mmap_offload.host import hybrid
     from mmap_offload.host.kernel import HostKernel
     from mmap_offload.vllm_backend import host_experts
@@ -60,7 +61,9 @@ def test_default_thread_counts_use_cores_not_hardware_threads(tmp_path, monkeypa
     monkeypatch.setattr(cpus, "SYSFS", smt_host(tmp_path, cores=8))
     monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
     assert cpus.core_count() == 8
-    assert host_experts.default_threads(1, engine_threads=3) == 4  # 8 - 3 copy - 1 launching, not 16 - 4
+    assert host_experts.default_threads(1, engine_threads=3) == 7  # 8 cores - the launching thread's, not 16 - 4
+    assert host_experts.default_threads(1, engine_threads=10) == 5  # 16 threads - 10 copy - 1 launching
+    assert host_experts.default_threads(2, engine_threads=3) == 3  # 4 cores per rank - 1
     assert host_experts.default_threads(2) == 4
     assert hybrid.default_threads(2) == (6, 8)
     k = HostKernel(threads=0, isa="plain")

@@ -27,7 +27,7 @@ from the first copies. A side the model has not seen in service yet is tried onc
 the cheapest miss goes to the host), and again whenever the host got nothing for
 ``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
 
-Threads (``default_threads``): the cores of this rank (physical cores, not hardware threads: ``cpus.py``), less the copy engine's threads (6 by default
+Threads (``default_threads``): the CPUs of this rank (at most one per physical core: ``cpus.py``), less the copy engine's threads (6 by default
 with hybrid, ``MmapOptions.copy_threads``: 9 host threads at 16 cores) and one for the thread that
 launches vLLM's GPU work. On the stream path with ``hybrid_share`` 1 (the default) the copy threads copy
 only the pool's admissions (~18 MiB per decode step at batch 8) and sleep while idle, so at most
@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cpus import core_count
+from ..cpus import allowed_cpus, core_count
 from ..errors import UnsupportedError
 from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_host
 from ..host.kernel import HostReadFault
@@ -378,14 +378,20 @@ def _fits_in_memory(cache) -> bool:
 
 
 def default_threads(tp_size: int, engine_threads: int = 0) -> int:
-    """Host compute threads per rank: this process's cores (physical: ``cpus.core_count``) shared
-    among the ranks, less the copy engine's threads and, beside them, one for the thread that
-    launches the GPU work (module docstring)."""
-    cores = core_count()
-    per_rank = cores // max(1, tp_size)
+    """Host compute threads per rank: this rank's share of the CPUs (hardware threads) less the copy
+    engine's threads and, beside them, one for the thread that launches the GPU work (module
+    docstring); and at most one per physical core (``cpus.core_count``) but the launching thread's.
+    Without SMT the first bound is the one (12 at 16 cores beside 3 counted copy threads). With two
+    threads per core the second is: one host thread per core, the launching thread's core left to it
+    (its sibling idle or a copy thread's), the copy threads, which sleep while idle, on the host cores'
+    siblings: 7 per rank at TP=2 on 16 cores x 2, where counting hardware threads gave 12 (a busy
+    sibling beside the launching thread) and counting cores alone 4 (3 cores held for sleeping copy
+    threads)."""
+    tp = max(1, tp_size)
+    threads, cores = len(allowed_cpus()) // tp, core_count() // tp
     if engine_threads > 0:
-        per_rank -= engine_threads + 1
-    return max(1, per_rank)
-
+        threads -= engine_threads + 1
+        cores -= 1
+    return max(1, min(threads, cores))
 
 __all__ = ["HostExperts", "default_threads"]
