@@ -24,6 +24,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include "sigbus_guard.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -250,81 +251,35 @@ static void release_slot(mo_pool *p, int s, int recorded, worker_arg *w) {
     pthread_mutex_unlock(&p->mu);
 }
 
-/* --- SIGBUS guard of the reads from the mapping ----------------------------------------------
- * A page of a mapped file that cannot be read (the file was truncated under the mapping, or the
- * disk returned an I/O error) raises SIGBUS in the thread that touches it, which kills the process
- * by default. The pool's workers copy inside a guard: the handler (installed once, by the first
- * mo_pool_create) jumps out of the copy of a guarded thread, and that chunk fails with ERR_FAULT
- * and the faulting address. A SIGBUS anywhere else goes to the handler that was there before (the
- * default: the process dies as it would have). Thread-local state, set only by the workers. */
-/* initial-exec: the handler may run in any thread (a fault elsewhere), where a lazily allocated
- * general-dynamic TLS block would be allocated inside the handler (not async-signal-safe) */
-#define MO_TLS __thread __attribute__((tls_model("initial-exec")))
-static MO_TLS sigjmp_buf *guard_jmp;
-static MO_TLS void *volatile guard_addr;
-static struct sigaction prev_bus;
-static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
-
-static void on_sigbus(int sig, siginfo_t *si, void *uc) {
-    sigjmp_buf *jb = guard_jmp;
-    if (jb) {
-        guard_jmp = NULL;
-        /* si_addr is the faulting address only for a kernel-sent SIGBUS (si_code > 0), not for
-         * one re-raised by a handler installed after this one (faulthandler) */
-        guard_addr = si && si->si_code > 0 ? si->si_addr : NULL;
-        siglongjmp(*jb, 1);
-    }
-    if (prev_bus.sa_flags & SA_SIGINFO) {
-        if (prev_bus.sa_sigaction) { prev_bus.sa_sigaction(sig, si, uc); return; }
-    } else if (prev_bus.sa_handler != SIG_DFL && prev_bus.sa_handler != SIG_IGN) {
-        prev_bus.sa_handler(sig);
-        return;
-    }
-    /* default (or ignored, which for a fault would loop): die of it, as without this handler;
-     * returning re-runs the faulting access, which raises SIGBUS again, now with the default */
-    signal(SIGBUS, SIG_DFL);
-}
-
-static void install_bus_handler(void) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sa_sigaction = on_sigbus;
-    /* NODEFER: SIGBUS is not blocked while the handler runs, so the jump out of it leaves the
-     * thread's mask as it was and sigsetjmp need not save the mask (a syscall per chunk) */
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, &prev_bus);
-}
+/* --- SIGBUS guard of the reads from the mapping (sigbus_guard.h) ------------------------------
+ * The pool's workers copy inside the guard (installed by the first mo_pool_create): a chunk whose read
+ * raised SIGBUS fails with ERR_FAULT and the faulting address. */
 
 /* 1 while the process's SIGBUS handler is the pool's. A handler installed later by someone else
  * (e.g. Python's faulthandler.enable()) sees guarded faults first: faulthandler prints its dump and
  * re-raises, which this handler then still catches; one that does not re-raise disarms the guard. */
-int mo_sigbus_guarded(void) {
-    struct sigaction cur;
-    return sigaction(SIGBUS, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) &&
-           cur.sa_sigaction == on_sigbus;
-}
+int mo_sigbus_guarded(void) { return guard_is_current(); }
 
 /* The pool's handler (a library installed after it that passes faults on names it as its previous one:
  * mo_host's guard, mo_host_sigbus_prev). */
-void *mo_sigbus_handler(void) { return (void *)on_sigbus; }
+void *mo_sigbus_handler(void) { return guard_handler(); }
 
 /* Copy a chunk's pieces from the mapping into the slot; 0, or ERR_FAULT with *fault set. */
 static int guarded_copy(const chunk *c, const planned_piece *pieces, char *slot, int movsb, uint64_t *fault) {
     sigjmp_buf jb;
     volatile uint32_t i = 0;
     if (sigsetjmp(jb, 0)) {
-        void *a = guard_addr;
+        void *a = guard_fault_addr();
         *fault = a ? (uint64_t)(uintptr_t)a : pieces[c->first + i].src;
         return ERR_FAULT;
     }
-    guard_jmp = &jb;
+    guard_arm(&jb);
     for (; i < c->count; i++) {
         const planned_piece *q = &pieces[c->first + i];
         if (movsb) mo_copy_movsb(slot + q->off, (const void *)(uintptr_t)q->src, q->n);
         else mo_copy_nt4(slot + q->off, (const void *)(uintptr_t)q->src, q->n, PREFETCH);
     }
-    guard_jmp = NULL;
+    guard_disarm();
     return 0;
 }
 
@@ -388,8 +343,7 @@ static void chunk_finished(mo_pool *p, batch *b, int err, uint64_t fault) {
 static void *worker(void *arg) {
     worker_arg *w = (worker_arg *)arg;
     mo_pool *p = w->p;
-    guard_jmp = NULL; /* touch the thread-local state here, not first in the signal handler */
-    guard_addr = NULL;
+    guard_thread_init(); /* touch the thread-local state here, not first in the signal handler */
     if (p->set_device) p->set_device(p->device);
     pthread_mutex_lock(&p->mu);
     for (;;) {
@@ -424,7 +378,7 @@ mo_pool *mo_pool_create(void *const *api, int device, void *stream, void *ring, 
     if (nslots < 1 || nthreads < 1 || !ring || !slot_bytes) return NULL;
     if (copy_kind != COPY_NT4 && copy_kind != COPY_MIXED) return NULL;
     if ((flags & POOL_HOT_SLOTS) && !api[6]) return NULL;
-    pthread_once(&bus_once, install_bus_handler);
+    guard_install();
     mo_pool *p = calloc(1, sizeof(*p));
     if (!p) return NULL;
     p->memcpy_async = (fn_memcpy_async)api[0];
@@ -729,8 +683,7 @@ static void gchunk_finished(mo_pool *p, gbatch *b, int err, uint64_t fault) {
 
 static void *gworker(void *arg) {
     mo_pool *p = (mo_pool *)arg;
-    guard_jmp = NULL;
-    guard_addr = NULL;
+    guard_thread_init();
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (!p->g_head_q && !p->closing) pthread_cond_wait(&p->g_work_cv, &p->mu);

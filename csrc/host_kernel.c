@@ -30,12 +30,12 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
-#include <setjmp.h>
-#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "sigbus_guard.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -794,59 +794,21 @@ static size_t scratch_floats(int M) {
 
 typedef struct pool pool_t;
 struct mlp_task_s;
-/* --- SIGBUS guard of the reads from the mapped cache ----------------------------------------
+/* --- SIGBUS guard of the reads from the mapped cache (sigbus_guard.h) -------------------------
  * The jobs' weights and scales are views of the cache's mapping. A page that cannot be read (the file
  * truncated under the mapping, or a disk I/O error on a page the page cache had dropped) raises SIGBUS
- * in the thread that touches it, which by default kills the process (a vLLM server). Each thread of a
- * call runs its units inside a guard: the handler (installed by the first mo_host_create) jumps out of
- * the unit, the call is marked failed with the faulting address, and every later unit is counted
- * without its reads, so the call ends as usual and returns -EFAULT (mo_host_last_fault: the address);
- * out's rows are then not the experts' (ranges that ended before the fault wrote theirs): discard them. A SIGBUS in any other thread, or outside a unit, goes to the handler that was
- * there before (mo_native's copy pool chains the same way; the default: the process dies as without
- * this). initial-exec TLS: the handler may run in any thread. */
-#define HK_TLS __thread __attribute__((tls_model("initial-exec")))
-static HK_TLS sigjmp_buf *hk_jmp;
-static HK_TLS void *volatile hk_fault_addr;
-static struct sigaction hk_prev_bus;
-static pthread_once_t hk_bus_once = PTHREAD_ONCE_INIT;
-
-static void hk_on_sigbus(int sig, siginfo_t *si, void *uc) {
-    sigjmp_buf *jb = hk_jmp;
-    if (jb) {
-        hk_jmp = NULL;
-        hk_fault_addr = si && si->si_code > 0 ? si->si_addr : NULL; /* kernel-sent: the faulting address */
-        siglongjmp(*jb, 1);
-    }
-    if (hk_prev_bus.sa_flags & SA_SIGINFO) {
-        if (hk_prev_bus.sa_sigaction) { hk_prev_bus.sa_sigaction(sig, si, uc); return; }
-    } else if (hk_prev_bus.sa_handler != SIG_DFL && hk_prev_bus.sa_handler != SIG_IGN) {
-        hk_prev_bus.sa_handler(sig);
-        return;
-    }
-    signal(SIGBUS, SIG_DFL); /* returning re-runs the access, which now dies of the default */
-}
-
-static void hk_install_bus_handler(void) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = hk_on_sigbus;
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK; /* NODEFER: the jump leaves the mask as it was */
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, &hk_prev_bus);
-}
+ * in the thread that touches it. Each thread of a call runs its units inside the guard (installed by the
+ * first mo_host_create): the call is marked failed with the faulting address, and every later unit is
+ * counted without its reads, so the call ends as usual and returns -EFAULT (mo_host_last_fault: the
+ * address); out's rows are then not the experts' (ranges that ended before the fault wrote theirs):
+ * discard them. */
 
 /* The handler this library's passes faults outside its calls on to (NULL: the default or a plain one). */
-void *mo_host_sigbus_prev(void) {
-    pthread_once(&hk_bus_once, hk_install_bus_handler);
-    return (hk_prev_bus.sa_flags & SA_SIGINFO) ? (void *)hk_prev_bus.sa_sigaction : NULL;
-}
+void *mo_host_sigbus_prev(void) { return guard_prev_handler(); }
 
 /* 1 while the process's SIGBUS handler is this library's (one installed later that does not pass
    faults on disarms the guard). */
-int mo_host_sigbus_guarded(void) {
-    struct sigaction cur;
-    return sigaction(SIGBUS, NULL, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == hk_on_sigbus;
-}
+int mo_host_sigbus_guarded(void) { return guard_is_current(); }
 
 typedef void (*task_fn)(pool_t *, int tid, void *arg);
 static int64_t now_ns(void);
@@ -959,7 +921,7 @@ void *mo_host_create(int nthreads) {
     if (!P) return NULL;
     P->nthreads = nthreads;
     P->spin_ns = SPIN_NS_DEFAULT;
-    pthread_once(&hk_bus_once, hk_install_bus_handler);
+    guard_install();
 #if MO_X86
     pthread_once(&sperm_once, make_sperms);
 #endif
@@ -1351,14 +1313,14 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     sigjmp_buf jb;
     volatile int64_t cur = -1, again = -1;
     if (sigsetjmp(jb, 0)) { /* a read of unit cur raised SIGBUS: the call fails; every unit still counts */
-        const int64_t a = (int64_t)(uintptr_t)hk_fault_addr;
+        const int64_t a = (int64_t)(uintptr_t)guard_fault_addr();
         int64_t none = 0;
         __atomic_compare_exchange_n(&T->fault, &none, a ? a : 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
         again = cur;
     }
-    hk_jmp = &jb;
+    guard_arm(&jb);
     if (xrow) run_units(P, T, xrow, scr, y, &cur, again);
-    hk_jmp = NULL;
+    guard_disarm();
     DIAG_ADD(last, now_ns() - P->diag_open);
     if (xrow != rowp) free((void *)xrow);
 }

@@ -51,10 +51,11 @@ class Library:
 LIBRARIES: dict[str, Library] = {
     # the copy kernels and the batch copy pool of the mmap engine (mmap_offload/transfer/native_pool.py),
     # and the expert cache's decode step (mmap_offload/expert_step.py)
-    "mo_native": Library(("copy_pool.c", "fastcopy.c", "route_step.c", "async_step.c"), ("fastcopy.h", "route_step.h"),
+    "mo_native": Library(("copy_pool.c", "fastcopy.c", "route_step.c", "async_step.c"),
+                         ("fastcopy.h", "route_step.h", "sigbus_guard.h"),
                          ("-O3", "-mavx2", "-ffp-contract=off"), ("pthread", "m"), ("avx2",)),
     # host compute of missed experts: dispatches on the ISA at run time (function target attributes)
-    "mo_host": Library(("host_kernel.c",), (), ("-O3",), ("pthread", "m"), ()),
+    "mo_host": Library(("host_kernel.c",), ("sigbus_guard.h",), ("-O3",), ("pthread", "m"), ()),
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
