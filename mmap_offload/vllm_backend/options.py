@@ -89,9 +89,10 @@ class MmapOptions:
     # at): experts on the CPU, llama.cpp's --cpu-moe / KTransformers' way, inside vLLM; with
     # hybrid_small_calls "on" batch 1 too
     hybrid_admit: int = 4
-    # host compute threads; 0 = this rank's cores less vLLM's launching thread and the copy threads, of
+    # host compute threads; 0 = this rank's CPUs less vLLM's launching thread and the copy threads, of
     # which at most HELD_SHARE_COPY_CORES are counted where hybrid_share is 1 on the stream path (they
-    # copy only the pool's admissions then, and sleep while idle): 12 at 16 cores, else 9
+    # copy only the pool's admissions then, and sleep while idle): 12 at 16 cores, else 9; and at most
+    # one per physical core but the launching thread's (hosts with two threads per core: cpus.py)
     host_threads: int = 0
     # with hybrid, W4A16: how long (us) an idle host compute thread spins before it sleeps; a sleeping
     # thread joins the next host job late (~0.1 ms on the H200's host: host/kernel.py SPIN_US). 0: sleep at once
