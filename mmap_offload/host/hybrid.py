@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..cpus import core_count
 from .cost import (EXPERT_TENSORS, CostModel, Plan, Rates, calibrate_host, crossover_table,  # noqa: F401 (API)
                    expected_distinct, pcie_model_rates)
 
@@ -51,7 +52,6 @@ __all__ = [
 # Host kernels: the native one, or a torch stand-in with the same contract
 # ---------------------------------------------------------------------------------------------
 
-from ..cpus import core_count
 from .kernel import dequantize_marlin  # the torch reference of the Marlin layout (fp32 [K, N])
 
 

@@ -156,8 +156,6 @@ def available_isas() -> list[str]:
     return [i for i in ISAS if lib.mo_host_isa_available(_ISA_CODE[i])]
 
 
-
-
 class HostKernel:
     """A pthread pool and the ISA path that computes W4A16 expert MLPs from Marlin words (module docstring)."""
 

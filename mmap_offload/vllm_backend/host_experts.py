@@ -27,9 +27,10 @@ from the first copies. A side the model has not seen in service yet is tried onc
 the cheapest miss goes to the host), and again whenever the host got nothing for
 ``EXPLORE_EVERY`` calls, so a stale estimate cannot starve the host for good.
 
-Threads (``default_threads``): the CPUs of this rank (at most one per physical core: ``cpus.py``), less the copy engine's threads (6 by default
+Threads (``default_threads``): the CPUs of this rank, less the copy engine's threads (6 by default
 with hybrid, ``MmapOptions.copy_threads``: 9 host threads at 16 cores) and one for the thread that
-launches vLLM's GPU work. On the stream path with ``hybrid_share`` 1 (the default) the copy threads copy
+launches vLLM's GPU work, and at most one per physical core but that thread's (two threads per core:
+``cpus.py``). On the stream path with ``hybrid_share`` 1 (the default) the copy threads copy
 only the pool's admissions (~18 MiB per decode step at batch 8) and sleep while idle, so at most
 ``HELD_SHARE_COPY_CORES`` (3) of them are counted: 12 host threads at 16 cores (BENCHMARKS.md "Real
 vLLM", sessions 31-32). On the Python path the kernel gets one thread more than that
