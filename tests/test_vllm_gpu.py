@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 CHILD = Path(__file__).with_name("vllm_gpu_child.py")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child_runner import run_child  # noqa: E402
-from mmap_offload.cpus import core_count  # noqa: E402
+from mmap_offload.cpus import allowed_cpus, core_count  # noqa: E402
 
 
 # MMO_GPU_QUANTS=w4a16 runs one child only (-k cannot: "w4a16" is also in a test's name, session 11)
@@ -148,8 +148,10 @@ def test_hybrid_sparse_calls_on_the_stream_give_the_same_tokens(run):
         # hybrid_share's default holds every miss the pool does not admit on the host (no adaptation),
         # and the host's default threads count at most 3 of the copy threads (session 32)
         assert s["residency_async_host_share"] == 1.0, s
-        cores = core_count()  # physical cores (cpus.py); the H200 VM has one thread per core
-        assert s["residency_host_threads"] == max(1, cores - 1 - 3), s
+        # this rank's CPUs less the launching thread and 3 copy threads, at most one per core but the
+        # launching thread's (cpus.py; the H200 VM has one thread per core: 12 of 16)
+        cpus = len(allowed_cpus())
+        assert s["residency_host_threads"] == max(1, min(cpus - 1 - 3, core_count() - 1)), s
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 
