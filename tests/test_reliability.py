@@ -358,3 +358,34 @@ def test_no_cache_hint_names_the_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     msg = one_line(cli("verify", tmp_path / "empty"))
     assert f"--cache-dir {tmp_path / 'empty'}`" in msg
+
+
+def test_a_host_kernel_read_fault_names_the_file_and_a_repair_that_works(ckpt, tmp_path):
+    """Hybrid's host kernel reads experts from the cache's mapping; a layer file truncated under it fails the
+    call (HostReadFault, the process lives), ``Cache.fault_error`` turns the address into one line naming
+    the file, offset, layer, expert and tensor, and the command it advises rewrites the layer as printed.
+    An address outside the cache's mappings still gets a line with a working command."""
+    from mmap_offload.host.kernel import HostKernel, HostReadFault
+
+    cache_dir = tmp_path / "c"
+    warmup(ckpt, cache_dir, device="cpu")
+    cache = open_cache(cache_dir)
+    layer, names = cache.layers[1], ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale")
+    group = cache.manifest.identity.quantization["group_size"]
+    x = torch.randn(2, SMALL["hidden"], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    k = HostKernel(threads=2, isa="plain")
+    try:
+        job = (torch.arange(2), *(cache.tensor(layer, 3, n) for n in names), group, None)
+        k.experts_mlp(x, [job], torch.zeros_like(x))  # reads fine while the file is whole
+        os.truncate(cache.layer_file(layer), 0)
+        with pytest.raises(HostReadFault) as err:
+            k.experts_mlp(x, [job], torch.zeros_like(x))
+    finally:
+        k.close()
+    msg = str(cache.fault_error(err.value.address))
+    assert "\n" not in msg and str(cache.layer_file(layer)) in msg and f"(layer {layer} expert 3 " in msg, msg
+    assert "SIGBUS" in msg and "--repair" in msg
+    other = str(cache.fault_error(8))  # not in any of its mappings
+    assert "SIGBUS" in other and "--repair" in other
+    assert run_advised(msg).returncode == 0
+    assert open_cache(cache_dir).verify().ok
