@@ -810,6 +810,28 @@ void *mo_host_sigbus_prev(void) { return guard_prev_handler(); }
    faults on disarms the guard). */
 int mo_host_sigbus_guarded(void) { return guard_is_current(); }
 
+/* Reads a byte of every 4 KiB of [p, p + n) inside the guard: 0, or -EFAULT with *fault the address whose
+   read failed. The torch host path (bf16 caches) calls it before torch computes on mapped views, so a page
+   that cannot be read fails the job instead of the process (a page dropped and unreadable between this
+   and torch's read is not caught: a window of one job). */
+int mo_host_touch(const void *p, int64_t n, int64_t *fault) {
+    guard_install();
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0)) {
+        const int64_t a = (int64_t)(uintptr_t)guard_fault_addr();
+        if (fault) *fault = a ? a : 1;
+        return -EFAULT;
+    }
+    guard_arm(&jb);
+    const volatile unsigned char *b = p;
+    unsigned acc = 0;
+    for (int64_t o = 0; o < n; o += 4096) acc += b[o];
+    if (n > 0) acc += b[n - 1];
+    guard_disarm();
+    (void)acc;
+    return 0;
+}
+
 typedef void (*task_fn)(pool_t *, int tid, void *arg);
 static int64_t now_ns(void);
 

@@ -20,7 +20,10 @@
 /* initial-exec: the handler may run in any thread (a fault elsewhere), where a lazily allocated
  * general-dynamic TLS block would be allocated inside the handler (not async-signal-safe) */
 #define GUARD_TLS __thread __attribute__((tls_model("initial-exec")))
-static GUARD_TLS sigjmp_buf *guard_jmp;
+/* volatile, and a compiler barrier around arming: the compiler must neither drop the store that arms the
+ * guard (a store overwritten by the disarm with no read between looks dead to it) nor move the guarded
+ * reads outside it */
+static GUARD_TLS sigjmp_buf *volatile guard_jmp;
 static GUARD_TLS void *volatile guard_addr;
 static struct sigaction guard_prev;
 static pthread_once_t guard_once = PTHREAD_ONCE_INIT;
@@ -57,8 +60,14 @@ static void guard_install_once(void) {
 }
 
 static inline void guard_install(void) { pthread_once(&guard_once, guard_install_once); }
-static inline void guard_arm(sigjmp_buf *jb) { guard_jmp = jb; }
-static inline void guard_disarm(void) { guard_jmp = NULL; }
+static inline void guard_arm(sigjmp_buf *jb) {
+    guard_jmp = jb;
+    __asm__ __volatile__("" ::: "memory");
+}
+static inline void guard_disarm(void) {
+    __asm__ __volatile__("" ::: "memory");
+    guard_jmp = NULL;
+}
 static inline void *guard_fault_addr(void) { return guard_addr; }
 /* this thread's guard state touched outside the handler (a worker's start) */
 static inline void guard_thread_init(void) { guard_jmp = NULL; guard_addr = NULL; }

@@ -63,7 +63,8 @@ import torch
 from ..cpus import core_count
 from ..errors import CacheError, UnsupportedError
 
-__all__ = ["HostCall", "HostKernel", "HostReadFault", "ISAS", "available_isas", "dequantize_marlin", "library"]
+__all__ = ["HostCall", "HostKernel", "HostReadFault", "ISAS", "available_isas", "dequantize_marlin", "guarded_touch",
+           "library"]
 
 # fastest first (the build box and the H200's host; BENCHMARKS.md "Host compute", sessions 15 and 16)
 ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
@@ -146,6 +147,8 @@ def library() -> ctypes.CDLL:
             lib.mo_host_sigbus_guarded.restype = ctypes.c_int
             lib.mo_host_sigbus_prev.argtypes = []
             lib.mo_host_sigbus_prev.restype = ctypes.c_void_p
+            lib.mo_host_touch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+            lib.mo_host_touch.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -362,6 +365,19 @@ class HostReadFault(CacheError):
                          "a cache file was truncated, or the disk returned an I/O error, while it was mapped)",
                          "run mmap-offload verify DIR")
         self.address = address
+
+
+def guarded_touch(t: torch.Tensor) -> None:
+    """Read a byte of every page of ``t`` (a view of a mapping) inside the host library's SIGBUS guard:
+    HostReadFault where a page cannot be read, instead of a SIGBUS in the code that reads it next (torch,
+    on the bf16 host path). Without the library (no compiler) it does nothing: that path is unguarded."""
+    try:
+        lib = library()
+    except UnsupportedError:
+        return
+    fault = ctypes.c_int64(0)
+    if lib.mo_host_touch(t.data_ptr(), t.numel() * t.element_size(), ctypes.byref(fault)) == -errno.EFAULT:
+        raise HostReadFault(int(fault.value))
 
 
 class HostCall:

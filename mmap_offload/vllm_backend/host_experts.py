@@ -69,7 +69,7 @@ import torch
 from ..cpus import allowed_cpus, core_count
 from ..errors import UnsupportedError
 from ..host.cost import EXPERT_TENSORS, CostModel, calibrate_host, rates_from_host
-from ..host.kernel import HostReadFault
+from ..host.kernel import HostReadFault, guarded_touch
 from .options import HELD_SHARE_COPY_CORES
 
 
@@ -119,6 +119,8 @@ class _TorchExperts:
 
     def experts_mlp(self, x: torch.Tensor, jobs, out: torch.Tensor) -> None:
         for rows, w13, w2, _group, w in jobs:
+            guarded_touch(w13)  # views of the mapping: an unreadable page fails the job (HostReadFault),
+            guarded_touch(w2)  # not the process (torch's own reads are not guarded)
             h = x[rows].float() @ w13.float().t()
             i = h.shape[1] // 2
             y = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]) @ w2.float().t()
