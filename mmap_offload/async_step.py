@@ -497,8 +497,7 @@ class AsyncStep:
             raise RuntimeError(f"the async step's copy kernel gave up waiting 60 s for staged bytes (layer position "
                                f"{li}): the copy pool's fill threads stalled; the experts it fetched were forgotten")
         if err == _ERR_HOST and detail == errno.EFAULT and self._host is not None:  # a read of the mapping: SIGBUS
-            k = self._host["kernel"]
-            raise self.ec.cache.fault_error(int(k._lib.mo_host_last_fault(k._pool)))
+            raise self.ec.cache.fault_error(self._host["kernel"].last_fault())
         if err == _ERR_HOST:
             raise RuntimeError(f"the host kernel failed on a hybrid call's misses (layer position {li}, error "
                                f"{detail}): that step's output lacks them")

@@ -34,7 +34,7 @@ from .cache_format import (
     rank_dir_name,
     warmup_command,
 )
-from .errors import CacheError, CorruptCacheError, StaleCacheError
+from .errors import CacheError, CorruptCacheError, StaleCacheError, mapped_read_error
 
 
 def is_rank_dir(path: Path) -> bool:
@@ -153,9 +153,8 @@ class Cache:
                 expert, within = divmod(off, self.record_nbytes)
                 name = next((s.name for s in self.expert_specs if s.offset <= within < s.offset + s.nbytes), None)
                 what = f"layer {layer} expert {expert}" + (f" {name}" if name else "")
-                return CacheError(f"reading cache file {self.layer_file(layer)} at offset {off} ({what}) failed: the "
-                                  "file was truncated, or the disk returned an I/O error, while it was mapped (SIGBUS)",
-                                  f"check the disk, then {self.repair_command()}")
+                return mapped_read_error(self.layer_file(layer), off, what,
+                                         f"check the disk, then {self.repair_command()}")
         return CacheError(f"reading a mapped file of the cache in {self.dir} at address {address:#x} failed (SIGBUS: "
                           "truncated, or an I/O error)", f"check the disk, then {self.repair_command()}")
 

@@ -55,3 +55,11 @@ class CacheLockedError(CacheError):
 
 class StorageError(MmapOffloadError):
     pass
+
+
+def mapped_read_error(path, offset: int, what: str | None, fix: str) -> CacheError:
+    """The one line of a read of a mapped cache file that raised SIGBUS: the file, the offset, what lay
+    there (a Copy's label, or layer / expert / tensor), the cause, and ``fix`` (the transfer engine's and
+    the host kernel's readers say the same)."""
+    return CacheError(f"reading cache file {path} at offset {offset}{f' ({what})' if what else ''} failed: the "
+                      "file was truncated, or the disk returned an I/O error, while it was mapped (SIGBUS)", fix)

@@ -37,6 +37,7 @@ from .cache_format import (
 from .cache_reader import Cache, is_rank_dir, open_cache
 from .cache_writer import RankWriter, make_dir
 from .checkpoint import Checkpoint, open_checkpoint
+from .cpus import allowed_cpus
 from .errors import CacheError, CorruptCacheError, StaleCacheError, StorageError, UnsupportedError
 from .layout import Layout, layout_for
 
@@ -318,7 +319,7 @@ def transform_workers(dev: torch.device) -> int:
     OMP_NUM_THREADS=1 makes each single-threaded); 2 on CUDA (one's transfers overlap the other's repack)."""
     if dev.type != "cpu":
         return 2
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(8, len(allowed_cpus())))
 
 
 def _write_layer(ckpt, layout, layer, writers: dict[int, RankWriter], tp_size, dev, report, pool) -> None:

@@ -906,7 +906,7 @@ def test_a_cache_file_truncated_while_serving_fails_the_step_not_the_process(tmp
         k = res.host.kernel
         # (the process's SIGBUS handler may be the copy pool's, installed after the kernel's by another
         # test: it passes faults outside its copies on to the kernel's)
-        assert k._lib.mo_host_last_fault(k._pool) == 0
+        assert k.last_fault() == 0
         path = cache.layer_file(LAYERS[0])
         os.truncate(path, 0)
         with pytest.raises(CacheError) as err:
@@ -917,7 +917,7 @@ def test_a_cache_file_truncated_while_serving_fails_the_step_not_the_process(tmp
                     res.add_host(t, torch.zeros(x.shape, dtype=torch.bfloat16))
         msg = str(err.value)
         assert str(path) in msg and "SIGBUS" in msg and "\n" not in msg, msg
-        assert k._lib.mo_host_last_fault(k._pool) != 0  # the host kernel's read faulted, under its guard
+        assert k.last_fault() != 0  # the host kernel's read faulted, under its guard
         # the process and the pool go on: the whole layer still computes exact rows on the host
         t = targets[1]
         ids, w, x = calls[-1][t.index]
@@ -986,7 +986,7 @@ def test_a_truncated_cache_file_fails_the_hybrid_step_not_the_process(tmp_path, 
                     step(LAYERS, s)
             msg = str(err.value)
             assert str(c.layer_file(LAYERS[0])) in msg and "SIGBUS" in msg and "\n" not in msg, msg
-            assert kernel._lib.mo_host_last_fault(kernel._pool) != 0
+            assert kernel.last_fault() != 0
             assert a.summary()["host_experts"] > 0
             for layer, ids, w, x, wk, ik, buf, out in step(LAYERS[1:], 4):  # the other layer: exact
                 sync()

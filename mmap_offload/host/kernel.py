@@ -198,6 +198,10 @@ class HostKernel:
             raise MemoryError(f"mo_host_create({self.threads}) failed (threads or memory)")
         lib.mo_host_set_spin(self._pool, int(self.spin_us * 1e3))
 
+    def last_fault(self) -> int:
+        """The address whose read failed the last call that raised HostReadFault (1: unknown; 0: none)."""
+        return int(self._lib.mo_host_last_fault(self._pool)) if self._pool else 0
+
     def close(self) -> None:
         started = getattr(self, "_started", None)
         if started is not None and getattr(self, "_pool", None):
@@ -346,7 +350,7 @@ class HostKernel:
         if rc == -errno.EINVAL:
             raise ValueError(f"a job's rows must index x's {n} rows (or its group sizes are invalid)")
         if rc == -errno.EFAULT:
-            raise HostReadFault(int(self._lib.mo_host_last_fault(self._pool)))
+            raise HostReadFault(self.last_fault())
         if rc != 0:
             raise RuntimeError(f"mo_host_mlp failed ({os.strerror(-rc) if rc < 0 else rc})")
         if call is not None:  # the C call reads all of these until it is waited for
@@ -402,19 +406,19 @@ class HostCall:
                 raise RuntimeError("HostKernel is closed")
             ns, ready = ctypes.c_int64(0), ctypes.c_int(0)
             rc = k._lib.mo_host_mlp_wait(k._pool, ctypes.byref(ns), ctypes.byref(ready))
-            if rc == -errno.EFAULT:  # collected all the same: the pool is free again
-                self._keep = None
-                if k._started is self:
-                    k._started = None
-                self.seconds, self.ready = ns.value / 1e9, bool(ready.value)
-                raise HostReadFault(int(k._lib.mo_host_last_fault(k._pool)))
-            if rc != 0:
+            if rc not in (0, -errno.EFAULT):
                 raise RuntimeError(f"mo_host_mlp_wait failed ({os.strerror(-rc) if rc < 0 else rc})")
             self.seconds, self.ready = ns.value / 1e9, bool(ready.value)
+            if rc:  # -EFAULT: collected all the same, so the pool is free again
+                self._done(k)
+                raise HostReadFault(k.last_fault())
+        self._done(k)
+        return self
+
+    def _done(self, k: HostKernel) -> None:
         self._keep = None
         if k._started is self:
             k._started = None
-        return self
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:

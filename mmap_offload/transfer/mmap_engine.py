@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import CacheError, UnsupportedError
+from ..errors import CacheError, UnsupportedError, mapped_read_error
 from ..native import library_status
 from ..pinned import Slot, memcpy
 from . import native_pool
@@ -250,10 +250,8 @@ class MmapEngine(_RingEngine):
                 off = addr - m.addr
                 label = next((c.label for c in copies if c.label and os.fspath(c.src.path) == path
                               and c.src.offset <= off < c.src.offset + c.src.nbytes), None)
-                return CacheError(f"reading cache file {path} at offset {off}{f' ({label})' if label else ''} "
-                                  "failed: the file was truncated, or the disk returned an I/O error, while "
-                                  "it was mapped (SIGBUS)", "run mmap-offload verify DIR; the pread engine "
-                                  "reads without a mapping (engine 'pread')")
+                return mapped_read_error(path, off, label, "run mmap-offload verify DIR; the pread engine "
+                                         "reads without a mapping (engine 'pread')")
         return _pool_error(_ERR_FAULT, addr, None)
 
     def _populate(self, m: _MappedFile, start: int, end: int) -> None:
@@ -309,7 +307,6 @@ class MmapEngine(_RingEngine):
         host = kernel._lib  # only where the host kernel was loaded (hybrid)
         if host is None or not host.mo_host_sigbus_guarded():
             return False
-        lib.mo_sigbus_handler.restype = ctypes.c_void_p
         return host.mo_host_sigbus_prev() == lib.mo_sigbus_handler()
 
     def close(self) -> None:

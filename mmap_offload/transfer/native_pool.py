@@ -70,6 +70,7 @@ def _typed(lib: Any) -> bool:
         lib.mo_gate_stats.argtypes = [vp, vp]
         lib.mo_status_issued.argtypes = [vp, vp]
         lib.mo_sigbus_guarded.restype = ctypes.c_int
+        lib.mo_sigbus_handler.restype = vp
         lib.mo_pool_shutdown.argtypes = [vp]
         lib.mo_pool_destroy.argtypes = [vp]
         lib.mo_fake_stream_create.restype = vp
