@@ -789,6 +789,12 @@ static size_t scratch_floats(int M) {
     size_t plain = (size_t)64 * M + 64;
     return (simd > plain ? simd : plain) + ytiles_floats(M);
 }
+/* A thread's scratch for jobs of at most M rows: scratch_floats(M), then (64-byte aligned) the M row
+   pointers of the unit it runs. Allocated when the call is prepared, where a failure is -ENOMEM for
+   the call: a worker never allocates, so it never fails on its own (a call whose workers skipped their
+   share would wait for ever). */
+static size_t rows_offset(int M) { return (scratch_floats(M) + 15) & ~(size_t)15; }
+static size_t thread_floats(int M) { return rows_offset(M) + (size_t)M * (sizeof(void *) / sizeof(float)); }
 
 /* ------------------------------------------------------------------ the pool */
 
@@ -1324,8 +1330,7 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
     /* volatile: read after a jump to the guard below (they do not change; -Wclobbered cannot tell) */
     float *const scr = P->scratch[tid];
     float *volatile const y = scr + scratch_floats(T->maxm) - ytiles_floats(T->maxm);
-    const void *rowp[1024];
-    const void **volatile const xrow = T->maxm <= 1024 ? rowp : malloc(sizeof(void *) * (size_t)T->maxm); /* M > 1024: rare */
+    const void **volatile const xrow = (const void **)(void *)(scr + rows_offset(T->maxm));
 #ifdef DIAG_TIMING
     diag_self = &P->diag[tid];
     diag_self->joined++;
@@ -1341,10 +1346,9 @@ static void mlp_run(pool_t *P, int tid, void *vp) {
         again = cur;
     }
     guard_arm(&jb);
-    if (xrow) run_units(P, T, xrow, scr, y, &cur, again);
+    run_units(P, T, xrow, scr, y, &cur, again);
     guard_disarm();
     DIAG_ADD(last, now_ns() - P->diag_open);
-    if (xrow != rowp) free((void *)xrow);
 }
 
 /* out[rows] (+)= sum over jobs of weights * down(silu(gate(x[rows])) * up(x[rows])).
@@ -1403,7 +1407,7 @@ static int mlp_prepare(pool_t *P, mlp_task *T, int isa, const void *x, int xdt, 
         part += jp[j].p2.nk * jobs[j].m * H;
     }
     int rc = 0;
-    size_t need = scratch_floats((int)maxm);
+    size_t need = thread_floats((int)maxm);
     if (P->scratch_n < need) {
         for (int t = 0; t < P->nthreads; t++) {
             free(P->scratch[t]);

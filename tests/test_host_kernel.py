@@ -135,6 +135,17 @@ def test_dtypes_and_many_rows(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_a_job_of_more_rows_than_1024(isa):
+    """M = 1100 rows in one job (prefill-sized): each thread's row pointers live in its scratch, sized when
+    the call is prepared (before session 38 a worker malloc'd them past 1024 rows, and a worker whose
+    malloc failed skipped its share, so the call waited for ever)."""
+    cache, weights = expert(128, 128, 128)
+    k = kernel(3, isa)
+    x = (0.25 * rand_x(1100, 128, torch.float32, seed=90)).to(torch.bfloat16)
+    assert_close(k.expert_mlp(x, *args(cache), group=128), ref_mlp(x, weights), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("threads", [1, 3, 7])
 def test_odd_thread_counts(isa, threads):
     cache, weights = expert(384, 256, 128)
