@@ -494,7 +494,8 @@ def rows_from_child(child: dict) -> list[dict]:
                               ("residency_async_callback_s", "async_cb_ms"),
                               ("residency_async_enqueue_s", "async_enqueue_ms"),
                               ("residency_async_host_s", "async_host_ms"),
-                              ("residency_async_host_wait_s", "async_host_wait_ms")):
+                              ("residency_async_host_wait_s", "async_host_wait_ms"),
+                              ("residency_trace_s", "trace_ms")):
                 if key in after:
                     row[name] = round(1000 * d(key) / steps, 3)
             for key, name in (("residency_thread_nivcsw", "nivcsw_per_step"), ("residency_thread_nvcsw", "nvcsw_per_step")):
@@ -643,7 +644,7 @@ def _g(n, unit=GIB, nd=2):
     return "" if n is None else f"{n / unit:.{nd}f}"
 
 
-_BREAKDOWN = ("step_ms", "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "route_ms", "collect_ms", "check_ms",
+_BREAKDOWN = ("step_ms", "layers_router_ms", "layers_gap_ms", "layers_outside_ms", "route_ms", "trace_ms", "collect_ms", "check_ms",
               "cpu_calib_us", "layers_cpu_span_ms", "layers_gpu_span_ms", "stream_behind_frac")
 
 
@@ -663,7 +664,8 @@ def step_breakdown(rows: list[dict], expert_nbytes: int = 0) -> list[dict]:
     its children of the per-step columns in ``_BREAKDOWN`` and of ``miss_dram_gbps`` (the misses' DRAM
     traffic, a model; host rows count only with ``expert_nbytes``), and where a no-offload row of the same
     routing and workload exists, the split of the step's excess over it: ``ours_ms`` (our calls on the
-    launching thread: ``route()`` and patch 4b, the end-of-step check in whichever it ran) and
+    launching thread: ``route()`` less the routing trace's replay, which uva's runs pay in their
+    router, and patch 4b, the end-of-step check in whichever it ran) and
     ``vllm_extra_ms`` (the rest: vLLM's own code and waits running longer than without offload)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -688,7 +690,7 @@ def step_breakdown(rows: list[dict], expert_nbytes: int = 0) -> list[dict]:
         if base is None or b is base or "route_ms" not in b:
             continue
         b["excess_ms"] = round(b["step_ms"] - base["step_ms"], 3)
-        b["ours_ms"] = round(b["route_ms"] + b.get("collect_ms", 0.0), 3)
+        b["ours_ms"] = round(b["route_ms"] - b.get("trace_ms", 0.0) + b.get("collect_ms", 0.0), 3)
         b["vllm_extra_ms"] = round(b["excess_ms"] - b["ours_ms"], 3)
     return out
 

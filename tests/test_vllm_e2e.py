@@ -314,6 +314,7 @@ def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):
 def test_routing_trace_replaces_the_routers_choice(runs):
     s = runs["trace"]["summary"]
     assert s["residency_trace"] is True
+    assert 0 < s["residency_trace_s"] <= s["residency_route_s"]  # the replay's own time, inside route()'s
     assert s["residency_pool_misses"] == 2 * 2  # experts 1 and 3, in each of the 2 layers, fetched once
     assert s["residency_pool_hits"] > 0 and s["residency_pool_evictions"] == 0
 

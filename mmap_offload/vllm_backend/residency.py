@@ -172,7 +172,9 @@ class Residency:
         # forward): what separates a slow thread from a waiting or descheduled one when vLLM's own time drifts;
         # fast_hybrid_calls: stream hybrid calls that took the steady-state path (_fast_hybrid);
         # collect_s: time in add_host (patch 4b: the host rows' collect, and the end-of-step check where
-        # check_after_experts put it, late_checks of them), our part of between_s / outside_s
+        # check_after_experts put it, late_checks of them), our part of between_s / outside_s;
+        # trace_s: of route_s, the routing trace's ids made on the device (option routing_trace: a
+        # benchmark's replay, which serving without a trace does not pay; uva's runs pay it in their router)
         self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
@@ -181,7 +183,7 @@ class Residency:
                                             thread_nvcsw=0, thread_nivcsw=0, collect_s=0.0, late_checks=0,
                                             sparse_miss_bytes=0, sparse_hits=0, sparse_misses=0,
                                             small_hybrid_steps=0, small_auto_switches=0,
-                                            trace=bool(self.trace is not None))
+                                            trace=bool(self.trace is not None), trace_s=0.0)
 
     # -- binding --------------------------------------------------------------------------------
     def _bind_pool(self, t) -> None:
@@ -710,7 +712,10 @@ class Residency:
     def _trace_ids(self, t, ids: torch.Tensor) -> torch.Tensor:
         """The trace's ids for (step, layer position), its batch tiled over the step's tokens
         (``traces.DeviceTrace``: on the device, no host sync)."""
-        return self.trace.ids(self._step, t.index, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
+        t0 = time.perf_counter()
+        out = self.trace.ids(self._step, t.index, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
+        self.metrics["trace_s"] += time.perf_counter() - t0  # inside route_s: a benchmark's cost, not serving's
+        return out
 
     def summary(self) -> dict[str, Any]:
         out = dict(self.metrics)
