@@ -285,7 +285,8 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
     cuda = args.device == "cuda"
     common = dict(model=str(ckpt), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
                   max_model_len=args.prefill_tokens + 256, enable_prefix_caching=False,
-                  max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=max(4096, args.prefill_tokens + 256))
+                  max_num_seqs=max(DECODE_BATCHES),
+                  max_num_batched_tokens=args.max_batched_tokens or max(4096, args.prefill_tokens + 256))
     if cuda:
         common.update(attention_config={"backend": "TRITON_ATTN"}, gpu_memory_utilization=args.gpu_util,
                       kv_cache_memory_bytes=int(args.kv_cache_gib * GIB))
@@ -354,18 +355,20 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
         if cfg not in CONFIGS:
             raise SystemExit(f"unknown config {cfg!r}: use some of {', '.join(CONFIGS)}")
         extra = mmap_options(opt_text.split(":")) if opt_text else {}
-        # env.NAME=VALUE: an environment variable of the variant's children (e.g. env.MMO_PROFILE_DECODE=1)
+        # env.NAME=VALUE: an environment variable of the variant's children (e.g. env.MMO_PROFILE_DECODE=1);
+        # llm.NAME=VALUE: an engine argument of theirs (e.g. llm.max_num_batched_tokens=2048: prefill in chunks)
         var_env = {k[4:]: str(v) for k, v in extra.items() if k.startswith("env.")}
-        extra = {k: v for k, v in extra.items() if not k.startswith("env.")}
+        var_llm = {k[4:]: v for k, v in extra.items() if k.startswith("llm.")}
+        extra = {k: v for k, v in extra.items() if not k.startswith(("env.", "llm."))}
         if extra and cfg not in POOL_CONFIGS + ("mmap-layer",):
             raise SystemExit(f"config {item!r}: only the mmap configurations take options (KEY=VALUE after ':')")
         seen[cfg] = seen.get(cfg, 0) + 1
-        if extra or var_env:  # a variant: its own row, labelled with its options, never the row the bars read
+        if extra or var_env or var_llm:  # a variant: its own row, labelled with its options, never the row the bars read
             n0 = len(specs)
             specs += config_specs(cfg, extra)
             for sp in specs[n0:]:
                 sp.update(label=item + sp["label"][len(cfg):], repeat=seen[cfg], variant=opt_text,
-                          env={**sp["env"], **var_env})
+                          env={**sp["env"], **var_env}, llm={**sp["llm"], **var_llm})
             continue
         if seen[cfg] > 1:  # a configuration named again runs again, later in the run (order effects)
             n0 = len(specs)
@@ -951,7 +954,8 @@ def parse_args(argv=None):
                         "(e.g. uva first and last: x uva is then against the mean of uva's runs); an mmap config "
                         "followed by ':KEY=VALUE' pairs runs as a variant with those backend options "
                         "(e.g. mmap-hybrid:threads=6:host_threads=9; env.NAME=VALUE sets a variable of its "
-                        "children, e.g. any config:env.MMO_PROFILE_DECODE=1)")
+                        "children, e.g. any config:env.MMO_PROFILE_DECODE=1; llm.NAME=VALUE an engine argument of "
+                        "theirs, e.g. uva:llm.max_num_batched_tokens=2048)")
     p.add_argument("--routings", default="uniform,skewed",
                    help=f"some of {','.join(ROUTINGS)}: the model's router, a trace of independent uniform picks, "
                         "the skewed trace")
@@ -968,6 +972,9 @@ def parse_args(argv=None):
                         "include pool warm-up)")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--prefill-repeats", type=int, default=3)
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="vLLM's max_num_batched_tokens for every child (default: the prefill prompt in one step, "
+                        "max(4096, --prefill-tokens + 256)); fewer: the prompt's prefill in chunks of this many tokens")
     p.add_argument("--prefill-skewed", action="store_true", help="also prefill with the trace's routing")
     p.add_argument("--trace", default="auto", help="'auto' (make_trace sized for this run) or a CSV path")
     p.add_argument("--zipf-s", type=float, default=1.0)

@@ -642,6 +642,26 @@ def test_a_config_with_options_runs_as_a_variant_beside_the_plain_one(tmp_path):
                                    None, expert_bytes=8 << 30, layer_bytes=1 << 30, deadline_at=0.0)
 
 
+def test_an_engine_argument_runs_as_a_variant_and_max_batched_tokens_sets_every_child(tmp_path):
+    """``cfg:llm.NAME=VALUE``: an engine argument of that variant's children only (any config, uva too);
+    ``--max-batched-tokens``: every child's max_num_batched_tokens (the prompt's prefill in chunks)."""
+    import bench_vllm
+
+    def specs(*argv):
+        return bench_vllm.child_specs(bench_vllm.parse_args(["--out", str(tmp_path), "--routings", "uniform", *argv]),
+                                      tmp_path, tmp_path, None, expert_bytes=8 << 30, layer_bytes=1 << 30, deadline_at=0.0)
+
+    got = specs("--configs", "uva:llm.max_num_batched_tokens=2048,uva,mmap-hybrid:llm.max_num_batched_tokens=2048,mmap-hybrid",
+                "--prefill-tokens", "8192")
+    assert [s["label"] for s in got] == ["uva:llm.max_num_batched_tokens=2048", "uva",
+                                         "mmap-hybrid:llm.max_num_batched_tokens=2048", "mmap-hybrid"]
+    assert [s["llm"]["max_num_batched_tokens"] for s in got] == [2048, 8448, 2048, 8448]
+    assert got[2]["llm"]["additional_config"] == got[3]["llm"]["additional_config"]  # not a backend option
+    assert got[0]["variant"] == "llm.max_num_batched_tokens=2048" and "variant" not in got[1]
+    assert [s["llm"]["max_num_batched_tokens"] for s in specs("--configs", "uva,mmap-layer", "--max-batched-tokens", "1024")] \
+        == [1024, 1024]
+
+
 def test_host_sampler_finds_where_the_thread_spends_its_time():
     """MMO_SAMPLE_DECODE's sampler (vllm_runner.HostSampler): a thread busy in one function for 0.3 s
     (holding the GIL: the sampler looks only at its switches) and asleep in another for 0.1 s shows ~3/4

@@ -403,6 +403,9 @@ def test_launcher_serves_openai_api_from_the_warm_cache(runs, tmp_path):
         assert tokens == runs["ref"]["tokens"]
         text = (tmp_path / "serve.log").read_text()
         assert "mmap-offload: serving 2 MoE layers" in text and "warm-up" not in text  # warm: nothing rebuilt
+        # the launcher's prefill steps: 8192 tokens, capped at every sequence at full length (4 x 128)
+        assert "max_num_batched_tokens 512: a prompt of N tokens takes ceil(N / 512) such steps" in text
+        assert "--max-num-batched-tokens 8192" not in text  # every prompt of max_model_len 128 fits one step
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -223,6 +223,38 @@ def test_launcher_translates_flags_and_adds_backend():
                                                            "hybrid_small_calls": "on"}}
     assert argv[argv.index("--offload-backend") + 1] == "mmap"
     assert "--enforce-eager" in argv
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
+
+
+def test_prefill_note_counts_the_passes_and_names_the_fix():
+    from mmap_offload.vllm_backend.launcher import prefill_note
+
+    two = prefill_note(83 << 30, 2048)
+    assert "(83.00 GiB)" in two and "ceil(N / 2048)" in two and "--max-num-batched-tokens 8192" in two and "4x fewer" in two
+    assert "--max-num-batched-tokens" not in prefill_note(1 << 30, 8192) and "ceil(N / 8192)" in prefill_note(1 << 30, 8192)
+    assert prefill_note(1 << 30, None).endswith("(1.00 GiB)")
+    assert "4x fewer" in prefill_note(1 << 30, 2048, 32768)
+    assert "--max-num-batched-tokens" not in prefill_note(1 << 30, 512, 128)  # every prompt fits one step
+
+
+def test_launcher_prefills_in_steps_of_8192_tokens_unless_told():
+    """With the mmap backend each prefill step streams every routed expert once, so the launcher asks vLLM for
+    8192-token steps (its own default on a 24 GiB GPU's server: 2048) unless the user chose; never beside
+    another backend; at least max_num_seqs (vLLM refuses fewer)."""
+    def mnbt(*argv):
+        out = launcher_argv(["serve", "/m", *argv])
+        return [out[i + 1] for i, a in enumerate(out) if a == "--max-num-batched-tokens"], out
+
+    assert mnbt()[0] == ["8192"]
+    assert mnbt("--offload-backend", "mmap")[0] == ["8192"]
+    given, out = mnbt("--max-num-batched-tokens=2048")
+    assert given == [] and "--max-num-batched-tokens=2048" in out
+    assert mnbt("--max-num-batched-tokens", "4096")[0] == ["4096"]
+    assert mnbt("--offload-backend", "uva")[0] == [] and mnbt("--offload-backend=prefetch")[0] == []
+    assert mnbt("--max-num-seqs", "16384")[0] == ["16384"]
+    assert mnbt("--max-num-seqs", "4", "--max-model-len=128")[0] == ["512"]  # every sequence at full length
+    assert mnbt("--max-model-len", "128")[0] == ["8192"]  # max_num_seqs unknown here (vLLM's default: 256 or more)
+    assert launcher_argv(["chat", "--url", "http://x"]) == ["chat", "--url", "http://x"]  # not a serve: untouched
 
 
 def test_launcher_hybrid_small_calls_takes_a_mode_and_a_threshold():

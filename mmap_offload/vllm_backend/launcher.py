@@ -1,7 +1,8 @@
 """``mmap-offload vllm ARGS``: vLLM's own CLI with ``--offload-backend mmap`` set up (stable).
 
 ``--mmap-*`` flags become ``--additional-config {"mmap_offload": {...}}``; ``serve`` gets
-``--offload-backend mmap`` and ``--enforce-eager`` unless given.
+``--offload-backend mmap`` and ``--enforce-eager`` unless given, and with the mmap backend
+``--max-num-batched-tokens 8192`` unless given (``PREFILL_BATCHED_TOKENS``: why, there).
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from ..errors import UnsupportedError
 from .options import CONFIG_KEY, MmapOptions
 from .patches import BACKEND_NAME, register, vllm_cpu_metadata_shim
 
+
+# A prefill step streams every routed expert of the rank through the link once, whatever its token
+# count (whole layers: a chunk of 2048 tokens routes to nearly every expert), so a prompt costs one such
+# pass per max_num_batched_tokens tokens. vLLM's own default for `serve` on GPUs under 70 GiB (the user's
+# RTX 3090) is 2048: a long prompt then pays 4x the passes of 8192 (vLLM's default on H100-class GPUs).
+# The price: activations for 8192 tokens in vLLM's profile run, a little less KV cache (docs/VLLM.md "Prefill").
+PREFILL_BATCHED_TOKENS = 8192
 
 _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-cache-dir": ("cache_dir", {}),
@@ -72,11 +80,43 @@ def launcher_argv(argv: list[str]) -> list[str]:
     if extra:
         out += ["--additional-config", json.dumps(extra)]
     if out and out[0] == "serve":
-        if not any(a == "--offload-backend" or a.startswith("--offload-backend=") for a in out):
+        if _flag_value(out, "--offload-backend") is None:
             out += ["--offload-backend", BACKEND_NAME]
         if not any(a in ("--enforce-eager", "-cc") or a.startswith(("--compilation-config", "-cc.", "-O")) for a in out):
             out += ["--enforce-eager"]
+        if _flag_value(out, "--offload-backend") == BACKEND_NAME and _flag_value(out, "--max-num-batched-tokens") is None:
+            seqs, length = (_flag_value(out, f) for f in ("--max-num-seqs", "--max-model-len"))
+            seqs = int(seqs) if seqs and seqs.isdigit() else None
+            n = PREFILL_BATCHED_TOKENS
+            if seqs and length and length.isdigit():  # no more than every sequence at full length (vLLM's own cap)
+                n = min(n, seqs * int(length))
+            out += ["--max-num-batched-tokens", str(max(n, seqs or 0))]  # vLLM wants >= max_num_seqs
     return out
+
+
+def prefill_note(stream_bytes: int, batched_tokens: int | None, max_model_len: int | None = None) -> str:
+    """The start log's line on prefill: each step streams ``stream_bytes`` (every routed expert of this
+    rank), so a prompt takes one such pass per ``batched_tokens`` (vLLM's max_num_batched_tokens) tokens;
+    below ``PREFILL_BATCHED_TOKENS``, where a prompt may be longer than that, it says how to take fewer passes."""
+    line = f"a prefill step of many tokens streams every routed expert of this rank once ({stream_bytes / 2**30:.2f} GiB)"
+    if not batched_tokens:
+        return line
+    line += f"; max_num_batched_tokens {batched_tokens}: a prompt of N tokens takes ceil(N / {batched_tokens}) such steps"
+    if batched_tokens < PREFILL_BATCHED_TOKENS and (not max_model_len or max_model_len > batched_tokens):
+        line += (f"; --max-num-batched-tokens {PREFILL_BATCHED_TOKENS} (the `mmap-offload vllm` launcher's default) "
+                 f"takes {PREFILL_BATCHED_TOKENS / batched_tokens:.3g}x fewer for long prompts")
+    return line
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``; the last one wins), or None."""
+    got = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            got = argv[i + 1]
+        elif a.startswith(flag + "="):
+            got = a.split("=", 1)[1]
+    return got
 
 
 def _json_arg(text: str) -> dict:
@@ -112,4 +152,4 @@ def vllm_main(argv: list[str]) -> int:
 
 
 
-__all__ = ["launcher_argv", "vllm_main"]
+__all__ = ["PREFILL_BATCHED_TOKENS", "launcher_argv", "prefill_note", "vllm_main"]

@@ -37,6 +37,7 @@ import torch
 from ..cache_format import warmup_command
 from ..cpus import allowed_cpus, core_count
 from ..errors import CacheError, UnsupportedError
+from .launcher import prefill_note
 from .options import CONFIG_KEY, MmapOptions
 from .patches import (
     SERVED_FLAG, add_after_experts, log, moe_router_of, route_through, set_skipped_checkpoint_names,
@@ -465,6 +466,10 @@ class MmapOffloader(_OffloaderBase):
                    f"; hybrid: {self.residency.host.threads} host threads ({core_count()} cores, "
                    f"{len(allowed_cpus())} hardware threads)"),
             )
+            sched, model = (getattr(self._vcfg, k, None) for k in ("scheduler_config", "model_config"))
+            log.info("mmap-offload: %s", prefill_note(self.prefetcher.layer_nbytes * len(self.targets),
+                                                      getattr(sched, "max_num_batched_tokens", None),
+                                                      getattr(model, "max_model_len", None)))
 
     def _start_background_check(self) -> None:
         """``verify_in_background``: check every expert in a low-priority thread, and pre-fault the
