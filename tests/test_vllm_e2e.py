@@ -70,6 +70,10 @@ CHILD = textwrap.dedent(
         off = get_offloader()
         info = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "top2_gap": top2_gaps(outs),
                 "offloader": type(off).__name__, **counts}
+        vc = llm.llm_engine.vllm_config  # one request's KV cache by the toy's shapes (test_a_pool_leaves_...)
+        hf, blk = vc.model_config.hf_config, vc.cache_config.block_size
+        head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        info["kv_expect"] = hf.num_hidden_layers * -(-vc.model_config.max_model_len // blk) * 2 * blk * hf.num_key_value_heads * head * 2
         if hasattr(off, "summary"):
             info["summary"] = off.summary()
             info["transforms"] = sorted(getattr(off, "_transforms", {}))
@@ -309,6 +313,15 @@ def test_hybrid_computes_misses_on_the_host_with_the_same_tokens(runs):
     assert s["engine_threads"] == 8, s
     if "engine_ordered_threads" in s:
         assert s["engine_ordered_threads"] == 6, s
+
+
+def test_the_default_pool_knows_what_one_request_of_max_model_len_needs(runs):
+    """start_reserve_bytes on real vLLM: one request's KV cache as the attention layers' specs count it equals
+    the toy's shapes (layers x 2 x block-rounded length x KV heads x head size x bf16), and vLLM-CPU's fixed
+    KV space (VLLM_CPU_KVCACHE_SPACE=1) is what the pool leaves (on CUDA; the CPU has no pool)."""
+    s = runs["cold"]["summary"]
+    assert s["kv_one_request_bytes"] == runs["cold"]["kv_expect"] > 0
+    assert s["kv_reserve_bytes"] == 1 << 30 and s["act_reserve_bytes"] > 0
 
 
 def test_routing_trace_replaces_the_routers_choice(runs):

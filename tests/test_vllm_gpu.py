@@ -82,6 +82,8 @@ def test_default_pool_follows_free_memory(run):
     s = run["cases"]["mmap_auto"]["summary"]
     assert s["residency_pool_bytes"] > 0  # vLLM leaves plenty free at gpu_memory_utilization 0.3
     assert s["residency_expert_calls"] > 0
+    # what the default pool leaves vLLM (session 38): one request of max_model_len in KV, by the layers' specs
+    assert s["kv_reserve_bytes"] == s["kv_one_request_bytes"] > 0 and s["act_reserve_bytes"] > 0
 
 
 def test_w4a16_runs_through_vllms_marlin_moe(run):

@@ -407,3 +407,44 @@ def test_default_pool_is_half_of_what_vllms_budget_leaves(monkeypatch):
     assert auto_capacity_bytes(off, vcfg) == 0
     off.device = torch.device("cpu")
     assert auto_capacity_bytes(off, vcfg) == 0
+
+
+def test_default_pool_leaves_vllm_the_kv_cache_of_one_request_of_max_model_len(monkeypatch):
+    """The half rule, unless vLLM's KV cache could then not hold one request of max_model_len beside its
+    activations (vLLM refuses to start then): the pool takes what is left after them. The KV bytes are
+    vLLM's own count, each attention layer's spec (layers without one, the MoE runners, add nothing); a
+    fixed kv_cache_memory_bytes is taken as it is."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.residency import auto_capacity_bytes, start_reserve_bytes
+
+    gib = 1 << 30
+
+    class Attn:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+        def get_kv_cache_spec(self, vcfg):
+            return SimpleNamespace(max_memory_usage_bytes=lambda v: self.nbytes * v.model_config.max_model_len // 1024)
+
+    spec = SimpleNamespace(nbytes=gib // 64)
+    off = SimpleNamespace(device=torch.device("cuda", 0), options=SimpleNamespace(lookahead=1),
+                          cache=SimpleNamespace(num_experts=64, expert_specs=[spec]), targets=[0] * 40)
+    model = SimpleNamespace(max_model_len=1024, get_hidden_size=lambda: 4096, hf_config=SimpleNamespace(num_experts_per_tok=8))
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.9, kv_cache_memory_bytes=None),
+                           scheduler_config=SimpleNamespace(max_num_batched_tokens=8192), model_config=model,
+                           compilation_config=SimpleNamespace(static_forward_context={
+                               "l0": Attn(gib // 2), "l1": Attn(gib // 2), "moe": SimpleNamespace()}))
+    act = 8192 * 4096 * 2 * 16  # 1 GiB: tokens x hidden x bf16 x (top-k + 8)
+    assert start_reserve_bytes(vcfg) == (gib, act)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 100 * gib))
+    assert auto_capacity_bytes(off, vcfg) == 29 * gib  # budget 58 GiB: half, KV of 1 GiB fits beside it
+    model.max_model_len = 32 * 1024  # 32 GiB of KV for one request: 58 - 32 - 1 GiB left for the pool
+    assert start_reserve_bytes(vcfg)[0] == 32 * gib and auto_capacity_bytes(off, vcfg) == 25 * gib
+    model.max_model_len = 64 * 1024  # more than the budget: no pool (layer streaming; vLLM decides the rest)
+    assert auto_capacity_bytes(off, vcfg) == 0
+    vcfg.cache_config.kv_cache_memory_bytes = 4 * gib  # fixed: taken as it is, the layers not asked
+    assert start_reserve_bytes(vcfg) == (4 * gib, act) and auto_capacity_bytes(off, vcfg) == 29 * gib
+    # nothing to go by (outside vLLM, an older config): the half rule
+    assert start_reserve_bytes(SimpleNamespace()) == (0, 0)
+    assert auto_capacity_bytes(off, SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.9))) == 29 * gib

@@ -466,6 +466,11 @@ class MmapOffloader(_OffloaderBase):
                    f"; hybrid: {self.residency.host.threads} host threads ({core_count()} cores, "
                    f"{len(allowed_cpus())} hardware threads)"),
             )
+            if self._vcfg is not None:  # what vLLM needs beside the pool (the default pool leaves it: residency.py)
+                from .residency import kv_one_request_bytes, start_reserve_bytes
+
+                self.metrics["kv_reserve_bytes"], self.metrics["act_reserve_bytes"] = start_reserve_bytes(self._vcfg)
+                self.metrics["kv_one_request_bytes"] = kv_one_request_bytes(self._vcfg)
             sched, model = (getattr(self._vcfg, k, None) for k in ("scheduler_config", "model_config"))
             log.info("mmap-offload: %s", prefill_note(self.prefetcher.layer_nbytes * len(self.targets),
                                                       getattr(sched, "max_num_batched_tokens", None),
@@ -500,6 +505,11 @@ class MmapOffloader(_OffloaderBase):
                     f"({len(self.targets)} layers x {expert_bytes / 2**20:.1f} MiB)",
                     f"give at least {expert_bytes * len(self.targets) / 2**30:.3f} GiB, or 0 for layer streaming",
                 )
+            if gib is None and self.device.type == "cuda":
+                log.warning("mmap-offload: no room for an expert pool (%.3f GiB would hold one expert per layer) beside "
+                            "vLLM's KV cache and activations: layer streaming only, every decode step streams every "
+                            "expert; a shorter --max-model-len or a higher --gpu-memory-utilization leaves room",
+                            expert_bytes * len(self.targets) / 2**30)
             return
         missing = [t.layer for t in self.targets if t.router is None]
         if missing:

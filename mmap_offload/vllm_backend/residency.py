@@ -754,10 +754,42 @@ class Residency:
             self.host.close()
 
 
+def kv_one_request_bytes(vcfg) -> int:
+    """The KV cache of one request of max_model_len on this rank, as vLLM counts it when it checks at
+    start that one fits: the sum of each attention layer's KV cache spec (``static_forward_context``:
+    the layers of this rank; layers without a spec, such as the MoE runners, add nothing); 0 without."""
+    layers = getattr(getattr(vcfg, "compilation_config", None), "static_forward_context", None) or {}
+    kv = 0
+    for layer in layers.values():
+        get = getattr(layer, "get_kv_cache_spec", None)
+        spec = get(vcfg) if callable(get) else None
+        if spec is not None:
+            kv += int(spec.max_memory_usage_bytes(vcfg))
+    return kv
+
+
+def start_reserve_bytes(vcfg, top_k: int | None = None) -> tuple[int, int]:
+    """What vLLM needs of the GPU beside the expert pool to start: (the KV cache of one request of
+    max_model_len, by vLLM's own count: each attention layer's KV cache spec, as vLLM checks it at start;
+    the fixed ``kv_cache_memory_bytes`` where given), (its profile run's activations, an estimate:
+    max_num_batched_tokens x hidden x 2 bytes x (top_k + 8): the routed experts' rows per pick and a few
+    hidden-sized tensors). 0 for what the config does not say."""
+    fixed = getattr(getattr(vcfg, "cache_config", None), "kv_cache_memory_bytes", None)
+    kv = int(fixed) if fixed else kv_one_request_bytes(vcfg)
+    tokens = getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", None) or 0
+    model = getattr(vcfg, "model_config", None)
+    hidden = model.get_hidden_size() if hasattr(model, "get_hidden_size") else 0
+    if top_k is None:
+        top_k = getattr(getattr(model, "hf_config", None), "num_experts_per_tok", None) or 8
+    return kv, int(tokens * hidden * 2 * (top_k + 8))
+
+
 def auto_capacity_bytes(off, vcfg) -> int:
     """The default pool: half of what vLLM's memory budget leaves after the weights loaded so far
-    (the other half stays for KV cache and activations), capped at the rank's expert bytes; 0 on
-    CPU (the "device" is host memory: layer streaming)."""
+    (the other half stays for KV cache and activations), but never so much that vLLM's KV cache would
+    not hold one request of max_model_len beside its activations (``start_reserve_bytes``: vLLM refuses
+    to start then), capped at the rank's expert bytes; 0 on CPU (the "device" is host memory: layer
+    streaming)."""
     if off.device.type != "cuda":
         return 0
     util = float(getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", 0.9) or 0.9)
@@ -766,7 +798,14 @@ def auto_capacity_bytes(off, vcfg) -> int:
     layer_bytes = off.cache.num_experts * sum(s.nbytes for s in off.cache.expert_specs)
     budget -= (off.options.lookahead + 1) * layer_bytes  # the layer buffers come first
     experts_bytes = layer_bytes * len(off.targets)
-    return int(max(0.0, min(experts_bytes, budget / 2)))
+    kv, act = start_reserve_bytes(vcfg)
+    pool = int(max(0.0, min(experts_bytes, budget / 2, budget - kv - act)))
+    if budget - kv - act < min(experts_bytes, budget / 2):
+        log.info("mmap-offload: expert pool %.2f GiB, not half of the %.2f GiB left: vLLM's KV cache needs %.2f GiB for "
+                 "one request of max_model_len %s, its activations ~%.2f GiB (a shorter --max-model-len leaves the "
+                 "pool more)", pool / 2**30, max(budget, 0) / 2**30, kv / 2**30,
+                 getattr(getattr(vcfg, "model_config", None), "max_model_len", "?"), act / 2**30)
+    return pool
 
 
-__all__ = ["Residency", "auto_capacity_bytes"]
+__all__ = ["Residency", "auto_capacity_bytes", "kv_one_request_bytes", "start_reserve_bytes"]
