@@ -250,10 +250,12 @@ def test_launcher_prefills_in_steps_of_8192_tokens_unless_told():
     given, out = mnbt("--max-num-batched-tokens=2048")
     assert given == [] and "--max-num-batched-tokens=2048" in out
     assert mnbt("--max-num-batched-tokens", "4096")[0] == ["4096"]
+    assert mnbt("--max_num_batched_tokens", "4096")[0] == []  # vLLM takes underscores for dashes
     assert mnbt("--offload-backend", "uva")[0] == [] and mnbt("--offload-backend=prefetch")[0] == []
     assert mnbt("--max-num-seqs", "16384")[0] == ["16384"]
     assert mnbt("--max-num-seqs", "4", "--max-model-len=128")[0] == ["512"]  # every sequence at full length
     assert mnbt("--max-model-len", "128")[0] == ["8192"]  # max_num_seqs unknown here (vLLM's default: 256 or more)
+    assert mnbt("--config", "serve.yaml")[0] == []  # the file may set it, and a flag would win over the file
     assert launcher_argv(["chat", "--url", "http://x"]) == ["chat", "--url", "http://x"]  # not a serve: untouched
 
 

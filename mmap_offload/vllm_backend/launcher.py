@@ -84,7 +84,9 @@ def launcher_argv(argv: list[str]) -> list[str]:
             out += ["--offload-backend", BACKEND_NAME]
         if not any(a in ("--enforce-eager", "-cc") or a.startswith(("--compilation-config", "-cc.", "-O")) for a in out):
             out += ["--enforce-eager"]
-        if _flag_value(out, "--offload-backend") == BACKEND_NAME and _flag_value(out, "--max-num-batched-tokens") is None:
+        # (not beside a --config file, which may set it: a flag would override the file's value)
+        if (_flag_value(out, "--offload-backend") == BACKEND_NAME and _flag_value(out, "--max-num-batched-tokens") is None
+                and _flag_value(out, "--config") is None):
             seqs, length = (_flag_value(out, f) for f in ("--max-num-seqs", "--max-model-len"))
             seqs = int(seqs) if seqs and seqs.isdigit() else None
             n = PREFILL_BATCHED_TOKENS
@@ -109,13 +111,17 @@ def prefill_note(stream_bytes: int, batched_tokens: int | None, max_model_len: i
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
-    """The value of ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``; the last one wins), or None."""
+    """The value of ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``, underscores for dashes as vLLM
+    takes them; the last one wins), or None."""
     got = None
     for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
+        name, eq, value = a.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            got = value
+        elif i + 1 < len(argv):
             got = argv[i + 1]
-        elif a.startswith(flag + "="):
-            got = a.split("=", 1)[1]
     return got
 
 
