@@ -419,6 +419,7 @@ def test_launcher_serves_openai_api_from_the_warm_cache(runs, tmp_path):
         # the launcher's prefill steps: 8192 tokens, capped at every sequence at full length (4 x 128)
         assert "max_num_batched_tokens 512: a prompt of N tokens takes ceil(N / 512) such steps" in text
         assert "--max-num-batched-tokens 8192" not in text  # every prompt of max_model_len 128 fits one step
+        assert "hybrid off (auto: not served on a CUDA device)" in text  # the launcher's hybrid "auto"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -143,6 +143,7 @@ def test_hybrid_sparse_calls_on_the_stream_give_the_same_tokens(run):
     hy, ref = run["cases"]["mmap_hybrid_sparse"], run["cases"]["ref"]
     s = hy["summary"]
     if run["quant"] == "w4a16":
+        assert s["hybrid_auto"] == "on", s  # option hybrid "auto" (session 38): on for W4A16 on CUDA
         assert s["residency_hybrid_async_calls"] > 0 and s["residency_async_host_experts"] > 0, s
         assert s["residency_async_hybrid_calls"] == s["residency_hybrid_async_calls"], s
         # a layer's steady calls took the fast path (session 30: 56 of 64 in this case on the H200)

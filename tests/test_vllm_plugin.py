@@ -237,6 +237,71 @@ def test_prefill_note_counts_the_passes_and_names_the_fix():
     assert "--max-num-batched-tokens" not in prefill_note(1 << 30, 512, 128)  # every prompt fits one step
 
 
+def test_hybrid_auto_is_on_only_where_it_was_measured_ahead(monkeypatch):
+    """Option hybrid "auto" (the launcher's default): on for a W4A16 cache served on CUDA with the expert
+    cache, the native host kernel and the stream path; each other case off, with its reason."""
+    from types import SimpleNamespace
+
+    import mmap_offload.copy_kernel as ck
+    import mmap_offload.native as native
+    from mmap_offload.vllm_backend.offloader import MmapOffloader
+
+    quant = {"kind": "w4a16", "group_size": 128}
+    off = SimpleNamespace(device=torch.device("cuda", 0), options=MmapOptions.resolve({"hybrid": "auto"}, env={}),
+                          cache=SimpleNamespace(manifest=SimpleNamespace(identity=SimpleNamespace(quantization=quant))))
+    assert off.options.hybrid is None
+    libs = {"mo_host": object(), "mo_native": object()}
+    monkeypatch.setattr(native, "load_library", lambda stem, build=True: libs.get(stem))
+    monkeypatch.setattr(native, "library_status", lambda stem: f"{stem}: no C compiler")
+    kernel = [object()]
+    monkeypatch.setattr(ck, "load", lambda device: kernel[0])
+
+    def reason(**change):
+        saved = {k: getattr(off.options, k) for k in change}
+        for k, v in change.items():
+            setattr(off.options, k, v)
+        try:
+            return MmapOffloader._hybrid_off_reason(off)
+        finally:
+            for k, v in saved.items():
+                setattr(off.options, k, v)
+
+    assert reason() is None
+    assert "stream path" in reason(async_step=False) and "stream path" in reason(hybrid_stream=False)
+    assert "layer streaming" in reason(expert_cache_gib=0.0)
+    kernel[0] = "the async step's copy kernel is not available: NVRTC (libnvrtc) was not found next to torch"
+    assert "NVRTC" in reason()
+    kernel[0] = object()
+    del libs["mo_host"]
+    assert reason() == "mo_host: no C compiler"
+    libs["mo_host"] = object()
+    quant["actorder"] = True
+    assert "act-order" in reason()
+    quant.update(kind="unquantized", actorder=False)
+    assert "W4A16 only" in reason()
+    off.device = torch.device("cpu")
+    assert "CUDA" in reason()
+
+
+def test_launcher_asks_for_hybrid_auto_unless_told(monkeypatch):
+    """serve with the mmap backend: option hybrid "auto" (on for a W4A16 cache on CUDA), under what the user
+    chose: --mmap-hybrid / --mmap-no-hybrid, their --additional-config, MMAP_OFFLOAD_HYBRID; nothing beside
+    another backend or for other commands."""
+    monkeypatch.delenv("MMAP_OFFLOAD_HYBRID", raising=False)
+
+    def hybrid(*argv, cmd="serve"):
+        out = launcher_argv([cmd, "/m", *argv])
+        cfg = json.loads(out[out.index("--additional-config") + 1]) if "--additional-config" in out else {}
+        return cfg.get(CONFIG_KEY, {}).get("hybrid", "absent")
+
+    assert hybrid() == "auto" and hybrid("--offload-backend=mmap") == "auto"
+    assert hybrid("--mmap-hybrid") is True and hybrid("--mmap-no-hybrid") is False
+    assert hybrid("--additional-config", '{"mmap_offload": {"hybrid": false}}') is False
+    assert hybrid("--offload-backend", "uva") == "absent" and hybrid(cmd="chat") == "absent"
+    monkeypatch.setenv("MMAP_OFFLOAD_HYBRID", "0")
+    assert hybrid() == "absent"  # the environment's choice stands (the config would win over it)
+
+
 def test_launcher_prefills_in_steps_of_8192_tokens_unless_told():
     """With the mmap backend each prefill step streams every routed expert once, so the launcher asks vLLM for
     8192-token steps (its own default on a 24 GiB GPU's server: 2048) unless the user chose; never beside
@@ -265,7 +330,7 @@ def test_launcher_hybrid_small_calls_takes_a_mode_and_a_threshold():
     for flag, want in ((["--mmap-hybrid-small-calls", "off"], "off"), (["--mmap-hybrid-small-calls=auto"], "auto")):
         argv = launcher_argv(["serve", "/m", *flag, "--mmap-hybrid-small-ms", "0.25"])
         got = json.loads(argv[argv.index("--additional-config") + 1])[CONFIG_KEY]
-        assert got == {"hybrid_small_calls": want, "hybrid_small_ms": 0.25}
+        assert got == {"hybrid": "auto", "hybrid_small_calls": want, "hybrid_small_ms": 0.25}
     with pytest.raises(SystemExit):
         launcher_argv(["serve", "/m", "--mmap-hybrid-small-calls", "sometimes"])
 

@@ -18,7 +18,8 @@ backend skips it unread; the same sizes otherwise). Cases, in this order (each a
     mmap_sparse  warm cache, 2 slots per layer: every call routes more ids than slots (sparse
                  calls decided on the stream, async_step.py)
     mmap_hybrid_sparse  mmap_sparse with hybrid: W4A16 sparse calls on the stream send part of
-                 their misses to the host kernel (AsyncStep.run_hybrid); bf16 takes the Python path
+                 their misses to the host kernel (AsyncStep.run_hybrid), hybrid "auto" (must resolve
+                 on); bf16 takes the Python path (hybrid on)
     mmap_hybrid_small   (W4A16 only) mmap_experts' pool with hybrid, hybrid_small_calls=auto at
                  hybrid_small_ms 0: decode calls that fit the pool switch to the hybrid form after
                  the first step's check
@@ -184,7 +185,9 @@ def main() -> int:
                   ("mmap_auto", {"expert_cache_gib": None}),  # the default pool size
                   # 2 slots per layer, 4 ids per decode call: sparse calls, decided on the stream
                   ("mmap_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0}),
-                  ("mmap_hybrid_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0, "hybrid": True}))
+                  # W4A16: hybrid "auto" (the launcher's default), which must resolve on here; bf16: on
+                  ("mmap_hybrid_sparse", {"expert_cache_gib": g / 3, "layer_stream_fraction": 1.0,
+                                          "hybrid": "auto" if quant == "w4a16" else True}))
     if quant == "w4a16":  # hybrid_small_calls=auto with a threshold of 0: from the first step's check on,
         # the decode calls that fit the 6-slot pool take the hybrid form on the stream (W4A16 only)
         pool_cases += (("mmap_hybrid_small", {"expert_cache_gib": g, "hybrid": True, "hybrid_small_ms": 0.0}),

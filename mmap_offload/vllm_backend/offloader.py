@@ -415,6 +415,12 @@ class MmapOffloader(_OffloaderBase):
             from ..transfer import make_engine
 
             opts = self.options
+            if opts.hybrid is None:  # "auto": decided before the engine's thread counts, which follow it
+                why = self._hybrid_off_reason()
+                opts.hybrid = why is None
+                self.metrics["hybrid_auto"] = why or "on"
+                log.info("mmap-offload: hybrid %s (auto: %s)", "on" if opts.hybrid else "off",
+                         why or "a W4A16 cache on CUDA, the native host kernel and the stream path")
             layer_bytes = self.cache.num_experts * sum(sp.nbytes for sp in self.cache.expert_specs)
             pinned = min(opts.pinned_mib << 20, max(64 << 20, 2 * layer_bytes))  # exact size; no more than a layer needs
             slot_bytes = min(4 << 20, pinned // 2)  # the mmap engine's default (TRANSFER.md)
@@ -475,6 +481,32 @@ class MmapOffloader(_OffloaderBase):
             log.info("mmap-offload: %s", prefill_note(self.prefetcher.layer_nbytes * len(self.targets),
                                                       getattr(sched, "max_num_batched_tokens", None),
                                                       getattr(model, "max_model_len", None)))
+
+    def _hybrid_off_reason(self) -> str | None:
+        """Option hybrid "auto": None where hybrid was measured ahead (a W4A16 cache served on CUDA with
+        the expert cache, the native host kernel and the stream path: BENCHMARKS.md "Real vLLM"), else
+        why it stays off."""
+        opts = self.options
+        if self.device is None or self.device.type != "cuda":
+            return "not served on a CUDA device"
+        q = self.cache.manifest.identity.quantization
+        if q.get("kind") != "w4a16":
+            return f"a {q.get('kind', 'unquantized')} cache (host compute was measured ahead for W4A16 only)"
+        if q.get("actorder"):
+            return "an act-order W4A16 cache, which the host kernel does not read"
+        if opts.expert_cache_gib == 0:
+            return "no expert cache (expert_cache_gib 0: layer streaming)"
+        if not (opts.native_step and opts.async_step and opts.hybrid_stream):
+            return "the stream path is off (native_step, async_step or hybrid_stream)"
+        from ..native import library_status, load_library
+
+        for stem in ("mo_host", "mo_native"):
+            if load_library(stem) is None:
+                return library_status(stem)
+        from .. import copy_kernel
+
+        got = copy_kernel.load(self.device)
+        return got if isinstance(got, str) else None
 
     def _start_background_check(self) -> None:
         """``verify_in_background``: check every expert in a low-priority thread, and pre-fault the

@@ -62,8 +62,11 @@ class MmapOptions:
     # waits for them per layer
     async_step: bool = True
     # hybrid: at decode, misses are split between host compute (straight from the cache's bytes,
-    # host/kernel.py) and the copy path, so that both finish together (host_experts.py)
-    hybrid: bool = False
+    # host/kernel.py) and the copy path, so that both finish together (host_experts.py). None ("auto",
+    # the `mmap-offload vllm` launcher's default): on where it was measured ahead, a W4A16 cache served on
+    # CUDA with the expert cache, the native host kernel and the stream path; off elsewhere
+    # (MmapOffloader.post_init decides, before the engine's thread counts, and logs why)
+    hybrid: bool | None = False
     # with hybrid and async_step, W4A16: a sparse call on the stream (more ids than the pool's slots,
     # decode at batch 8) sends a share of its misses that are not admitted into the pool to the host
     # kernel, started from the stream's callback (async_step.py run_hybrid), and a call whose ids fit
@@ -255,6 +258,8 @@ def _coerce(name: str, typ: Any, raw: Any) -> Any:
             if isinstance(raw, str):
                 raw = [s for s in re.split(r"[,\s]+", raw) if s]
             return tuple(str(s) for s in raw)
+        if raw in (None, "", "auto") and "None" in typ:
+            return None
         if typ.startswith("bool"):
             if isinstance(raw, str):
                 if raw.lower() in ("1", "true", "yes", "on"):
@@ -263,8 +268,6 @@ def _coerce(name: str, typ: Any, raw: Any) -> Any:
                     return False
                 raise ValueError(raw)
             return bool(raw)
-        if raw in (None, "", "auto") and "None" in typ:
-            return None
         if typ.startswith("int"):
             return int(raw)
         if typ.startswith("float"):
