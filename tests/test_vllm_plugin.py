@@ -421,7 +421,7 @@ def test_expert_cache_size_option():
     assert MmapOptions.resolve({"expert_cache_gib": "2.5"}, env={}).expert_cache_gib == 2.5
     assert MmapOptions.resolve(None, env={"MMAP_OFFLOAD_EXPERT_CACHE_GIB": "0"}).expert_cache_gib == 0.0
     argv = launcher_argv(["serve", "/m", "--mmap-expert-cache-gib", "3"])
-    assert json.loads(argv[argv.index("--additional-config") + 1]) == {CONFIG_KEY: {"expert_cache_gib": "3"}}
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {CONFIG_KEY: {"hybrid": "auto", "expert_cache_gib": "3"}}
     with pytest.raises(UnsupportedError, match="expert_cache_gib"):
         launcher_argv(["serve", "/m", "--mmap-expert-cache-gib", "lots"])
 
