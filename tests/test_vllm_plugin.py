@@ -508,10 +508,19 @@ def test_default_pool_leaves_vllm_the_kv_cache_of_one_request_of_max_model_len(m
     assert auto_capacity_bytes(off, vcfg) == 29 * gib  # budget 58 GiB: half, KV of 1 GiB fits beside it
     model.max_model_len = 32 * 1024  # 32 GiB of KV for one request: 58 - 32 - 1 GiB left for the pool
     assert start_reserve_bytes(vcfg)[0] == 32 * gib and auto_capacity_bytes(off, vcfg) == 25 * gib
-    model.max_model_len = 64 * 1024  # more than the budget: no pool (layer streaming; vLLM decides the rest)
-    assert auto_capacity_bytes(off, vcfg) == 0
+    model.max_model_len = 64 * 1024  # more than the budget: refused, with the length that leaves the half pool
+    with pytest.raises(UnsupportedError, match=r"max_model_len 65536 \(64.00 GiB\).*--max-model-len 28672 or less "
+                                               r"\(a pool of 29.00 GiB\).*--mmap-expert-cache-gib 0"):
+        auto_capacity_bytes(off, vcfg)  # (29 GiB half - 1 GiB activations) / 1 GiB per 1024 tokens
     vcfg.cache_config.kv_cache_memory_bytes = 4 * gib  # fixed: taken as it is, the layers not asked
     assert start_reserve_bytes(vcfg) == (4 * gib, act) and auto_capacity_bytes(off, vcfg) == 29 * gib
+    vcfg.cache_config.kv_cache_memory_bytes = 60 * gib  # fixed and too large: that is what to shrink
+    with pytest.raises(UnsupportedError, match="smaller kv_cache_memory_bytes"):
+        auto_capacity_bytes(off, vcfg)
+    vcfg.cache_config.kv_cache_memory_bytes = None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 100 * gib))  # full without KV too
+    assert auto_capacity_bytes(off, vcfg) == 0  # no pool would fit anyway: layer streaming, with a warning
     # nothing to go by (outside vLLM, an older config): the half rule
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 100 * gib))
     assert start_reserve_bytes(SimpleNamespace()) == (0, 0)
     assert auto_capacity_bytes(off, SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.9))) == 29 * gib

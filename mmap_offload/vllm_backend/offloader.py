@@ -538,9 +538,9 @@ class MmapOffloader(_OffloaderBase):
                     f"give at least {expert_bytes * len(self.targets) / 2**30:.3f} GiB, or 0 for layer streaming",
                 )
             if gib is None and self.device.type == "cuda":
-                log.warning("mmap-offload: no room for an expert pool (%.3f GiB would hold one expert per layer) beside "
-                            "vLLM's KV cache and activations: layer streaming only, every decode step streams every "
-                            "expert; a shorter --max-model-len or a higher --gpu-memory-utilization leaves room",
+                log.warning("mmap-offload: no room for an expert pool (%.3f GiB would hold one expert per layer) in "
+                            "what vLLM's budget leaves after the weights and layer buffers: layer streaming only, every "
+                            "decode step streams every expert; a higher --gpu-memory-utilization or more GPUs leave room",
                             expert_bytes * len(self.targets) / 2**30)
             return
         missing = [t.layer for t in self.targets if t.router is None]

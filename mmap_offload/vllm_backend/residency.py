@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from ..async_step import AsyncStep
+from ..errors import UnsupportedError
 from ..expert_cache import ExpertCache
 from ..expert_step import ExpertStep
 from .patches import log
@@ -789,7 +790,9 @@ def auto_capacity_bytes(off, vcfg) -> int:
     (the other half stays for KV cache and activations), but never so much that vLLM's KV cache would
     not hold one request of max_model_len beside its activations (``start_reserve_bytes``: vLLM refuses
     to start then), capped at the rank's expert bytes; 0 on CPU (the "device" is host memory: layer
-    streaming)."""
+    streaming). Where that request's KV cache leaves no room for one expert per layer, which the half
+    would have held, UnsupportedError names the --max-model-len that leaves the half (decode would
+    otherwise stream every expert at every step)."""
     if off.device.type != "cuda":
         return 0
     util = float(getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", 0.9) or 0.9)
@@ -799,12 +802,29 @@ def auto_capacity_bytes(off, vcfg) -> int:
     budget -= (off.options.lookahead + 1) * layer_bytes  # the layer buffers come first
     experts_bytes = layer_bytes * len(off.targets)
     kv, act = start_reserve_bytes(vcfg)
-    pool = int(max(0.0, min(experts_bytes, budget / 2, budget - kv - act)))
-    if budget - kv - act < min(experts_bytes, budget / 2):
-        log.info("mmap-offload: expert pool %.2f GiB, not half of the %.2f GiB left: vLLM's KV cache needs %.2f GiB for "
-                 "one request of max_model_len %s, its activations ~%.2f GiB (a shorter --max-model-len leaves the "
-                 "pool more)", pool / 2**30, max(budget, 0) / 2**30, kv / 2**30,
-                 getattr(getattr(vcfg, "model_config", None), "max_model_len", "?"), act / 2**30)
+    half = min(experts_bytes, budget / 2)
+    pool = int(max(0.0, min(half, budget - kv - act)))
+    if pool >= half:
+        return pool
+    length = getattr(getattr(vcfg, "model_config", None), "max_model_len", None)
+    minimum = sum(s.nbytes for s in off.cache.expert_specs) * len(off.targets)  # one expert per layer
+    if pool < minimum <= half:  # the KV cache took it all: decode would stream every expert at every step
+        why = (f"vLLM's KV cache for one request of max_model_len {length} ({kv / 2**30:.2f} GiB) and its activations "
+               f"(~{act / 2**30:.2f} GiB) leave no room for the expert pool in the {budget / 2**30:.2f} GiB this GPU has "
+               "after the weights and layer buffers (decode would stream every expert at every step)")
+        fixed = getattr(getattr(vcfg, "cache_config", None), "kv_cache_memory_bytes", None)
+        per_token = kv / length if length and not fixed else 0.0
+        fit = int((half - act) / per_token) // 1024 * 1024 if per_token else 0
+        if fit > 0:
+            fix = f"pass --max-model-len {fit} or less (a pool of {half / 2**30:.2f} GiB)"
+        elif fixed:
+            fix = "give vLLM a smaller kv_cache_memory_bytes"
+        else:
+            fix = "raise --gpu-memory-utilization, or use more GPUs (--tensor-parallel-size)"
+        raise UnsupportedError(why, fix + ", or --mmap-expert-cache-gib 0 to stream every layer anyway")
+    log.info("mmap-offload: expert pool %.2f GiB, not half of the %.2f GiB left: vLLM's KV cache needs %.2f GiB for "
+             "one request of max_model_len %s, its activations ~%.2f GiB (a shorter --max-model-len leaves the "
+             "pool more)", pool / 2**30, max(budget, 0) / 2**30, kv / 2**30, length, act / 2**30)
     return pool
 
 
