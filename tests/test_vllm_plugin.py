@@ -518,6 +518,10 @@ def test_default_pool_leaves_vllm_the_kv_cache_of_one_request_of_max_model_len(m
     with pytest.raises(UnsupportedError, match="smaller kv_cache_memory_bytes"):
         auto_capacity_bytes(off, vcfg)
     vcfg.cache_config.kv_cache_memory_bytes = None
+    off.targets = [0] * 10  # 10 GiB of experts, the half: KV + activations may take 58 - 10 GiB
+    with pytest.raises(UnsupportedError, match=r"--max-model-len 48128 or less \(a pool of 10.00 GiB\)"):
+        auto_capacity_bytes(off, vcfg)  # 64k tokens: 64 GiB; (58 - 10 - 1) GiB / 1 GiB per 1024 tokens
+    off.targets = [0] * 40
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 100 * gib))  # full without KV too
     assert auto_capacity_bytes(off, vcfg) == 0  # no pool would fit anyway: layer streaming, with a warning
     # nothing to go by (outside vLLM, an older config): the half rule

@@ -769,7 +769,7 @@ def kv_one_request_bytes(vcfg) -> int:
     return kv
 
 
-def start_reserve_bytes(vcfg, top_k: int | None = None) -> tuple[int, int]:
+def start_reserve_bytes(vcfg) -> tuple[int, int]:
     """What vLLM needs of the GPU beside the expert pool to start: (the KV cache of one request of
     max_model_len, by vLLM's own count: each attention layer's KV cache spec, as vLLM checks it at start;
     the fixed ``kv_cache_memory_bytes`` where given), (its profile run's activations, an estimate:
@@ -780,8 +780,7 @@ def start_reserve_bytes(vcfg, top_k: int | None = None) -> tuple[int, int]:
     tokens = getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", None) or 0
     model = getattr(vcfg, "model_config", None)
     hidden = model.get_hidden_size() if hasattr(model, "get_hidden_size") else 0
-    if top_k is None:
-        top_k = getattr(getattr(model, "hf_config", None), "num_experts_per_tok", None) or 8
+    top_k = getattr(getattr(model, "hf_config", None), "num_experts_per_tok", None) or 8
     return kv, int(tokens * hidden * 2 * (top_k + 8))
 
 
@@ -814,7 +813,7 @@ def auto_capacity_bytes(off, vcfg) -> int:
                "after the weights and layer buffers (decode would stream every expert at every step)")
         fixed = getattr(getattr(vcfg, "cache_config", None), "kv_cache_memory_bytes", None)
         per_token = kv / length if length and not fixed else 0.0
-        fit = int((half - act) / per_token) // 1024 * 1024 if per_token else 0
+        fit = int((budget - half - act) / per_token) // 1024 * 1024 if per_token else 0  # KV + act beside the half
         if fit > 0:
             fix = f"pass --max-model-len {fit} or less (a pool of {half / 2**30:.2f} GiB)"
         elif fixed:
