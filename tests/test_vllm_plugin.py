@@ -237,6 +237,27 @@ def test_prefill_note_counts_the_passes_and_names_the_fix():
     assert "--max-num-batched-tokens" not in prefill_note(1 << 30, 512, 128)  # every prompt fits one step
 
 
+def test_a_uva_offload_size_kept_on_the_command_line_is_named_as_ignored(caplog):
+    """--cpu-offload-gb is the uva backend's: with --offload-backend mmap nothing is pinned for it; a start
+    that keeps it from a uva command line says so in one warning (and takes the offload params as before)."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend.offloader import MmapOffloader
+
+    def cfg(gb):
+        return SimpleNamespace(uva=SimpleNamespace(cpu_offload_params={"experts"}, cpu_offload_gb=gb),
+                               prefetch=SimpleNamespace(offload_params=set()))
+
+    with caplog.at_level("WARNING"):
+        off = MmapOffloader.from_offload_config(cfg(140))
+    assert off._default_params == ("experts",)
+    assert any("--cpu-offload-gb 140 is the uva backend's and is ignored" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        MmapOffloader.from_offload_config(cfg(0))
+    assert not any("cpu-offload-gb" in r.getMessage() for r in caplog.records)
+
+
 def test_hybrid_auto_is_on_only_where_it_was_measured_ahead(monkeypatch):
     """Option hybrid "auto" (the launcher's default): on for a W4A16 cache served on CUDA with the expert
     cache, the native host kernel and the stream path; each other case off, with its reason."""

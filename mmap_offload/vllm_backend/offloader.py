@@ -147,6 +147,10 @@ class MmapOffloader(_OffloaderBase):
         """Built by the patched ``create_offloader``; selection defaults to vLLM's offload params."""
         params = set(getattr(getattr(offload_config, "uva", None), "cpu_offload_params", ()) or ())
         params |= set(getattr(getattr(offload_config, "prefetch", None), "offload_params", ()) or ())
+        gb = getattr(getattr(offload_config, "uva", None), "cpu_offload_gb", 0) or 0
+        if gb > 0:  # kept from a uva command line: nothing is pinned for it here
+            log.warning("mmap-offload: --cpu-offload-gb %s is the uva backend's and is ignored: the mmap backend serves "
+                        "the selected experts from its cache (their VRAM pool: --mmap-expert-cache-gib)", gb)
         return cls(None, default_params=sorted(params))
 
     # -- context ----------------------------------------------------------------------------------
