@@ -121,6 +121,14 @@ CHILD = textwrap.dedent(
         result["hybrid"] = run(sequential=True, offload_backend="mmap", additional_config={"mmap_offload": {
             "cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75, "hybrid": True,
             "host_threads": 1}})
+        # speculative decoding with the checkpoint's own MTP layer (vLLM loads it, experts included, for the
+        # drafter): each decode step verifies 2 tokens per sequence through the expert pool, then with hybrid
+        spec = {"method": "mtp", "num_speculative_tokens": 1}
+        result["spec_pool"] = run(sequential=True, speculative_config=spec, offload_backend="mmap", additional_config={
+            "mmap_offload": {"cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75}})
+        result["spec_hybrid"] = run(sequential=True, speculative_config=spec, offload_backend="mmap", additional_config={
+            "mmap_offload": {"cache_dir": cache, "expert_cache_gib": 3 * slot_gib, "layer_stream_fraction": 0.75,
+                             "hybrid": True, "host_threads": 1}})
     else:
         # cold: one slot buffer for two layers, so every layer is copied at every step;
         # warm: lookahead 1, both layers stay resident after the first pass
@@ -550,6 +558,25 @@ def test_glm4_moe_expert_cache_and_hybrid_serve_the_same_tokens(glm_runs):
     s = hy["summary"]
     assert s["residency_hybrid_calls"] > 0 and s["residency_host_host_experts"] > 0, s
     assert s["residency_late_checks"] > 0, s  # check_after_experts (the default): in patch 4b
+
+
+def test_glm4_moe_speculative_decoding_with_its_mtp_layer_serves_the_same_tokens(glm_runs):
+    """Speculative decoding with the checkpoint's multi-token-prediction layer (``method: mtp``, one draft
+    token): vLLM loads that layer for its drafter (nothing of it skipped, its experts in memory: they are
+    not served from the cache), and each decode step verifies two tokens per sequence through the expert
+    pool, then with hybrid too; greedy tokens equal no offload's without speculation, up to a near-tie
+    (verifying two tokens at once rounds differently; the reference has exact ties)."""
+    from token_match import assert_equal_up_to_a_near_tie
+
+    r = glm_runs
+    for case in ("spec_pool", "spec_hybrid"):
+        got = r[case]
+        assert_equal_up_to_a_near_tie(got["tokens"], r["ref_seq"]["tokens"], r["ref_seq"]["top2_gap"])
+        s = got["summary"]
+        assert s["skipped_mtp_tensors"] == 0 and s["skipped_bytes"] == _expert_bytes(r["ckpt"]), s
+        # decode steps of 2 tokens x top-2 routed ids against 3 slots: sparse calls (expert calls where they fit)
+        assert s["residency_sparse_calls"] + s["residency_expert_calls"] > 0, s
+    assert r["spec_hybrid"]["summary"]["residency_hybrid_calls"] > 0
 
 
 @pytest.mark.slow
