@@ -14,6 +14,8 @@
 #          > 180 s for the first, Triton JIT included), so it takes a device call of its own, or two:
 #          MMO_TP2_CASES=mmap_hybrid (say) runs the reference and that case only; every process logs to
 #          $OUT/vllm_gpu_tp2.log
+#   launcher  the README's serving command on the GPU (tests/test_launcher_gpu.py: `mmap-offload vllm serve`,
+#          its own processes, against the same server without offload)                limit LAUNCHER_TIMEOUT (420 s)
 #   oom    python3 benchmarks/oom_repro.py --vllm --out $OUT $OOM_ARGS                limit OOM_DEADLINE (300 s)
 #   bench  python3 benchmarks/bench_vllm.py --out $OUT --deadline $BENCH_DEADLINE     limit BENCH_DEADLINE (420 s)
 # A device call lasts at most 10 minutes: run "tests,oom" in one call and "bench" in the next (the machine
@@ -85,6 +87,16 @@ if has tp2; then
   [ $r = 0 ] || rc=1
   grep -E "passed|failed|error|skipped" "$LOG" | tail -2
   say "tp2: rc $r, $((SECONDS - t0)) s"
+fi
+
+if has launcher; then
+  T=$(cap "${LAUNCHER_TIMEOUT:-420}" 10)
+  say "== launcher (limit $T s)"
+  timeout -k 10 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_launcher_gpu.py >>"$LOG" 2>&1
+  r=$?
+  [ $r = 0 ] || rc=1
+  grep -E "passed|failed|error|skipped" "$LOG" | tail -2
+  say "launcher: rc $r, $((SECONDS - t0)) s"
 fi
 
 if has oom; then
