@@ -11,15 +11,8 @@ processes find the plugin through a dist-info folder made here that names the en
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,6 +25,7 @@ pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_runner import serve_completions  # noqa: E402
 from vllm_gpu_child import MAX_TOKENS, PROMPTS, SHAPES  # noqa: E402
 
 
@@ -46,48 +40,18 @@ def _entry_point_dir(tmp: Path) -> Path:
 
 
 def _serve(tmp: Path, ckpt: Path, args: list[str], name: str) -> tuple[list[list[int]], str]:
-    """Start the server with ``args``, take greedy completions of PROMPTS, stop it: (tokens, its log)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = Path(os.environ.get("OUT") or tmp, f"launcher_gpu_{name}.log")
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", OMP_NUM_THREADS="1")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own processes, as a user runs it
+    """The server with ``args`` (and the GPU child's engine settings), greedy completions of PROMPTS: (tokens, its log)."""
     import importlib.metadata as md
 
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", OMP_NUM_THREADS="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own processes, as a user runs it
     installed = any(e.value.startswith("mmap_offload.") for e in md.entry_points(group="vllm.general_plugins"))
     extra = [] if installed else [str(_entry_point_dir(tmp))]  # pip-installed: its own entry point
     env["PYTHONPATH"] = os.pathsep.join([*extra, str(ROOT), env.get("PYTHONPATH", "")])
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mmap_offload.cli", "vllm", "serve", str(ckpt), "--skip-tokenizer-init",
-             "--max-model-len", "256", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3",
-             "--attention-backend", "TRITON_ATTN", "--host", "127.0.0.1", "--port", str(port), *args],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(tmp))
-        try:
-            deadline = time.time() + 240
-            while True:
-                assert proc.poll() is None, log_path.read_text()[-6000:]
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    assert time.time() < deadline, f"server did not start in 240 s: {log_path.read_text()[-4000:]}"
-                    time.sleep(2)
-            tokens = []
-            for p in PROMPTS:
-                body = json.dumps({"model": str(ckpt), "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                   "ignore_eos": True, "return_token_ids": True}).encode()
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-                tokens.append(json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["token_ids"])
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    return tokens, log_path.read_text()
+    log_path = Path(os.environ.get("OUT") or tmp, f"launcher_gpu_{name}.log")
+    return serve_completions(ckpt, ["--max-model-len", "256", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3",
+                                    "--attention-backend", "TRITON_ATTN", *args],
+                             env, log_path, PROMPTS, MAX_TOKENS, start_s=240)
 
 
 def test_the_readme_serving_command_serves_w4a16_with_the_launchers_defaults(tmp_path):

@@ -387,54 +387,18 @@ def test_w4a16_refusal_check_accepts_either_refusal_and_rejects_serving(outcome)
 def test_launcher_serves_openai_api_from_the_warm_cache(runs, tmp_path):
     """`mmap-offload vllm serve` (API server + engine core + worker processes, the plugin loaded in
     each): the completion tokens equal the reference."""
-    import signal
-    import socket
-    import time
-    import urllib.error
-    import urllib.request
+    from serve_runner import serve_completions
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mmap_offload.cli", "vllm", "serve", str(runs["ckpt"]), "--skip-tokenizer-init",
-         "--max-model-len", "128", "--max-num-seqs", "4", "--host", "127.0.0.1", "--port", str(port),
-         "--mmap-cache-dir", str(runs["cache"]), "--mmap-lookahead", "0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-6000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                assert time.time() < deadline, "server did not start in 300 s"
-                time.sleep(2)
-        tokens = []
-        for p in PROMPTS:
-            body = json.dumps({"model": str(runs["ckpt"]), "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            tokens.append(json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["token_ids"])
-        assert tokens == runs["ref"]["tokens"]
-        text = (tmp_path / "serve.log").read_text()
-        assert "mmap-offload: serving 2 MoE layers" in text and "warm-up" not in text  # warm: nothing rebuilt
-        # the launcher's prefill steps: 8192 tokens, capped at every sequence at full length (4 x 128)
-        assert "max_num_batched_tokens 512: a prompt of N tokens takes ceil(N / 512) such steps" in text
-        assert "--max-num-batched-tokens 8192" not in text  # every prompt of max_model_len 128 fits one step
-        assert "hybrid off (auto: not served on a CUDA device)" in text  # the launcher's hybrid "auto"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    tokens, text = serve_completions(runs["ckpt"], ["--max-model-len", "128", "--max-num-seqs", "4",
+                                                    "--mmap-cache-dir", str(runs["cache"]), "--mmap-lookahead", "0"],
+                                     env, tmp_path / "serve.log", PROMPTS, MAX_TOKENS)
+    assert tokens == runs["ref"]["tokens"]
+    assert "mmap-offload: serving 2 MoE layers" in text and "warm-up" not in text  # warm: nothing rebuilt
+    # the launcher's prefill steps: 8192 tokens, capped at every sequence at full length (4 x 128)
+    assert "max_num_batched_tokens 512: a prompt of N tokens takes ceil(N / 512) such steps" in text
+    assert "--max-num-batched-tokens 8192" not in text  # every prompt of max_model_len 128 fits one step
+    assert "hybrid off (auto: not served on a CUDA device)" in text  # the launcher's hybrid "auto"
 
 
 TP2_CHILD = textwrap.dedent(
