@@ -264,6 +264,7 @@ def test_hybrid_auto_is_on_only_where_it_was_measured_ahead(monkeypatch):
     from types import SimpleNamespace
 
     import mmap_offload.copy_kernel as ck
+    import mmap_offload.host.kernel as hk
     import mmap_offload.native as native
     from mmap_offload.vllm_backend.offloader import MmapOffloader
 
@@ -274,6 +275,13 @@ def test_hybrid_auto_is_on_only_where_it_was_measured_ahead(monkeypatch):
     libs = {"mo_host": object(), "mo_native": object()}
     monkeypatch.setattr(native, "load_library", lambda stem, build=True: libs.get(stem))
     monkeypatch.setattr(native, "library_status", lambda stem: f"{stem}: no C compiler")
+
+    def host_library():  # host.kernel.library: the loaded mo_host, or UnsupportedError with the reason
+        if "mo_host" not in libs:
+            raise UnsupportedError("the host expert kernel is not available (mo_host: no C compiler)", "install cc")
+        return libs["mo_host"]
+
+    monkeypatch.setattr(hk, "library", host_library)
     kernel = [object()]
     monkeypatch.setattr(ck, "load", lambda device: kernel[0])
 
@@ -294,8 +302,11 @@ def test_hybrid_auto_is_on_only_where_it_was_measured_ahead(monkeypatch):
     assert "NVRTC" in reason()
     kernel[0] = object()
     del libs["mo_host"]
-    assert reason() == "mo_host: no C compiler"
+    assert reason() == "the host expert kernel is not available (mo_host: no C compiler)"
     libs["mo_host"] = object()
+    del libs["mo_native"]
+    assert reason() == "mo_native: no C compiler"
+    libs["mo_native"] = object()
     quant["actorder"] = True
     assert "act-order" in reason()
     quant.update(kind="unquantized", actorder=False)

@@ -502,11 +502,15 @@ class MmapOffloader(_OffloaderBase):
             return "no expert cache (expert_cache_gib 0: layer streaming)"
         if not (opts.native_step and opts.async_step and opts.hybrid_stream):
             return "the stream path is off (native_step, async_step or hybrid_stream)"
+        from ..host.kernel import library
         from ..native import library_status, load_library
 
-        for stem in ("mo_host", "mo_native"):
-            if load_library(stem) is None:
-                return library_status(stem)
+        try:  # what HostExperts will load: also refuses a stale build (its ABI, its SIGBUS guard)
+            library()
+        except UnsupportedError as e:
+            return e.message
+        if load_library("mo_native") is None:
+            return library_status("mo_native")
         from .. import copy_kernel
 
         got = copy_kernel.load(self.device)

@@ -797,7 +797,8 @@ def auto_capacity_bytes(off, vcfg) -> int:
     util = float(getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", 0.9) or 0.9)
     free, total = torch.cuda.mem_get_info(off.device)
     budget = util * total - (total - free)
-    layer_bytes = off.cache.num_experts * sum(s.nbytes for s in off.cache.expert_specs)
+    expert_bytes = sum(s.nbytes for s in off.cache.expert_specs)
+    layer_bytes = off.cache.num_experts * expert_bytes
     budget -= (off.options.lookahead + 1) * layer_bytes  # the layer buffers come first
     experts_bytes = layer_bytes * len(off.targets)
     kv, act = start_reserve_bytes(vcfg)
@@ -806,7 +807,7 @@ def auto_capacity_bytes(off, vcfg) -> int:
     if pool >= half:
         return pool
     length = getattr(getattr(vcfg, "model_config", None), "max_model_len", None)
-    minimum = sum(s.nbytes for s in off.cache.expert_specs) * len(off.targets)  # one expert per layer
+    minimum = expert_bytes * len(off.targets)  # one expert per layer
     if pool < minimum <= half:  # the KV cache took it all: decode would stream every expert at every step
         why = (f"vLLM's KV cache for one request of max_model_len {length} ({kv / 2**30:.2f} GiB) and its activations "
                f"(~{act / 2**30:.2f} GiB) leave no room for the expert pool in the {budget / 2**30:.2f} GiB this GPU has "
