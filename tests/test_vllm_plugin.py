@@ -338,6 +338,17 @@ def test_launcher_translates_flags_and_adds_backend():
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192"
 
 
+def test_launcher_cuda_graphs_flag_asks_for_piecewise_graphs():
+    """--mmap-cuda-graphs: no --enforce-eager; vLLM compiles and captures piecewise graphs (graphs.py keeps the
+    MoE layers eager between them); a compilation flag of the user's wins; beside --enforce-eager refused."""
+    argv = launcher_argv(["serve", "/m", "--mmap-cuda-graphs"])
+    assert "--enforce-eager" not in argv and "-cc.cudagraph_mode=PIECEWISE" in argv and "--mmap-cuda-graphs" not in argv
+    argv = launcher_argv(["serve", "/m", "--mmap-cuda-graphs", "-O3"])
+    assert "--enforce-eager" not in argv and not any(a.startswith("-cc.") for a in argv)
+    with pytest.raises(UnsupportedError, match="opposite"):
+        launcher_argv(["serve", "/m", "--mmap-cuda-graphs", "--enforce-eager"])
+
+
 def test_prefill_note_counts_the_passes_and_names_the_fix():
     from mmap_offload.vllm_backend.launcher import prefill_note
 

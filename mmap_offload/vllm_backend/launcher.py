@@ -1,7 +1,9 @@
 """``mmap-offload vllm ARGS``: vLLM's own CLI with ``--offload-backend mmap`` set up (stable).
 
 ``--mmap-*`` flags become ``--additional-config {"mmap_offload": {...}}``; ``serve`` gets
-``--offload-backend mmap`` and ``--enforce-eager`` unless given, and with the mmap backend
+``--offload-backend mmap`` and ``--enforce-eager`` unless given (``--mmap-cuda-graphs``: instead,
+``-cc.cudagraph_mode=PIECEWISE``: torch.compile and CUDA graphs between the eager MoE layers,
+graphs.py), and with the mmap backend
 ``--max-num-batched-tokens 8192`` (``PREFILL_BATCHED_TOKENS``: why, there) and option ``hybrid``
 "auto" (on for a W4A16 cache on CUDA: options.py) unless given.
 """
@@ -59,8 +61,10 @@ def launcher_argv(argv: list[str]) -> list[str]:
     ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag, (dest, kw) in _LAUNCHER_OPTS.items():
         ap.add_argument(flag, dest=dest, **kw)
+    ap.add_argument("--mmap-cuda-graphs", dest="_graphs", action="store_true")
     ns, rest = ap.parse_known_args(argv)
-    ours = {k: v for k, v in vars(ns).items() if v is not None}
+    graphs = ns._graphs
+    ours = {k: v for k, v in vars(ns).items() if v is not None and k != "_graphs"}
     if ours:
         MmapOptions.resolve(ours, env={})  # fail early on a bad value
     extra: dict = {}
@@ -91,8 +95,10 @@ def launcher_argv(argv: list[str]) -> list[str]:
     if extra:
         out += ["--additional-config", json.dumps(extra)]
     if serve:
+        if graphs and "--enforce-eager" in out:
+            raise UnsupportedError("--mmap-cuda-graphs and --enforce-eager ask for opposite things", "pass one of them")
         if not any(a in ("--enforce-eager", "-cc") or a.startswith(("--compilation-config", "-cc.", "-O")) for a in out):
-            out += ["--enforce-eager"]
+            out += ["-cc.cudagraph_mode=PIECEWISE"] if graphs else ["--enforce-eager"]
         # (not beside a --config file, which may set it: a flag would override the file's value)
         if mmap and _flag_value(out, "--max-num-batched-tokens") is None and _flag_value(out, "--config") is None:
             seqs, length = (_flag_value(out, f) for f in ("--max-num-seqs", "--max-model-len"))
