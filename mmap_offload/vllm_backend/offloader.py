@@ -301,7 +301,8 @@ class MmapOffloader(_OffloaderBase):
         t = _Target(len(self.targets), layer, module, sub, served_names, sorted(flagged),
                     router=moe_router_of(sub, module), runner=moe_runner_of(sub, module))
         self._install_placeholders(t, probe=not self.targets, ckpt=ckpt)
-        self._hook_forward(t)
+        if self.graph_mode == EAGER:  # compiled: the expert cache only (graphs.py), whose router decides; the
+            self._hook_forward(t)     # decoder's forward is left to torch.compile untouched
         self.targets.append(t)
 
     def _open_cache(self, ckpt):
