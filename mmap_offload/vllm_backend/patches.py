@@ -230,16 +230,22 @@ def add_after_experts(experts, fn: Callable) -> None:
     0.26 / 0.32: the runner calls ``routed_experts.forward_modular(x=..., topk_weights=...,
     topk_ids=..., ...)`` right after ``router.select_experts``; its output is the routed experts'
     sum before the shared experts and the TP all-reduce are added."""
-    orig = getattr(experts, "forward_modular", None)
+    _then(experts, "forward_modular", fn, "RoutedExperts")
+
+
+def _then(obj, method: str, fn: Callable, owner: str) -> None:
+    """``obj.method(...)`` (this instance only) returns ``fn(`` vLLM's result ``)``; applied once."""
+    orig = getattr(obj, method, None)
     if orig is None:
-        raise _missing("RoutedExperts.forward_modular")
+        raise _missing(f"{owner}.{method}")
     orig = _original(orig)
 
-    def forward_modular(*args, **kwargs):
+    def wrapper(*args, **kwargs):
         return fn(orig(*args, **kwargs))
 
-    _mark(forward_modular, orig)
-    experts.forward_modular = forward_modular
+    wrapper.__name__ = method
+    _mark(wrapper, orig)
+    setattr(obj, method, wrapper)
 
 
 def moe_runner_of(experts, decoder) -> object | None:
@@ -256,16 +262,7 @@ def after_moe_call(runner, fn: Callable) -> None:
     """Patch 6: ``runner._forward_impl(...)`` returns ``fn(output)`` (this instance only): the whole MoE
     call's output (the routed experts' sum, or (shared, routed) with shared experts), which the op
     ``vllm::moe_forward(_shared)`` hands to the next graph piece."""
-    orig = getattr(runner, "_forward_impl", None)
-    if orig is None:
-        raise _missing("MoERunner._forward_impl")
-    orig = _original(orig)
-
-    def _forward_impl(*args, **kwargs):
-        return fn(orig(*args, **kwargs))
-
-    _mark(_forward_impl, orig)
-    runner._forward_impl = _forward_impl
+    _then(runner, "_forward_impl", fn, "MoERunner")
 
 
 def graph_state() -> tuple[str, bool]:
