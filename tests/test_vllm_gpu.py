@@ -216,7 +216,7 @@ def test_piecewise_cuda_graphs_keep_the_tokens(run):
     assert "tokens" in g, g
     s = g["summary"]
     assert s["graph_mode"] == "piecewise" and g["graphs_captured"] > 0, (s.get("graph_mode"), g["graphs_captured"])
-    assert s["graph_capture_calls"] > 0 and s["graph_output_copies"] > s["graph_capture_calls"], s
+    assert s["graph_capture_waits"] > 0 and s["graph_output_copies"] > 0, s
     assert s["graph_output_bytes"] > 0 and s.get("hybrid_auto") == "on", s
     assert s["residency_expert_calls"] + s.get("residency_sparse_async_calls", 0) > 0, s
     assert_equal_up_to_a_near_tie(g["tokens"], ref["tokens"], ref["top2_gap"])

@@ -19,9 +19,10 @@ Three things make that correct:
   returns a fresh tensor per call, so in piecewise runs its outputs are copied into fixed buffers
   (the rows of vLLM's largest captured batch; a ring of three, by MoE layer position, since a layer's
   output is read before the next-but-one MoE layer runs).
-- Quiet while vLLM captures (``MmapOffloader._graph_output``): CUDA graph capture in vLLM's (global)
-  mode forbids other threads' CUDA calls, and the copy threads make them; during the capture phase
-  each MoE call waits for its stream and its copies before the next piece is captured.
+- Quiet while vLLM captures (``MmapOffloader.sync_prev_onload``, which vLLM calls before each piece's
+  capture and replay): CUDA graph capture in vLLM's (global) mode forbids other threads' CUDA calls, and
+  the copy threads make them; in the capture phase the device and the copies are waited for before
+  each piece is captured; before a replay nothing is.
 """
 
 from __future__ import annotations

@@ -566,17 +566,10 @@ class MmapOffloader(_OffloaderBase):
 
     def _graph_output(self, t: _Target, out):
         """A MoE call's output under torch.compile (patch 6): in a piecewise CUDA-graph forward, copied to
-        the fixed buffers the next graph piece reads (graphs.StaticOutputs); while vLLM captures, the call
-        also waits for its stream and copies, so that no copy thread's CUDA call meets a capture."""
-        mode, capturing = graph_state()
-        if mode != PIECEWISE.upper():
+        the fixed buffers the next graph piece reads (graphs.StaticOutputs)."""
+        if graph_state()[0] != PIECEWISE.upper():
             return out
-        out = self._static.put(t.index, out)
-        if capturing:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.residency.ec.sync()
-            self.metrics["graph_capture_calls"] = self.metrics.get("graph_capture_calls", 0) + 1
-        return out
+        return self._static.put(t.index, out)
 
     def _check_probe(self) -> None:
         """vLLM's processed placeholder of layer 0 must equal our cache layout of the same data."""
@@ -644,12 +637,20 @@ class MmapOffloader(_OffloaderBase):
             self.prefetcher.start_prefetch(self.prefetcher.layer_after(t.layer, self.options.lookahead + 1))
 
     def sync_prev_onload(self) -> None:
-        """vLLM calls this before each CUDA graph piece is captured or replayed. With the expert cache
-        nothing: the pieces read no expert byte (the MoE op runs eagerly between them, its copies
-        ordered on the stream, and a capture-phase call waits for its own: ``_graph_output``). Layer
-        streaming (never under graphs: graphs.check_graph_mode): wait for its copies."""
-        if self.residency is None and self.prefetcher is not None:
-            self.prefetcher.sync()
+        """vLLM calls this before each CUDA graph piece is captured or replayed. With the expert cache,
+        before a replay nothing: the pieces read no expert byte (the MoE op runs eagerly between them,
+        its copies ordered on the stream), and a wait would stop the launching thread at every piece.
+        Before a capture (vLLM's capture phase) the device and the expert cache's copies are waited for:
+        vLLM captures in CUDA's global mode, where a copy thread's CUDA call during a capture fails it.
+        Layer streaming (never under graphs: graphs.check_graph_mode): wait for its copies."""
+        if self.residency is None:
+            if self.prefetcher is not None:
+                self.prefetcher.sync()
+            return
+        if self.graph_mode != EAGER and graph_state()[1]:
+            torch.cuda.synchronize(self.device)
+            self.residency.ec.sync()
+            self.metrics["graph_capture_waits"] = self.metrics.get("graph_capture_waits", 0) + 1
 
     def join_after_forward(self) -> None:
         """Nothing to join: copies complete on the host side of ``engine.wait`` (no capture)."""
