@@ -303,8 +303,9 @@ def test_graph_output_copies_only_in_piecewise_forwards(monkeypatch):
 def test_sync_prev_onload_waits_only_before_a_capture(monkeypatch):
     """vLLM calls sync_prev_onload before every graph piece's capture and replay. With the expert cache:
     before a replay no wait (the pieces read no expert byte; the MoE op's copies are stream-ordered);
-    in the capture phase the device and the copies (no copy thread's CUDA call may meet a global-mode
-    capture); eager, nothing. Layer streaming's prefetcher is waited for as before."""
+    in the capture phase the device, the whole-layer prefetches (a large captured batch streams whole
+    layers, the next one started ahead: the H200's first capture failed on it) and the copies (no copy
+    thread's CUDA call may meet a global-mode capture); eager, nothing. Layer streaming's prefetcher is waited for as before."""
     from types import SimpleNamespace
 
     import mmap_offload.vllm_backend.offloader as offmod
@@ -324,7 +325,7 @@ def test_sync_prev_onload_waits_only_before_a_capture(monkeypatch):
     assert calls == []
     state["v"] = ("PIECEWISE", True)  # before a capture
     off.sync_prev_onload()
-    assert calls == ["device", "cache"] and off.metrics["graph_capture_waits"] == 1
+    assert calls == ["device", "prefetch", "cache"] and off.metrics["graph_capture_waits"] == 1
     calls.clear()
     off.residency = None
     off.sync_prev_onload()

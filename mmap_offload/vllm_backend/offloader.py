@@ -640,7 +640,8 @@ class MmapOffloader(_OffloaderBase):
         """vLLM calls this before each CUDA graph piece is captured or replayed. With the expert cache,
         before a replay nothing: the pieces read no expert byte (the MoE op runs eagerly between them,
         its copies ordered on the stream), and a wait would stop the launching thread at every piece.
-        Before a capture (vLLM's capture phase) the device and the expert cache's copies are waited for:
+        Before a capture (vLLM's capture phase) the device, the layer prefetches and the expert cache's
+        copies are waited for:
         vLLM captures in CUDA's global mode, where a copy thread's CUDA call during a capture fails it.
         Layer streaming (never under graphs: graphs.check_graph_mode): wait for its copies."""
         if self.residency is None:
@@ -649,6 +650,8 @@ class MmapOffloader(_OffloaderBase):
             return
         if self.graph_mode != EAGER and graph_state()[1]:
             torch.cuda.synchronize(self.device)
+            if self.prefetcher is not None:  # a large captured batch streams whole layers, the next one
+                self.prefetcher.sync()       # started ahead (the H200's first capture failed on it, session 39)
             self.residency.ec.sync()
             self.metrics["graph_capture_waits"] = self.metrics.get("graph_capture_waits", 0) + 1
 
