@@ -21,8 +21,9 @@ Three things make that correct:
   output is read before the next-but-one MoE layer runs).
 - Quiet while vLLM captures (``MmapOffloader.sync_prev_onload``, which vLLM calls before each piece's
   capture and replay): CUDA graph capture in vLLM's (global) mode forbids other threads' CUDA calls, and
-  the copy threads make them; in the capture phase the device and the copies are waited for before
-  each piece is captured; before a replay nothing is.
+  the copy threads make them; in the capture phase the device, the layer prefetches (a large captured
+  batch streams whole layers, the next one started ahead) and the copies are waited for before each
+  piece is captured; before a replay nothing is.
 """
 
 from __future__ import annotations
