@@ -179,6 +179,24 @@ def test_offloader_inside_vllm_uses_its_custom_ops(registered, tmp_path):
         set_offloader(None)
 
 
+@pytest.mark.vllm
+def test_graph_reads_find_vllms_forward_context_and_capture_flag(registered):
+    """Patch 6's reads of vLLM's state: outside a forward no graph mode; the capture flag is the
+    monitor's own (True until capture_model ends), and follows it."""
+    import vllm.compilation.monitor as monitor
+
+    from mmap_offload.vllm_backend.patches import capturing_graphs, graph_runtime_mode
+
+    assert graph_runtime_mode() == "NONE"
+    old = monitor.cudagraph_capturing_enabled
+    try:
+        for flag in (True, False):
+            monitor.cudagraph_capturing_enabled = flag
+            assert capturing_graphs() is flag
+    finally:
+        monitor.cudagraph_capturing_enabled = old
+
+
 # -- no vLLM needed ------------------------------------------------------------------------------------
 
 
@@ -288,7 +306,7 @@ def test_graph_output_copies_only_in_piecewise_forwards(monkeypatch):
     after_moe_call(runner, lambda out: off._graph_output(t, out))
     after_moe_call(runner, lambda out: off._graph_output(t, out))  # applied once: vLLM's method kept behind it
     state = {"v": ("NONE", True)}
-    monkeypatch.setattr(offmod, "graph_state", lambda: state["v"])
+    monkeypatch.setattr(offmod, "graph_runtime_mode", lambda: state["v"][0])
     x = torch.ones(2, 3)
     eager = runner._forward_impl(x, None, None)
     assert torch.equal(eager, x * 2) and off._static.copies == 0
@@ -316,7 +334,7 @@ def test_sync_prev_onload_waits_only_before_a_capture(monkeypatch):
     off.residency = SimpleNamespace(ec=SimpleNamespace(sync=lambda: calls.append("cache")))
     monkeypatch.setattr(offmod.torch.cuda, "synchronize", lambda dev=None: calls.append("device"))
     state = {"v": ("NONE", True)}
-    monkeypatch.setattr(offmod, "graph_state", lambda: state["v"])
+    monkeypatch.setattr(offmod, "capturing_graphs", lambda: state["v"][1])
     off.sync_prev_onload()  # eager serving: vLLM never calls it, and it does nothing
     assert calls == []
     off.graph_mode = "piecewise"

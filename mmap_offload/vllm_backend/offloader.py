@@ -37,12 +37,12 @@ import torch
 from ..cache_format import warmup_command
 from ..cpus import allowed_cpus, core_count
 from ..errors import CacheError, UnsupportedError
-from .graphs import EAGER, PIECEWISE, StaticOutputs, capture_rows, check_graph_mode
+from .graphs import EAGER, StaticOutputs, capture_rows, check_graph_mode
 from .launcher import prefill_note
 from .options import CONFIG_KEY, MmapOptions
 from .patches import (
-    SERVED_FLAG, add_after_experts, after_moe_call, graph_state, log, moe_router_of, moe_runner_of, route_through,
-    set_skipped_checkpoint_names,
+    SERVED_FLAG, add_after_experts, after_moe_call, capturing_graphs, graph_runtime_mode, log, moe_router_of,
+    moe_runner_of, route_through, set_skipped_checkpoint_names,
 )
 from .probe import expected_layout, platform_transform, probe_tensor
 
@@ -567,7 +567,7 @@ class MmapOffloader(_OffloaderBase):
     def _graph_output(self, t: _Target, out):
         """A MoE call's output under torch.compile (patch 6): in a piecewise CUDA-graph forward, copied to
         the fixed buffers the next graph piece reads (graphs.StaticOutputs)."""
-        if graph_state()[0] != PIECEWISE.upper():
+        if graph_runtime_mode() != "PIECEWISE":
             return out
         return self._static.put(t.index, out)
 
@@ -641,14 +641,14 @@ class MmapOffloader(_OffloaderBase):
         before a replay nothing: the pieces read no expert byte (the MoE op runs eagerly between them,
         its copies ordered on the stream), and a wait would stop the launching thread at every piece.
         Before a capture (vLLM's capture phase) the device, the layer prefetches and the expert cache's
-        copies are waited for:
-        vLLM captures in CUDA's global mode, where a copy thread's CUDA call during a capture fails it.
+        copies are waited for: vLLM captures in CUDA's global mode, where a copy thread's CUDA call
+        during a capture fails it.
         Layer streaming (never under graphs: graphs.check_graph_mode): wait for its copies."""
         if self.residency is None:
             if self.prefetcher is not None:
                 self.prefetcher.sync()
             return
-        if self.graph_mode != EAGER and graph_state()[1]:
+        if self.graph_mode != EAGER and capturing_graphs():
             torch.cuda.synchronize(self.device)
             if self.prefetcher is not None:  # a large captured batch streams whole layers, the next one
                 self.prefetcher.sync()       # started ahead (the H200's first capture failed on it, session 39)

@@ -265,25 +265,27 @@ def after_moe_call(runner, fn: Callable) -> None:
     _then(runner, "_forward_impl", fn, "MoERunner")
 
 
-def graph_state() -> tuple[str, bool]:
-    """(the current forward's CUDA graph runtime mode name, "NONE" outside a forward; whether vLLM is
-    in its graph capture phase)."""
-    mode = "NONE"
+def graph_runtime_mode() -> str:
+    """The current forward's CUDA graph runtime mode name ("NONE" outside a forward, or without vLLM).
+    Read on every MoE call when compiled: the forward context only."""
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        if is_forward_context_available():
-            m = get_forward_context().cudagraph_runtime_mode
-            mode = str(getattr(m, "name", m)).upper()
     except ImportError:
-        pass
+        return "NONE"
+    if not is_forward_context_available():
+        return "NONE"
+    m = get_forward_context().cudagraph_runtime_mode
+    return str(getattr(m, "name", m)).upper()
+
+
+def capturing_graphs() -> bool:
+    """Whether vLLM is in its graph capture phase (``compilation.monitor``'s flag: True until
+    ``capture_model`` ends)."""
     try:
         import vllm.compilation.monitor as monitor
-
-        capturing = bool(getattr(monitor, "cudagraph_capturing_enabled", False))
     except ImportError:
-        capturing = False
-    return mode, capturing
+        return False
+    return bool(getattr(monitor, "cudagraph_capturing_enabled", False))
 
 
 def vllm_cpu_metadata_shim() -> None:
@@ -309,6 +311,7 @@ def vllm_cpu_metadata_shim() -> None:
 
 __all__ = [
     "BACKEND_NAME", "TESTED_VLLM", "register", "skipped_checkpoint_names", "set_skipped_checkpoint_names",
-    "moe_router_of", "route_through", "add_after_experts", "moe_runner_of", "after_moe_call", "graph_state",
+    "moe_router_of", "route_through", "add_after_experts", "moe_runner_of", "after_moe_call",
+    "graph_runtime_mode", "capturing_graphs",
     "vllm_cpu_metadata_shim", "SERVED_FLAG",
 ]
