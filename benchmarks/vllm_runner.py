@@ -608,6 +608,32 @@ class TraceRouting:
         self._n_rec = 0  # events recorded in this forward, in layer order
         self._t_first = 0.0
         self._pending: list = []  # (set index, thread span) of finished forwards whose events may not be done yet
+        self._graph: dict | None = None  # prepare_graphs: the trace, its step and its switch on the device
+
+    def prepare_graphs(self, trace, device) -> None:
+        """Graph-safe replay, for an engine that captures the routers in CUDA graphs (vLLM's FULL decode
+        graphs under uva or no offload: without this a replayed step routes as the model does, whatever
+        ``set_trace`` said). Called before the capture: ``trace`` is copied to ``device`` once, the step
+        and an on/off switch live there too, and every routed call reads all three on the device
+        (``traces.DeviceTrace.ids_at``, then a select on the switch), so each replay takes the trace's
+        next rows; ``set_trace`` later changes their contents, never their addresses."""
+        import torch
+
+        from mmap_offload.traces import DeviceTrace
+
+        dt = DeviceTrace(trace, device, self.num_experts)
+        dt.warm(torch.int32, torch.int64)  # the router's ids' dtypes: none made during a capture
+        self._graph = {"trace": dt, "step": torch.zeros(1, dtype=torch.int64, device=device),
+                       "on": torch.zeros((), dtype=torch.bool, device=device)}
+
+    def set_trace(self, trace) -> None:
+        """Replace the routers' ids by ``trace``'s (None: the model's own routing from now on)."""
+        g = self._graph
+        if g is not None:
+            if trace is not None:
+                g["trace"].load(trace)  # refuses another shape: the graphs hold this one's addresses
+            g["on"].fill_(trace is not None)
+        self.trace = trace
 
     def _probe(self, pos: int, n_layers: int, t_in: float) -> None:
         """The stream's side at router ``pos`` (see the class doc)."""
@@ -676,10 +702,16 @@ class TraceRouting:
             t_in = clock()
             if self._exit is not None:
                 timing["gap_s" if pos else "outside_s"] += t_in - self._exit
-            if self.probe:
+            if self.probe and not (self._graph is not None and torch.cuda.is_current_stream_capturing()):
                 self._probe(pos, n_layers, t_in)
             w, ids = orig(*args, **kwargs)
-            if self.trace is not None:
+            g = self._graph
+            if g is not None:  # device ops only: what a CUDA graph captures here replays the trace
+                ids = torch.where(g["on"], g["trace"].ids_at(g["step"], pos, int(ids.shape[0]), int(ids.shape[-1]),
+                                                             ids.dtype), ids)
+                if pos == n_layers - 1:
+                    g["step"].add_(1)
+            elif self.trace is not None:
                 if self._dev is None or self._dev[0] is not self.trace or self._dev[1] != ids.device:
                     self._dev = (self.trace, ids.device, DeviceTrace(self.trace, ids.device, self.num_experts))
                 ids = self._dev[2].ids(self.step, pos, int(ids.shape[0]), int(ids.shape[-1]), ids.dtype)
@@ -793,6 +825,10 @@ class _Child:
             kw = dict(spec["llm"])
             if "cpu_offload_params" in kw:
                 kw["cpu_offload_params"] = set(kw["cpu_offload_params"])
+            paths = [t["path"] for t in spec.get("tasks", []) if t.get("kind") == "trace" and t.get("path")]
+            compiled = not kw.get("enforce_eager")
+            if paths and (os.environ.get("MMO_ROUTING_AT_LOAD") == "1" or (compiled and not spec.get("register_backend"))):
+                self._route_at_load(paths[0], compiled)
             t = time.perf_counter()
             self.llm = LLM(**kw)
             ready_s = time.perf_counter() - t
@@ -1025,6 +1061,49 @@ class _Child:
         return {"tokens": n, "seconds": round(med, 4), "all_seconds": [round(t, 4) for t in times],
                 "tok_s": round(n / med, 2), "summary": sums[len(sums) // 2]}
 
+    def _route_at_load(self, path: str, compiled: bool) -> None:
+        """TraceRouting installed as the model runner loads the model, before vLLM captures CUDA graphs,
+        with the trace at ``path`` copied to the device for graph-safe replay (``prepare_graphs``): a
+        child whose engine captures its routers (uva or no offload without ``enforce_eager``) routes by
+        the trace in replayed steps too. (The mmap backend's children take the trace through its own
+        option, and keep the MoE layers out of graphs.) ``MMO_ROUTING_AT_LOAD=1``: the same in any child.
+
+        vLLM's CPU backend compiles the MoE layer's Python, routers included (CUDA keeps it inside an
+        opaque op): a trace cannot reach a compiled CPU engine's routers, and such a child fails at load
+        with one line."""
+        from vllm.v1.worker import gpu_model_runner
+
+        from mmap_offload.traces import read_csv
+
+        trace = read_csv(path)
+        classes = [gpu_model_runner.GPUModelRunner]
+        try:
+            from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+            classes.append(CPUModelRunner)
+        except Exception:  # noqa: BLE001 - a GPU build without the CPU runner
+            pass
+        for cls in classes:
+            if "load_model" not in cls.__dict__:
+                continue
+            orig = cls.__dict__["load_model"]
+
+            def load_model(runner, *a, _orig=orig, **kw):
+                out = _orig(runner, *a, **kw)
+                if self.routing_installed is not None:  # one install per process (a runner calling its base's)
+                    return out
+                model = runner.get_model()
+                device = next(model.parameters()).device
+                if compiled and device.type != "cuda":
+                    raise RuntimeError(f"a routing trace cannot reach the routers of an engine compiled on {device.type} "
+                                       "(vLLM compiles the MoE layers' Python there): pass llm.enforce_eager=true")
+                self.routing_installed = self.routing.install(model)
+                if self.routing_installed:
+                    self.routing.prepare_graphs(trace, device)
+                return out
+
+            cls.load_model = load_model
+
     def _ensure_routing(self) -> int:
         if self.routing_installed is None:
             self.routing_installed = self.llm.apply_model(self.routing.install)[0]
@@ -1038,10 +1117,11 @@ class _Child:
         if path:
             from mmap_offload.traces import read_csv
 
-            self.routing.trace = read_csv(path)
+            self.routing.set_trace(read_csv(path))
         else:
-            self.routing.trace = None
-        return {"installed": n, "trace": path, "shape": list(self.routing.trace.shape) if path else None}
+            self.routing.set_trace(None)
+        return {"installed": n, "trace": path, "shape": list(self.routing.trace.shape) if path else None,
+                "graph_safe": self.routing._graph is not None}  # installed at load, its step on the device
 
     def task_record(self, task: dict) -> dict:
         """Per-layer routed-expert counts of one prefill (not timed)."""

@@ -308,11 +308,12 @@ class DeviceTrace:
             raise UnsupportedError(f"{source} routes expert {hi}, the model has {num_experts} experts",
                                    "use a trace made for this model")
         self.source = source
+        self._num_experts = num_experts
         self.steps, self.layers, self.batch, self.top_k = (int(s) for s in trace.shape)
         self._dev = torch.from_numpy(np.ascontiguousarray(trace, dtype=np.int64)).to(device)
         self._by_dtype = {torch.int64: self._dev}
 
-    def ids(self, step: int, pos: int, n: int, k: int, dtype):
+    def _of(self, dtype, k: int):
         from .errors import UnsupportedError
 
         if k > self.top_k:
@@ -321,7 +322,45 @@ class DeviceTrace:
         t = self._by_dtype.get(dtype)
         if t is None:
             t = self._by_dtype[dtype] = self._dev.to(dtype)
-        row = t[step % self.steps, pos % self.layers, :, :k]  # [batch, k]
+        return t
+
+    def _tile(self, row, n: int):
         if n <= self.batch:
             return row[:n].clone()  # the caller's own tensor, as a router's (vLLM may write in place)
         return row.repeat(-(-n // self.batch), 1)[:n]
+
+    def ids(self, step: int, pos: int, n: int, k: int, dtype):
+        t = self._of(dtype, k)
+        return self._tile(t[step % self.steps, pos % self.layers, :, :k], n)  # [batch, k] tiled
+
+    def ids_at(self, step_t, pos: int, n: int, k: int, dtype):
+        """``ids`` with the step read on the device from ``step_t`` (a one-element int64 tensor there):
+        device ops only, so a CUDA graph that captures the call replays the trace's next rows as
+        ``step_t`` advances (the caller adds 1 to it on the device once per forward)."""
+        import torch
+
+        t = self._of(dtype, k)
+        sel = torch.remainder(step_t, self.steps)
+        return self._tile(t[:, pos % self.layers].index_select(0, sel)[0, :, :k], n)
+
+    def warm(self, *dtypes) -> None:
+        """Makes the trace's copies in ``dtypes`` now (a capture must not allocate them)."""
+        for d in dtypes:
+            self._of(d, self.top_k)
+
+    def load(self, trace: np.ndarray) -> None:
+        """Replaces the trace's contents in place, every dtype's copy at the address it had (what a
+        captured CUDA graph reads); a trace of another shape or with ids out of range is refused."""
+        import torch
+
+        from .errors import UnsupportedError
+
+        shape = (self.steps, self.layers, self.batch, self.top_k)
+        if tuple(trace.shape) != shape:
+            raise UnsupportedError(f"routing trace of shape {tuple(trace.shape)} cannot replace the {shape} one "
+                                   "whose addresses CUDA graphs hold", "make every trace of a run with one shape")
+        check = DeviceTrace(trace, "cpu", self._num_experts, self.source)  # the range check, before any byte moves
+        self._dev.copy_(check._dev)
+        for d, t in self._by_dtype.items():
+            if d != torch.int64:
+                t.copy_(self._dev)

