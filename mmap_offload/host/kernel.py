@@ -64,7 +64,7 @@ from ..cpus import core_count
 from ..errors import CacheError, UnsupportedError
 
 __all__ = ["HostCall", "HostKernel", "HostReadFault", "ISAS", "available_isas", "dequantize_marlin", "guarded_touch",
-           "library"]
+           "library", "sigbus_guard_prev"]
 
 # fastest first (the build box and the H200's host; BENCHMARKS.md "Host compute", sessions 15 and 16)
 ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
@@ -151,6 +151,16 @@ def library() -> ctypes.CDLL:
             lib.mo_host_touch.restype = ctypes.c_int
             _lib = lib
         return _lib
+
+
+def sigbus_guard_prev() -> int | None:
+    """The SIGBUS handler that the host kernel's guard passes faults outside its calls on to, or None
+    where that guard is not installed (the host kernel never loaded in this process: not hybrid)."""
+    with _lib_lock:
+        lib = _lib
+    if lib is None or not lib.mo_host_sigbus_guarded():
+        return None
+    return int(lib.mo_host_sigbus_prev() or 0)
 
 
 def available_isas() -> list[str]:

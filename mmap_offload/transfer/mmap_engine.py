@@ -302,12 +302,10 @@ class MmapEngine(_RingEngine):
         lib = self._pool.lib
         if lib.mo_sigbus_guarded():
             return True
-        from ..host import kernel
+        from ..host.kernel import sigbus_guard_prev
 
-        host = kernel._lib  # only where the host kernel was loaded (hybrid)
-        if host is None or not host.mo_host_sigbus_guarded():
-            return False
-        return host.mo_host_sigbus_prev() == lib.mo_sigbus_handler()
+        prev = sigbus_guard_prev()
+        return prev is not None and prev == (lib.mo_sigbus_handler() or 0)
 
     def close(self) -> None:
         """Cancel chunks not started, finish those in flight, free the ring. Idempotent."""
