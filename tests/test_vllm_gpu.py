@@ -240,8 +240,8 @@ def _rank_summary(worker):
     from vllm.model_executor.offloader import get_offloader
     s = get_offloader().summary()
     keys = ("residency_hybrid_async_calls", "residency_async_host_experts", "residency_host_threads",
-            "residency_late_checks")
-    return {k: int(s.get(k, 0) or 0) for k in keys}
+            "residency_late_checks", "graph_output_copies")
+    return {k: int(s.get(k, 0) or 0) for k in keys} | {"graph_mode": s.get("graph_mode")}
 
 def main():
     from mmap_offload.synth import make_checkpoint
@@ -260,19 +260,22 @@ def main():
         kw.update(offload_backend="mmap", additional_config={"mmap_offload": {**mm, "expert_cache_gib": 0}})
     elif case == "mmap_experts":
         kw.update(offload_backend="mmap", additional_config={"mmap_offload": {**mm, "expert_cache_gib": 0.01}})
-    elif case == "mmap_hybrid":  # the user's set-up in small: TP=2, hybrid on the stream, 2 slots of 8 per layer
+    elif case in ("mmap_hybrid", "mmap_hybrid_graphs"):  # the user's set-up in small: TP=2, hybrid on the stream,
+        # 2 slots of 8 per layer; _graphs: with piecewise CUDA graphs between the eager MoE layers (graphs.py)
         from mmap_offload.cache_reader import open_cache
         c = open_cache(mm["cache_dir"], tp_rank=0, tp_size=2)
         gib = 2 * len(c.layers) * sum(s.nbytes for s in c.expert_specs) / 2**30
         c.close()
         kw.update(offload_backend="mmap", additional_config={"mmap_offload": {
             **mm, "expert_cache_gib": gib, "layer_stream_fraction": 1.0, "hybrid": True}})
+        if case == "mmap_hybrid_graphs":
+            kw.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
     llm = LLM(model=str(ckpt), **kw)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False, logprobs=2)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ([1, 5, 9, 200, 33], [7, 8, 9, 10, 11, 12])], sp,
                         use_tqdm=False)
     res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "top2_gap": top2_gaps(outs)}
-    if case == "mmap_hybrid":
+    if case.startswith("mmap_hybrid"):
         res["ranks"] = llm.collective_rpc(_rank_summary)
     open(out, "w").write(json.dumps(res))
     os._exit(0)
@@ -287,8 +290,9 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
     """TP=2 (spawned workers: the plugin comes in through its vllm.general_plugins entry point),
     W4A16: each rank builds rank-r-of-2 while loading; layer streaming and the expert cache give
     the tokens of TP=2 without offload; hybrid on the stream (the user's set-up) gives them up to a
-    near-tie (tests/token_match.py), each rank's host computing experts of its own shard. Never run:
-    two GPUs were not lent in sessions 6-18 (the CPU twin, tests/test_vllm_e2e.py, runs in CI)."""
+    near-tie (tests/token_match.py), each rank's host computing experts of its own shard, and so does hybrid
+    with piecewise CUDA graphs between the MoE layers (``mmap_hybrid_graphs``, session 40). Never run:
+    two GPUs were not lent in sessions 6-40 (the CPU twin, tests/test_vllm_e2e.py, runs in CI)."""
     script = tmp_path / "tp2.py"
     script.write_text(TP2_CHILD)
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc of the child's function
@@ -318,8 +322,9 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
     toks = {}
     # each case starts vLLM at TP=2 anew (> 180 s for the first on a fresh machine): MMO_TP2_CASES picks the
     # offload cases of one device call (default all three; the reference always runs)
-    picked = os.environ.get("MMO_TP2_CASES", "mmap_layer,mmap_experts,mmap_hybrid").split(",")
-    cases = ["ref"] + [c for c in ("mmap_layer", "mmap_experts", "mmap_hybrid") if c in picked]
+    all_cases = ("mmap_layer", "mmap_experts", "mmap_hybrid", "mmap_hybrid_graphs")
+    picked = os.environ.get("MMO_TP2_CASES", ",".join(all_cases)).split(",")
+    cases = ["ref"] + [c for c in all_cases if c in picked]
     for case in cases:
         out = tmp_path / f"{case}.json"
         with open(log_path, "a") as log:
@@ -341,11 +346,15 @@ def test_tensor_parallel_2_mmap_tokens_equal_no_offload(tmp_path):
         assert case not in toks or toks[case]["tokens"] == ref["tokens"], case
     from token_match import assert_equal_up_to_a_near_tie
 
-    hy = toks.get("mmap_hybrid")
-    if hy is not None:
+    for case in ("mmap_hybrid", "mmap_hybrid_graphs"):
+        hy = toks.get(case)
+        if hy is None:
+            continue
         assert_equal_up_to_a_near_tie(hy["tokens"], ref["tokens"], ref["top2_gap"])
         assert len(hy["ranks"]) == 2
         for r in hy["ranks"]:
             assert r["residency_hybrid_async_calls"] > 0 and r["residency_async_host_experts"] > 0, hy["ranks"]
             assert r["residency_late_checks"] > 0, hy["ranks"]  # check_after_experts on each rank
+            if case == "mmap_hybrid_graphs":  # each rank's MoE outputs through the fixed buffers graphs read
+                assert r["graph_mode"] == "piecewise" and r["graph_output_copies"] > 0, hy["ranks"]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
