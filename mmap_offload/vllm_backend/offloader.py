@@ -81,6 +81,14 @@ class _Target:
     runner: Any = None  # the object whose _forward_impl vLLM's MoE op calls (patches.moe_runner_of)
 
 
+# CUDA's words for a failed stream capture, spaces out (cudaErrorStreamCapture*, cudaErrorCapturedEvent: "operation
+# not permitted when stream is capturing", "... a previous error during capture", "... separate capture sequences",
+# "capturing stream has unjoined work", "dependency created on uncaptured work in another stream", "... an event last
+# recorded in a capturing stream", "... a capturing blocking stream", "capture was not initiated in this stream")
+_CAPTURE_ERRORS = ("streamiscapturing", "duringcapture", "capturesequence", "capturingstream", "uncapturedwork",
+                   "capturingblockingstream", "capturewasnotinitiated", "errorstreamcapture", "errorcapturedevent")
+
+
 class MmapOffloader(_OffloaderBase):
     """vLLM offloader serving routed experts from the mmap-offload cache (module docstring).
 
@@ -576,7 +584,8 @@ class MmapOffloader(_OffloaderBase):
                 f"vLLM ran out of GPU memory capturing CUDA graphs beside the {pool:.2f} GiB expert pool ({text})",
                 f"pass --mmap-expert-cache-gib below {pool:.2f}, fewer graphs (-cc.max_cudagraph_capture_size, "
                 "--max-num-seqs), or --enforce-eager")
-        if "capture" in text.lower():  # cudaErrorStreamCapture*: another thread's CUDA call during a capture
+        low = text.lower().replace(" ", "")
+        if any(p in low for p in _CAPTURE_ERRORS):  # another thread's CUDA call during a global-mode capture
             return UnsupportedError(
                 f"vLLM's CUDA graph capture failed beside mmap-offload's copy threads ({text})",
                 "pass --enforce-eager (the MoE layers run without graphs), and report it with the log")
