@@ -86,3 +86,31 @@ def test_each_layer_holds_its_bytes_when_route_returns(tmp_path, lookahead):
             assert pf.metrics["demand_loads"] == 3 * len(LAYERS)
     finally:
         res.close()
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "eager"])
+def test_route_gives_graph_padding_rows_row_zeros_experts(tmp_path, monkeypatch, graph_mode):
+    """A piecewise-graph forward padded from 2 tokens to 4 (``patches.unpadded_tokens`` says 2): route()
+    hands the layer's kernel row 0's experts for the two padding rows (their own would be misses for
+    outputs nobody reads); served eagerly vLLM never pads, and the ids pass as the router gave them."""
+    import mmap_offload.vllm_backend.residency as resmod
+
+    monkeypatch.setattr(resmod, "unpadded_tokens", lambda: 2)
+    c = make_cache(tmp_path, layers=LAYERS, num_experts=E)
+    eng = DeferredEngine(seed=1)
+    pf = LayerPrefetcher(c, eng, "cpu", lookahead=1, layers=list(LAYERS))
+    targets = [SimpleNamespace(layer=l, index=i, served=(), experts=None) for i, l in enumerate(LAYERS)]
+    off = SimpleNamespace(options=MmapOptions(layer_stream_fraction=0.25, sparse_max_ids=0), device=torch.device("cpu"),
+                          cache=c, engine=eng, targets=targets, tp_size=1, _transforms={}, prefetcher=pf,
+                          _layer_tensors=lambda t: pf.wait_for_layer(t.layer), graph_mode=graph_mode)
+    nbytes = sum(s.nbytes for s in c.expert_specs)
+    res = Residency(off, capacity_bytes=2 * len(LAYERS) * nbytes)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 0], [5, 6, 7]])
+    try:
+        _, out = res.route(targets[0], torch.rand(TOKENS, TOP_K), ids, None)
+        if graph_mode == "piecewise":
+            assert out.tolist() == [[0, 1, 2], [3, 4, 5], [0, 1, 2], [0, 1, 2]] and res.metrics["padded_rows"] == 2
+        else:
+            assert torch.equal(out, ids) and res.metrics["padded_rows"] == 0
+    finally:
+        res.close()

@@ -217,7 +217,52 @@ def test_capture_failures_patch_finds_vllms_model_runner(registered):
         patches._explain_capture = None
 
 
+@pytest.mark.vllm
+def test_unpadded_tokens_reads_the_attention_metadata_of_the_forward(registered):
+    """The read behind the padding rows' remap: outside a forward nothing; inside one the attention
+    metadata's num_actual_tokens (the first layer's; CPU attention's metadata has the field, as 0.26's
+    TRITON_ATTN and FlashAttention ones do); without metadata (vLLM's capture runs) or with
+    micro-batches (a list) nothing."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    from mmap_offload.vllm_backend.patches import unpadded_tokens
+
+    assert "num_actual_tokens" in {f.name for f in dataclasses.fields(CPUAttentionMetadata)}
+    vc = VllmConfig()
+    assert unpadded_tokens() is None
+    md = SimpleNamespace(num_actual_tokens=3)
+    for meta, want in (({"layers.0.attn": md, "layers.1.attn": md}, 3), (None, None), ([{"l": md}], None)):
+        with set_forward_context(meta, vc, num_tokens=4):
+            assert unpadded_tokens() == want, meta
+
+
 # -- no vLLM needed ------------------------------------------------------------------------------------
+def test_padding_rows_of_a_graph_batch_take_row_zeros_experts(monkeypatch):
+    """Under piecewise CUDA graphs vLLM pads a batch to its capture size; the padding rows' own routing
+    would cost misses for outputs nobody reads, so route() gives them row 0's experts (counted in
+    padded_rows). Unpadded forwards and forwards of unknown count keep the router's ids
+    (route() under piecewise graphs only: test_residency_layers.py)."""
+    import mmap_offload.vllm_backend.residency as resmod
+
+    res = resmod.Residency.__new__(resmod.Residency)
+    res.metrics = {"padded_rows": 0}
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 0]], dtype=torch.int32)
+    real = {"n": 2}
+    monkeypatch.setattr(resmod, "unpadded_tokens", lambda: real["n"])
+    got = res._unpadded(ids)
+    assert got.tolist() == [[1, 2], [3, 4], [1, 2], [1, 2]] and got.dtype == ids.dtype and got.is_contiguous()
+    assert ids.tolist()[2:] == [[5, 6], [7, 0]] and res.metrics["padded_rows"] == 2  # vLLM's tensor untouched
+    for n in (4, None, 0):
+        real["n"] = n
+        assert res._unpadded(ids) is ids
+    assert res.metrics["padded_rows"] == 2
+
+
 def test_a_failed_graph_capture_ends_in_one_line_naming_the_fix():
     """Patch 7 with the offloader's explanation: vLLM's capture failing on a CUDA capture error or out of
     GPU memory is re-raised as one line (cause, the pool's size, the fix), chained to vLLM's error; any

