@@ -133,6 +133,10 @@ def main() -> int:
             from token_match import top2_gaps
 
             res["top2_gap"] = top2_gaps(outs)
+            if case == "mmap_graphs":  # a decode batch of 3 replays the size-4 graphs: one padding row per MoE call
+                outs3 = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS + [[3, 17, 301, 42]]], sp,
+                                     use_tqdm=False)
+                res["padded_tokens"] = [list(o.outputs[0].token_ids) for o in outs3]
             res.update(counts)
             from vllm.model_executor.offloader import get_offloader
 
