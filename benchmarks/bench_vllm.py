@@ -91,7 +91,8 @@ POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sy
                 "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
-ROUTINGS = ("uniform", "uniform-trace", "skewed")  # the model's router, then the traces
+ROUTINGS = ("uniform", "uniform-trace", "skewed")
+GRAPHS_VARIANT = "llm.enforce_eager=false"  # `cfg:llm.enforce_eager=false`: vLLM's CUDA graphs (bars() reads it)  # the model's router, then the traces
 TRACE_ROUTINGS = ROUTINGS[1:]
 
 
@@ -558,10 +559,12 @@ def config_summary(child: dict, spec: dict) -> dict:
 def ratios(rows: list[dict]) -> None:
     """``x_uva`` on every row: tokens/s over uva's for the same routing and workload (the mean of
     uva's runs where ``--configs`` names it more than once; each uva row's own ratio then shows how
-    far the runs of one configuration drift within the run)."""
+    far the runs of one configuration drift within the run). uva's variants (``uva:llm.X=V``) are rows
+    against it, not part of it (until session 40 they were averaged in: the x_uva fields of
+    docs/bench/vllm-gpu-s38-run2.json and -s39-run1.json)."""
     got: dict[tuple, list[float]] = {}
     for r in rows:
-        if r["config"] == "uva" and r.get("tok_s"):
+        if r["config"] == "uva" and r.get("tok_s") and not r.get("variant"):
             got.setdefault((r["routing"], r["workload"]), []).append(r["tok_s"])
     ref = {k: sum(v) / len(v) for k, v in got.items()}
     for r in rows:
@@ -575,19 +578,20 @@ def _find(rows, config, routing, workload):
                  and r.get("tok_s") and not r.get("variant")), None)
 
 
-def _runs_ratio(rows, config, routing, workload) -> tuple[float | None, list[float]]:
-    """(the mean x uva over every run of ``config`` in this run, repeats included and variants not;
-    each run's own ratio). A configuration named twice in ``--configs`` (``uva,mmap-cache,uva,mmap-cache``)
-    runs twice, so a bar reads the mean of its runs against the mean of uva's, not one child's luck:
-    batch 1 drifts by up to ~25% from one child to the next on the H200 (session 14: uva 79.5 and 63.0 tok/s)."""
+def _runs_ratio(rows, config, routing, workload, variant: str | None = None) -> tuple[float | None, list[float]]:
+    """(the mean x uva over every run of ``config`` in this run, repeats included and variants not, or
+    only those of ``variant``; each run's own ratio). A configuration named twice in ``--configs``
+    (``uva,mmap-cache,uva,mmap-cache``) runs twice, so a bar reads the mean of its runs against the mean
+    of uva's, not one child's luck: batch 1 drifts by up to ~25% from one child to the next on the H200
+    (session 14: uva 79.5 and 63.0 tok/s)."""
     got = [r["x_uva"] for r in rows if r["config"] == config and r["routing"] == routing and r["workload"] == workload
-           and r.get("x_uva") is not None and not r.get("variant")]
+           and r.get("x_uva") is not None and r.get("variant") == variant]
     return (round(sum(got) / len(got), 3) if got else None), got
 
 
-def _bar(name: str, rows, config, routing, workload, need: float | None) -> dict:
+def _bar(name: str, rows, config, routing, workload, need: float | None, variant: str | None = None) -> dict:
     """One bar (``need`` None: a row for information, met "info")."""
-    v, runs = _runs_ratio(rows, config, routing, workload)
+    v, runs = _runs_ratio(rows, config, routing, workload, variant)
     if need is None:
         out = {"bar": name, "value": v, "need": "-", "met": "info"}
     else:
@@ -629,6 +633,17 @@ def bars(rows: list[dict], prefill_name: str) -> list[dict]:
         for b in (1, 8):
             out.append(_bar(f"decode-{b} {routing}: mmap-hybrid / uva (issue 15)", rows, "mmap-hybrid", routing,
                             f"decode-{b}", need))
+            # served with vLLM's CUDA graphs (the MoE layers eager between piecewise graphs), where a run has it:
+            # against uva (eager), the issue's bar, and against uva with its own graphs, for information
+            g = _bar(f"decode-{b} {routing}: mmap-hybrid with CUDA graphs / uva (issue 15)", rows, "mmap-hybrid",
+                     routing, f"decode-{b}", need, GRAPHS_VARIANT)
+            if g["value"] is None:
+                continue
+            out.append(g)
+            ug, _ = _runs_ratio(rows, "uva", routing, f"decode-{b}", GRAPHS_VARIANT)
+            if ug:
+                out.append({"bar": f"decode-{b} {routing}: mmap-hybrid with CUDA graphs / uva with CUDA graphs "
+                                   "(information)", "value": round(g["value"] / ug, 3), "need": "-", "met": "info"})
     pairs = []
     for routing in ROUTINGS:
         for b in DECODE_BATCHES:

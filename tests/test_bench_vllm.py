@@ -350,6 +350,34 @@ def test_routings_take_a_uniform_trace_beside_the_skewed_one(tmp_path):
     assert not any("uniform-trace" in x["bar"] for x in bench_vllm.bars(skewed_only, "prefill-2k"))
 
 
+def test_graph_variants_are_read_against_eager_uva_and_have_their_own_bars():
+    """``cfg:llm.enforce_eager=false`` rows (vLLM's CUDA graphs): uva's is a row against eager uva, not part
+    of its mean (sessions 38-39 averaged uva's variants in); hybrid's gets issue 15's bar against uva and,
+    where uva ran with graphs too, its ratio to that for information."""
+    import bench_vllm
+
+    def child(config, variant, tok_s):
+        ev = [_decode("skewed/decode-1", tok_s)]
+        return {"config": config, "label": config, "has_summary": False, "outcome": "ok", "wall_s": 1,
+                "tasks": ev, "events": ev, "cgroup": {"peak": 1 << 30},
+                "ready": {"ready_s": 2.0, "model_info": {}}, **({"variant": variant, "repeat": 1} if variant else {})}
+
+    g = bench_vllm.GRAPHS_VARIANT
+    rows = []
+    for config, variant, tok_s in (("uva", None, 100.0), ("uva", g, 110.0), ("mmap-hybrid", None, 90.0),
+                                   ("mmap-hybrid", g, 165.0)):
+        rows += bench_vllm.rows_from_child(child(config, variant, tok_s))
+    bench_vllm.ratios(rows)
+    assert [r["x_uva"] for r in rows] == [1.0, 1.1, 0.9, 1.65]
+    b = {x["bar"]: x for x in bench_vllm.bars(rows, "prefill-2k")}
+    assert b["decode-1 skewed: mmap-hybrid / uva (issue 15)"]["value"] == 0.9
+    hg = b["decode-1 skewed: mmap-hybrid with CUDA graphs / uva (issue 15)"]
+    assert hg["value"] == 1.65 and hg["need"] == ">= 1.5" and hg["met"] is True
+    info = b["decode-1 skewed: mmap-hybrid with CUDA graphs / uva with CUDA graphs (information)"]
+    assert info["value"] == 1.5 and info["met"] == "info"
+    assert not any("CUDA graphs" in x["bar"] for x in bench_vllm.bars(rows[:3], "prefill-2k"))  # no hybrid graphs row
+
+
 def test_shipped_traces_read_back_and_match_their_generator(tmp_path):
     import bench_vllm
 
