@@ -302,6 +302,15 @@ def test_a_failed_graph_capture_ends_in_one_line_naming_the_fix():
             r.fail = other  # neither a CUDA capture error nor out of memory: vLLM's own, untouched
             with pytest.raises(type(other), match=str(other)):
                 r.capture_model()
+        import gc
+        import weakref
+
+        gone = weakref.ref(off)
+        del off
+        gc.collect()
+        assert gone() is None  # the patch does not keep the offloader (and its pool) alive
+        with pytest.raises(torch.OutOfMemoryError):  # its explanation went with it: vLLM's error as it was
+            r.profile_cudagraph_memory()
     finally:
         patches._explain_capture = None
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import weakref
 from typing import Callable
 
 from ..errors import UnsupportedError
@@ -311,7 +312,12 @@ def unpadded_tokens() -> int | None:
     return n if isinstance(n, int) else None
 
 
-_explain_capture: Callable | None = None  # patch 7: the serving offloader's explanation of a failed capture
+_explain_capture: Callable | None = None  # patch 7: () -> the serving offloader's explanation of a failed capture, or None
+
+
+def _explained(e: BaseException) -> BaseException | None:
+    fn = _explain_capture() if _explain_capture is not None else None
+    return fn(e) if fn is not None else None
 
 
 def explain_capture_failures(explain: Callable, runner_cls=None) -> None:
@@ -319,7 +325,9 @@ def explain_capture_failures(explain: Callable, runner_cls=None) -> None:
     memory profile, ``profile_cudagraph_memory``) is re-raised as ``explain(error)``, chained to it,
     where that returns one (a CUDA capture error or an out-of-memory otherwise ends the start without a
     word on mmap-offload's part in it, or on the fix); else as it was. The class is patched once; the
-    last ``explain`` given is the one asked. ``runner_cls``: vLLM's ``GPUModelRunner`` by default."""
+    last ``explain`` given is the one asked, held weakly where it is a bound method (an offloader's: a
+    process that builds engine after engine keeps no old one, nor its expert pool, alive through it).
+    ``runner_cls``: vLLM's ``GPUModelRunner`` by default."""
     global _explain_capture
     if runner_cls is None:
         try:
@@ -328,7 +336,7 @@ def explain_capture_failures(explain: Callable, runner_cls=None) -> None:
             raise _missing("vllm.v1.worker.gpu_model_runner.GPUModelRunner") from None
     if not callable(getattr(runner_cls, "capture_model", None)):
         raise _missing("GPUModelRunner.capture_model")
-    _explain_capture = explain
+    _explain_capture = weakref.WeakMethod(explain) if hasattr(explain, "__self__") else (lambda: explain)
     for name in ("capture_model", "profile_cudagraph_memory"):
         fn = getattr(runner_cls, name, None)
         if fn is None or getattr(fn, "_mmap_offload", False):
@@ -338,7 +346,7 @@ def explain_capture_failures(explain: Callable, runner_cls=None) -> None:
             try:
                 return _orig(self, *args, **kwargs)
             except Exception as e:
-                why = _explain_capture(e) if _explain_capture is not None else None
+                why = _explained(e)  # (in its own frame: the traceback keeps no offloader alive)
                 if why is None:
                     raise
                 raise why from e
