@@ -382,7 +382,8 @@ def child_specs(args, ckpt: Path, cache: Path, trace: Path | None, expert_bytes:
 
 
 def mmap_options(items) -> dict:
-    """``--mmap-option KEY=VALUE`` pairs as backend options (VALUE parsed as JSON where it parses)."""
+    """``--mmap-option KEY=VALUE`` pairs as backend options (VALUE parsed as JSON where it parses; True /
+    False in any case as booleans)."""
     out = {}
     for item in items or ():
         key, sep, value = item.partition("=")
@@ -390,8 +391,8 @@ def mmap_options(items) -> dict:
             raise SystemExit(f"--mmap-option {item!r}: write KEY=VALUE, e.g. threads=14")
         try:
             out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
+        except ValueError:  # a word stays a string, but True / False mean the booleans (a string "False" is truthy)
+            out[key] = {"true": True, "false": False}.get(value.lower(), value)
     return out
 
 
@@ -585,7 +586,7 @@ def _runs_ratio(rows, config, routing, workload, variant: str | None = None) -> 
     of uva's, not one child's luck: batch 1 drifts by up to ~25% from one child to the next on the H200
     (session 14: uva 79.5 and 63.0 tok/s)."""
     got = [r["x_uva"] for r in rows if r["config"] == config and r["routing"] == routing and r["workload"] == workload
-           and r.get("x_uva") is not None and r.get("variant") == variant]
+           and r.get("x_uva") is not None and (r.get("variant") or "").lower() == (variant or "").lower()]
     return (round(sum(got) / len(got), 3) if got else None), got
 
 

@@ -365,7 +365,7 @@ def test_graph_variants_are_read_against_eager_uva_and_have_their_own_bars():
     g = bench_vllm.GRAPHS_VARIANT
     rows = []
     for config, variant, tok_s in (("uva", None, 100.0), ("uva", g, 110.0), ("mmap-hybrid", None, 90.0),
-                                   ("mmap-hybrid", g, 165.0)):
+                                   ("mmap-hybrid", g.replace("false", "False"), 165.0)):  # either spelling
         rows += bench_vllm.rows_from_child(child(config, variant, tok_s))
     bench_vllm.ratios(rows)
     assert [r["x_uva"] for r in rows] == [1.0, 1.1, 0.9, 1.65]
@@ -745,6 +745,9 @@ def test_mmap_options_reach_every_mmap_config(tmp_path):
 
     assert bench_vllm.mmap_options(["threads=14", "verify_first_use=false", "engine=mmap"]) == {
         "threads": 14, "verify_first_use": False, "engine": "mmap"}
+    # Python's spelling too: "llm.enforce_eager=False" as a string would be truthy, an eager engine named otherwise
+    assert bench_vllm.mmap_options(["llm.enforce_eager=False", "hybrid=TRUE"]) == {"llm.enforce_eager": False,
+                                                                                  "hybrid": True}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         bench_vllm.mmap_options(["threads"])
     args = bench_vllm.parse_args(["--out", str(tmp_path), "--configs", "uva,mmap-layer,mmap-cache",
