@@ -38,6 +38,7 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 #include "sigbus_guard.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define MO_X86 1
 #define CPU_RELAX() __builtin_ia32_pause()
@@ -50,7 +51,7 @@ with OMP_NUM_THREADS=1); the calling thread is worker 0.
 
 /* 2 was the fp32 AVX-512 path, removed in session 15 (avx512bw ahead of it at every M measured); 3 the
    AVX-512 BF16 path, removed in session 16 (avx512vnni ahead of it everywhere on the H200's host) */
-enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5, ISA_AVX512BW = 6 };
+enum { ISA_PLAIN = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 4, ISA_AVX512VNNI_NOVBMI = 5, ISA_AVX512BW = 6, ISA_AVXVNNI = 7 };
 enum { DT_BF16 = 0, DT_FP16 = 1, DT_FP32 = 2 };
 
 typedef struct {
@@ -85,6 +86,10 @@ int mo_host_isa_available(int isa) {
     if (isa == ISA_AVX512BW) return cpu_avx512();
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                 __builtin_cpu_supports("f16c");
+    if (isa == ISA_AVXVNNI) { /* CPUID.(7, 1):EAX bit 4 (asked directly: older compilers lack the builtin's name) */
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        return mo_host_isa_available(ISA_AVX2) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+    }
 #endif
     return isa == ISA_PLAIN;
 }
@@ -612,33 +617,67 @@ T256 static inline __m256 load8_256(const void *p, int64_t i, int dt) {
    per g, where the fp32 path it replaced spent a shift, an AND, a convert and an FMA per nibble (session
    15, build box, user shape in L3, one thread: 8.0 -> 12.4 GB/s at M = 1, 4.0 -> 5.4 at M = 3). */
 
+/* acc += u8 a . s8 b, four products per 32-bit lane: AVX-VNNI's VEX-encoded vpdpbusd (Alder Lake and later
+   client cores, Sierra Forest: AVX2 without AVX-512), as inline asm as the AVX-512 one (dot_u8s8, below), and
+   "{vex}" so that an assembler never picks the EVEX form, which such CPUs lack. Run only where
+   mo_host_isa_available(ISA_AVXVNNI). */
+T256 static inline __m256i dot256_u8s8(__m256i acc, __m256i a, __m256i b) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
+    return acc;
+}
+
 /* One half-line c of a line x MB <= 2 rows (a whole line at once spills at MB = 1: 16 ymm registers, measured
-   no faster), 4 MB 16-bit accumulators [g][m][hi, lo]. xe: [kt][c][hi, lo][M]; xq: [c][M] lane sums of q;
-   scv: the line's scales; T: [g][M] of this half. */
+   no faster), 4 MB accumulators [g][m][hi, lo]: 16-bit pairs of products (vpmaddubsw), or with VNNI 32-bit
+   quadruples (vpdpbusd: one instruction for the multiply, the add and the widening). xe: [kt][c][hi, lo][M];
+   xq: [c][M] lane sums of q; scv: the line's scales; T: [g][M] of this half. */
+/* k-tile row kt of the half-line into accumulators [g][at + m][hi, lo] for rows m < MB. */
+T256 static inline __attribute__((always_inline)) void
+kt256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int kt, const __m256i *xe, int M, int c,
+       __m256i acc[2][2][2], const int MB, const int at, const int VNNI) {
+    const __m256i m1 = _mm256_set1_epi32(0x000F000F), m2 = _mm256_set1_epi32(0x0F000F00);
+    if (pf) _mm_prefetch((const char *)(pf + kt * stride), PF_HINT); /* 32 bytes: within one line */
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + kt * stride));
+    const __m256i g0 = _mm256_or_si256(_mm256_and_si256(w, m1), _mm256_and_si256(_mm256_slli_epi32(w, 4), m2));
+    const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w, 8), m1),
+                                       _mm256_and_si256(_mm256_srli_epi32(w, 4), m2));
+    const __m256i *xk = xe + (kt * 2 + c) * 2 * M;
+#pragma GCC unroll 2
+    for (int m = 0; m < MB; m++)
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {
+            const __m256i xv = _mm256_load_si256(xk + p * M + m);
+            if (VNNI) {
+                acc[0][at + m][p] = dot256_u8s8(acc[0][at + m][p], g0, xv);
+                acc[1][at + m][p] = dot256_u8s8(acc[1][at + m][p], g1, xv);
+            } else {
+                acc[0][at + m][p] = _mm256_add_epi16(acc[0][at + m][p], _mm256_maddubs_epi16(g0, xv));
+                acc[1][at + m][p] = _mm256_add_epi16(acc[1][at + m][p], _mm256_maddubs_epi16(g1, xv));
+            }
+        }
+}
+
 T256 static inline __attribute__((always_inline)) void
 blk256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m256i *xe, int M, int c,
-        const __m256i *xq, const float *sx, __m256 *T, const float *scv, const int MB) {
-    const __m256i m1 = _mm256_set1_epi32(0x000F000F), m2 = _mm256_set1_epi32(0x0F000F00);
+        const __m256i *xq, const float *sx, __m256 *T, const float *scv, const int MB, const int VNNI) {
     __m256i acc[2][2][2];
 #pragma GCC unroll 2
     for (int g = 0; g < 2; g++)
 #pragma GCC unroll 2
-        for (int m = 0; m < MB; m++) acc[g][m][0] = acc[g][m][1] = _mm256_setzero_si256();
-    for (int kt = 0; kt < nkt; kt++) {
-        if (pf) _mm_prefetch((const char *)(pf + kt * stride), PF_HINT); /* 32 bytes: within one line */
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + kt * stride));
-        const __m256i g0 = _mm256_or_si256(_mm256_and_si256(w, m1), _mm256_and_si256(_mm256_slli_epi32(w, 4), m2));
-        const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w, 8), m1),
-                                           _mm256_and_si256(_mm256_srli_epi32(w, 4), m2));
-        const __m256i *xk = xe + (kt * 2 + c) * 2 * M;
+        for (int m = 0; m < 2; m++) acc[g][m][0] = acc[g][m][1] = _mm256_setzero_si256();
+    if (VNNI && MB == 1) { /* one row: even k tiles into slot 0, odd into slot 1 (the idle row's), so that
+                              vpdpbusd's latency (a chain through its accumulator) is paid on 8 chains, not 4 */
+        int kt = 0;
+        for (; kt + 1 < nkt; kt += 2) {
+            kt256i(wb, pf, stride, kt, xe, M, c, acc, 1, 0, 1);
+            kt256i(wb, pf, stride, kt + 1, xe, M, c, acc, 1, 1, 1);
+        }
+        if (kt < nkt) kt256i(wb, pf, stride, kt, xe, M, c, acc, 1, 0, 1);
 #pragma GCC unroll 2
-        for (int m = 0; m < MB; m++)
+        for (int g = 0; g < 2; g++)
 #pragma GCC unroll 2
-            for (int p = 0; p < 2; p++) {
-                const __m256i xv = _mm256_load_si256(xk + p * M + m);
-                acc[0][m][p] = _mm256_add_epi16(acc[0][m][p], _mm256_maddubs_epi16(g0, xv));
-                acc[1][m][p] = _mm256_add_epi16(acc[1][m][p], _mm256_maddubs_epi16(g1, xv));
-            }
+            for (int p = 0; p < 2; p++) acc[g][0][p] = _mm256_add_epi32(acc[g][0][p], acc[g][1][p]);
+    } else {
+        for (int kt = 0; kt < nkt; kt++) kt256i(wb, pf, stride, kt, xe, M, c, acc, MB, 0, VNNI);
     }
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 2
@@ -646,7 +685,8 @@ blk256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const _
         const __m256 sv = _mm256_broadcast_ps((const __m128 *)(scv + g * 4)); /* columns j, both 128-bit halves */
 #pragma GCC unroll 2
         for (int m = 0; m < MB; m++) {
-            __m256i hi = _mm256_madd_epi16(acc[g][m][0], ones), lo = _mm256_madd_epi16(acc[g][m][1], ones);
+            __m256i hi = VNNI ? acc[g][m][0] : _mm256_madd_epi16(acc[g][m][0], ones),
+                    lo = VNNI ? acc[g][m][1] : _mm256_madd_epi16(acc[g][m][1], ones);
             __m256i r = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo), _mm256_slli_epi32(xq[c * M + m], 3));
             __m256 *Tp = T + g * M + m;
             *Tp = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(sx[m])), *Tp); /* as blk512vn */
@@ -654,9 +694,9 @@ blk256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const _
     }
 }
 
-/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), its 64 columns n. */
-T256 static void seg256i(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y,
-                          float *scratch) {
+/* y[(i*M + m)*64 + n] for tiles nt0 + i (i < C <= seg_tiles(M)), its 64 columns n (VNNI: the avxvnni path). */
+T256 static inline __attribute__((always_inline)) void
+seg256i_(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scratch, const int VNNI) {
     const int M = X->M;
     const int64_t NT = A->N / 64, stride = NT * 128;
     __m256i *xe = (__m256i *)scratch;       /* [8 kt][2 c][hi, lo][M] */
@@ -732,8 +772,8 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, const act_t *X, flo
                     const uint32_t *wb = w0 + 8 * hl, *pb = m0 == 0 && pf ? pf + 8 * hl : NULL;
                     __m256 *Tb = T + i * 32 * M + hl * 2 * M + m0;
                     const float *sb = scv + 64 * i + (hl >> 1) * 8;
-                    if (mb == 1) blk256i(wb, pb, stride, nkt, xe + m0, M, hl & 1, xq + m0, sx + m0, Tb, sb, 1);
-                    else blk256i(wb, pb, stride, nkt, xe + m0, M, hl & 1, xq + m0, sx + m0, Tb, sb, 2);
+                    if (mb == 1) blk256i(wb, pb, stride, nkt, xe + m0, M, hl & 1, xq + m0, sx + m0, Tb, sb, 1, VNNI);
+                    else blk256i(wb, pb, stride, nkt, xe + m0, M, hl & 1, xq + m0, sx + m0, Tb, sb, 2, VNNI);
                 }
             }
         }
@@ -753,6 +793,14 @@ T256 static void seg256i(const mat_t *A, int64_t nt0, int C, const act_t *X, flo
     }
 }
 
+/* The two AVX2 paths as seg_fn: avx2 (vpmaddubsw), avxvnni (vpdpbusd). */
+T256 static void seg256i(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scr) {
+    seg256i_(A, nt0, C, X, y, scr, 0);
+}
+T256 static void seg256vn(const mat_t *A, int64_t nt0, int C, const act_t *X, float *y, float *scr) {
+    seg256i_(A, nt0, C, X, y, scr, 1);
+}
+
 #endif /* MO_X86 */
 
 typedef void (*seg_fn)(const mat_t *, int64_t, int, const act_t *, float *, float *);
@@ -768,6 +816,7 @@ static seg_fn pick_seg(int isa) {
     if (isa == ISA_AVX512VNNI_NOVBMI) return seg512vn_novbmi;
     if (isa == ISA_AVX512BW) return seg512bw;
     if (isa == ISA_AVX2) return seg256i;
+    if (isa == ISA_AVXVNNI) return seg256vn;
 #endif
     (void)isa;
     return seg_plain;

@@ -260,6 +260,20 @@ def test_isas_agree_closely():
         assert ((y - p).abs() <= 2.0**-7 * p.abs() + 2.0**-11 * p.abs().max()).all(), isa
 
 
+@pytest.mark.skipif("avxvnni" not in AVAILABLE, reason="this CPU lacks AVX-VNNI")
+def test_avxvnni_is_the_avx2_scheme_bit_for_bit():
+    """The avxvnni path is the avx2 one with vpdpbusd in place of vpmaddubsw and its 16-bit sums: the same
+    exact integer sums, the same fp32 steps after them, so the same bytes out (M 1 and 3: one and two
+    rows per register pass; group 128 and channelwise)."""
+    for group in (128, -1):
+        cache, _ = expert(384, 256, group)
+        for m in (1, 3):
+            x = rand_x(m, 384, torch.bfloat16, seed=7 + m)
+            a = kernel(2, "avx2").expert_mlp(x, *args(cache), group=group)
+            b = kernel(2, "avxvnni").expert_mlp(x, *args(cache), group=group)
+            assert torch.equal(a, b), (group, m)
+
+
 def test_views_of_a_dropped_mapping(tmp_path):
     """The tensors are zero-copy views of a file mapping whose pages were dropped from the page cache
     (posix_fadvise DONTNEED): the kernel faults them in, reads them in place, and the result is right."""

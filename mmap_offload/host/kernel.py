@@ -21,7 +21,7 @@ fine), never copied; the C call releases the GIL.
 Accuracy: fp32 accumulation throughout (w13, the SiLU * up intermediate kept in fp32, w2), one rounding
 to x's dtype at the end (per call: ``experts_mlp`` sums every job of a row in fp32 before rounding). K is
 summed in chunks fixed by the matrix and M (not by the thread count), in order: the bytes out do not
-depend on ``threads``. The SIMD paths (``avx512vnni``, ``-novbmi``, ``avx512bw``, ``avx2``) take x (and the intermediate) as 16-bit
+depend on ``threads``. The SIMD paths (``avx512vnni``, ``-novbmi``, ``avx512bw``, ``avxvnni``, ``avx2``) take x (and the intermediate) as 16-bit
 fixed point per row and k block of <= 128: the error per element is at most 1/65278 of the block's
 largest |x|, about bf16's own rounding of x at values 1/128 of that largest; integer sums are exact, then
 scaled in fp32. Every path meets the tests' bf16 tolerance (rtol 2^-8, atol 2^-12 of the largest
@@ -41,7 +41,9 @@ bytes after one vpmultishiftqb, x as two signed bytes),
 ``avx512vnni-novbmi`` (the same without VBMI, a shift, a select and an AND in the shuffle's place:
 Cascade Lake, Cooper Lake),
 ``avx512bw`` (the integer scheme without VNNI: vpmaddubsw
-and 16-bit sums per block; Skylake-SP), ``avx2`` (the avx512bw scheme at 256 bits), ``plain`` (C). (An
+and 16-bit sums per block; Skylake-SP), ``avxvnni`` (the avx2 path with AVX-VNNI's 256-bit vpdpbusd in place
+of vpmaddubsw and its 16-bit sums: Alder Lake and later client cores, Sierra Forest), ``avx2`` (the avx512bw
+scheme at 256 bits), ``plain`` (C). (An
 fp32 FMA path for AVX-512, ``avx512``, was removed in session 15: ``avx512bw`` is at or ahead of it at
 every M; a vdpbf16ps path, ``avx512bf16``, in session 16: ``avx512vnni`` is ahead of it at every shape,
 thread count and M on the H200's Intel host.) ``auto`` takes the first the CPU has (the order measured on
@@ -67,8 +69,8 @@ __all__ = ["HostCall", "HostKernel", "HostReadFault", "ISAS", "available_isas", 
            "library", "sigbus_guard_prev"]
 
 # fastest first (the build box and the H200's host; BENCHMARKS.md "Host compute", sessions 15 and 16)
-ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avx2", "plain")
-_ISA_CODE = {"plain": 0, "avx2": 1, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6}
+ISAS = ("avx512vnni", "avx512vnni-novbmi", "avx512bw", "avxvnni", "avx2", "plain")
+_ISA_CODE = {"plain": 0, "avx2": 1, "avx512vnni": 4, "avx512vnni-novbmi": 5, "avx512bw": 6, "avxvnni": 7}
 _DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ABI = 2  # 2: mo_host_mlp_start / mo_host_mlp_wait
 # How long (us) an idle pool thread spins before it sleeps: a sleeping thread joins the next call late.
