@@ -44,7 +44,15 @@ class OptionalBuildExt(build_ext):
             stamp.parent.mkdir(parents=True, exist_ok=True)
             stamp.write_text(f'const char mo_sources_{stem}[13] = "{digest}";\n')
             ext.sources = [s for s in ext.sources if not s.endswith(stamp.name)] + [str(stamp)]
-            super().build_extension(ext)
+            try:
+                super().build_extension(ext)
+            except Exception:  # noqa: BLE001 - a second try without the library's optional part, if it has one
+                fallback = native.LIBRARIES[stem].fallback
+                if not fallback:
+                    raise
+                ext.extra_compile_args = [*ext.extra_compile_args, *fallback]
+                self.warn(f"mmap-offload: building {ext.name} again with {' '.join(fallback)}")
+                super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - any failure: the package still works without it
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)  # no older build ships instead
             self.warn(f"mmap-offload: building {ext.name} failed ({e}); the package falls back to a "

@@ -86,10 +86,12 @@ int mo_host_isa_available(int isa) {
     if (isa == ISA_AVX512BW) return cpu_avx512();
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                 __builtin_cpu_supports("f16c");
+#ifndef MO_NO_AVXVNNI /* (native.py's second build try, where the assembler lacks AVX-VNNI's {vex} form) */
     if (isa == ISA_AVXVNNI) { /* CPUID.(7, 1):EAX bit 4 (asked directly: older compilers lack the builtin's name) */
         unsigned a = 0, b = 0, c = 0, d = 0;
         return mo_host_isa_available(ISA_AVX2) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
     }
+#endif
 #endif
     return isa == ISA_PLAIN;
 }
@@ -622,7 +624,11 @@ T256 static inline __m256 load8_256(const void *p, int64_t i, int dt) {
    "{vex}" so that an assembler never picks the EVEX form, which such CPUs lack. Run only where
    mo_host_isa_available(ISA_AVXVNNI). */
 T256 static inline __m256i dot256_u8s8(__m256i acc, __m256i a, __m256i b) {
+#ifndef MO_NO_AVXVNNI
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b));
+#else
+    (void)a, (void)b; /* never run: the path is unavailable in this build */
+#endif
     return acc;
 }
 

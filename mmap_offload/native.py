@@ -39,13 +39,15 @@ __all__ = ["LIBRARIES", "Library", "cpu_flag", "library_status", "load_library",
 @dataclass(frozen=True)
 class Library:
     """How to build one native library: C ``sources`` (and ``headers``) of csrc/, compiler flags,
-    link libraries, and the CPU flags (/proc/cpuinfo names) it needs to be loaded."""
+    link libraries, the CPU flags (/proc/cpuinfo names) it needs to be loaded, and ``fallback``: flags
+    added for a second try where the first compile fails (a part the toolchain may not assemble, left out)."""
 
     sources: tuple[str, ...]
     headers: tuple[str, ...] = ()
     cflags: tuple[str, ...] = ("-O3",)
     libs: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
+    fallback: tuple[str, ...] = ()
 
 
 LIBRARIES: dict[str, Library] = {
@@ -54,8 +56,10 @@ LIBRARIES: dict[str, Library] = {
     "mo_native": Library(("copy_pool.c", "fastcopy.c", "route_step.c", "async_step.c"),
                          ("fastcopy.h", "route_step.h", "sigbus_guard.h"),
                          ("-O3", "-mavx2", "-ffp-contract=off"), ("pthread", "m"), ("avx2",)),
-    # host compute of missed experts: dispatches on the ISA at run time (function target attributes)
-    "mo_host": Library(("host_kernel.c",), ("sigbus_guard.h",), ("-O3",), ("pthread", "m"), ()),
+    # host compute of missed experts: dispatches on the ISA at run time (function target attributes);
+    # without the avxvnni path where the assembler lacks AVX-VNNI's {vex} form (binutils < 2.36)
+    "mo_host": Library(("host_kernel.c",), ("sigbus_guard.h",), ("-O3",), ("pthread", "m"), (),
+                       ("-DMO_NO_AVXVNNI",)),
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -186,11 +190,12 @@ def _open(path: str, how: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"not available: {path} does not load ({e})"
 
 
-def compile_command(stem: str, out: str, cc: str) -> list[str]:
-    """The one compiler line of a run-time build (setup.py passes the same flags to setuptools)."""
+def compile_command(stem: str, out: str, cc: str, fallback: bool = False) -> list[str]:
+    """The one compiler line of a run-time build (setup.py passes the same flags to setuptools);
+    ``fallback``: with the library's fallback flags (its second try)."""
     lib = LIBRARIES[stem]
-    return [cc, *lib.cflags, "-shared", "-fPIC", *(str(CSRC_DIR / s) for s in lib.sources),
-            *(f"-l{x}" for x in lib.libs), "-o", out]
+    return [cc, *lib.cflags, *(lib.fallback if fallback else ()), "-shared", "-fPIC",
+            *(str(CSRC_DIR / s) for s in lib.sources), *(f"-l{x}" for x in lib.libs), "-o", out]
 
 
 def _build(stem: str, fname: str) -> tuple[Path | None, str]:
@@ -210,6 +215,9 @@ def _build(stem: str, fname: str) -> tuple[Path | None, str]:
             continue
         try:
             r = subprocess.run(compile_command(stem, tmp, cc), capture_output=True, timeout=180)
+            if r.returncode != 0 and LIBRARIES[stem].fallback:  # the second try, without the optional part
+                r2 = subprocess.run(compile_command(stem, tmp, cc, fallback=True), capture_output=True, timeout=180)
+                r = r if r2.returncode != 0 else r2
         except (OSError, subprocess.SubprocessError) as e:
             os.unlink(tmp)
             return None, f"the compiler {cc} did not run ({e})"

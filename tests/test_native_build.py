@@ -87,6 +87,42 @@ def test_a_stale_extension_is_skipped_for_a_run_time_build(built_ext, monkeypatc
     assert len(list((tmp_path / "rt").glob("libmo_native-*.so"))) == 1
 
 
+def _old_cc(tmp_path: Path) -> Path:
+    """A compiler that fails on host_kernel.c unless its optional part is left out, as an assembler
+    without AVX-VNNI's {vex} form would; any other call goes to cc."""
+    cc = tmp_path / "old-cc"
+    cc.write_text("#!/bin/sh\ncase \"$*\" in *-DMO_NO_AVXVNNI*) ;; *host_kernel.c*)\n"
+                  "  echo 'Error: no such instruction: `vex vpdpbusd' >&2; exit 1;; esac\n"
+                  f"exec {shutil.which('cc')} \"$@\"\n")
+    cc.chmod(0o755)
+    return cc
+
+
+@needs_cc
+def test_setup_builds_the_host_kernel_again_without_its_optional_part(tmp_path):
+    """setup.py's side of the same: the install's extension is built on the second try, without avxvnni."""
+    r = _setup_build_ext(tmp_path, env={**os.environ, "CC": str(_old_cc(tmp_path))})
+    assert r.returncode == 0, r.stderr
+    ext = next((tmp_path / "lib" / "mmap_offload").glob("_mo_host*.so"))
+    lib = ctypes.CDLL(str(ext))
+    assert lib.mo_host_isa_available(7) == 0 and lib.mo_host_isa_available(0) == 1
+    assert "again with -DMO_NO_AVXVNNI" in r.stderr + r.stdout
+
+
+@needs_cc
+def test_a_toolchain_without_the_avxvnni_form_still_builds_the_host_kernel(monkeypatch, tmp_path):
+    """mo_host's optional part (the avxvnni path's {vex} vpdpbusd, which binutils < 2.36 cannot assemble):
+    where the first compile fails, the run-time build tries again with the library's fallback flags and
+    the kernel loads without that path; the other paths are the CPU's as before."""
+    monkeypatch.setenv("CC", str(_old_cc(tmp_path)))
+    monkeypatch.setattr(native, "PACKAGE_DIR", tmp_path)  # no installed extension: a run-time build
+    lib = native.load_library("mo_host")
+    assert lib is not None, native.library_status("mo_host")
+    assert native.library_status("mo_host") == f"built at run time in {tmp_path / 'rt'}"
+    assert lib.mo_host_isa_available(7) == 0  # avxvnni: left out of this build
+    assert lib.mo_host_isa_available(0) == 1 and lib.mo_host_isa_available(1) == int(native.cpu_flag("avx2"))
+
+
 @pytest.mark.parametrize("how", ["cc_fails", "no_cc"])
 def test_no_compiler_gives_none_and_a_reason(how, monkeypatch, tmp_path):
     monkeypatch.setattr(native, "PACKAGE_DIR", tmp_path)  # no installed extension
