@@ -91,8 +91,8 @@ POOL_CONFIGS = ("mmap-cache", "mmap-cache-wait", "mmap-cache-py", "mmap-cache-sy
                 "mmap-all")  # an expert pool; the trace via the backend
 DEFAULT_CONFIGS = "uva,mmap-layer,mmap-cache,mmap-hybrid,noff"
 BARS = {"decode_skewed": 0.8, "prefill": 1.0}
-ROUTINGS = ("uniform", "uniform-trace", "skewed")
-GRAPHS_VARIANT = "llm.enforce_eager=false"  # `cfg:llm.enforce_eager=false`: vLLM's CUDA graphs (bars() reads it)  # the model's router, then the traces
+ROUTINGS = ("uniform", "uniform-trace", "skewed")  # the model's router, then the traces
+GRAPHS_VARIANT = "llm.enforce_eager=false"  # `cfg:llm.enforce_eager=false`: vLLM's CUDA graphs (bars() reads it)
 TRACE_ROUTINGS = ROUTINGS[1:]
 
 

@@ -632,11 +632,7 @@ T256 static inline __m256i dot256_u8s8(__m256i acc, __m256i a, __m256i b) {
     return acc;
 }
 
-/* One half-line c of a line x MB <= 2 rows (a whole line at once spills at MB = 1: 16 ymm registers, measured
-   no faster), 4 MB accumulators [g][m][hi, lo]: 16-bit pairs of products (vpmaddubsw), or with VNNI 32-bit
-   quadruples (vpdpbusd: one instruction for the multiply, the add and the widening). xe: [kt][c][hi, lo][M];
-   xq: [c][M] lane sums of q; scv: the line's scales; T: [g][M] of this half. */
-/* k-tile row kt of the half-line into accumulators [g][at + m][hi, lo] for rows m < MB. */
+/* k-tile row kt of the half-line into accumulators [g][at + m][hi, lo] for rows m < MB (blk256i, below). */
 T256 static inline __attribute__((always_inline)) void
 kt256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int kt, const __m256i *xe, int M, int c,
        __m256i acc[2][2][2], const int MB, const int at, const int VNNI) {
@@ -662,6 +658,10 @@ kt256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int kt, const __m
         }
 }
 
+/* One half-line c of a line x MB <= 2 rows (a whole line at once spills at MB = 1: 16 ymm registers, measured
+   no faster), 4 MB accumulators [g][m][hi, lo]: 16-bit pairs of products (vpmaddubsw), or with VNNI 32-bit
+   quadruples (vpdpbusd: one instruction for the multiply, the add and the widening). xe: [kt][c][hi, lo][M];
+   xq: [c][M] lane sums of q; scv: the line's scales; T: [g][M] of this half. */
 T256 static inline __attribute__((always_inline)) void
 blk256i(const uint32_t *wb, const uint32_t *pf, int64_t stride, int nkt, const __m256i *xe, int M, int c,
         const __m256i *xq, const float *sx, __m256 *T, const float *scv, const int MB, const int VNNI) {

@@ -270,16 +270,22 @@ def after_moe_call(runner, fn: Callable) -> None:
     _then(runner, "_forward_impl", fn, "MoERunner")
 
 
-def graph_runtime_mode() -> str:
-    """The current forward's CUDA graph runtime mode name ("NONE" outside a forward, or without vLLM).
-    Read on every MoE call when compiled: the forward context only."""
+def _forward_context():
+    """vLLM's current forward context, or None outside a forward (or without vLLM)."""
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
     except ImportError:
+        return None
+    return get_forward_context() if is_forward_context_available() else None
+
+
+def graph_runtime_mode() -> str:
+    """The current forward's CUDA graph runtime mode name ("NONE" outside a forward, or without vLLM).
+    Read on every MoE call when compiled: the forward context only."""
+    ctx = _forward_context()
+    if ctx is None:
         return "NONE"
-    if not is_forward_context_available():
-        return "NONE"
-    m = get_forward_context().cudagraph_runtime_mode
+    m = ctx.cudagraph_runtime_mode
     return str(getattr(m, "name", m)).upper()
 
 
@@ -299,13 +305,8 @@ def unpadded_tokens() -> int | None:
     CPU attention in 0.32), or None where that is not known: outside a forward, no attention metadata
     (vLLM's graph capture runs), micro-batches (a list of metadata). Read on every MoE call under
     piecewise graphs."""
-    try:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-    except ImportError:
-        return None
-    if not is_forward_context_available():
-        return None
-    md = get_forward_context().attn_metadata
+    ctx = _forward_context()
+    md = ctx.attn_metadata if ctx is not None else None
     if isinstance(md, dict):
         md = next(iter(md.values()), None)
     n = getattr(md, "num_actual_tokens", None)

@@ -298,10 +298,7 @@ class Residency:
             self.metrics["between_cpu_s" if t.index else "outside_cpu_s"] += c0 - self._route_end_cpu
         fast = self._fast.get(t.index) if x is not None else None
         if fast is not None:  # the layer's steady decode state: one hybrid call on the stream, few checks
-            if self.trace is not None:
-                topk_ids = self._trace_ids(t, topk_ids)
-            if self._unpad:
-                topk_ids = self._unpadded(topk_ids)
+            topk_ids = self._served_ids(t, topk_ids)
             got = self._fast_hybrid(t, fast, topk_ids, topk_weights, x)
         if fast is not None and got is not None:
             topk_weights, out = got
@@ -325,10 +322,7 @@ class Residency:
         """route()'s general path: every mode (module docstring), first calls and changes of shape."""
         with torch.inference_mode(False):
             if not traced:
-                if self.trace is not None:
-                    topk_ids = self._trace_ids(t, topk_ids)
-                if self._unpad:
-                    topk_ids = self._unpadded(topk_ids)
+                topk_ids = self._served_ids(t, topk_ids)
             n, k = int(topk_ids.shape[0]), int(topk_ids.shape[-1])
             self._small_step = n * k <= self.async_fits
             if self._expected_distinct(n, k) > self.threshold and not self.async_fits < n * k <= self.sparse_ids:
@@ -716,6 +710,13 @@ class Residency:
         out = torch.index_select(m, 0, ids.reshape(-1)).view(ids.shape)
         self.metrics["map_s"] += time.perf_counter() - t1
         return out
+
+    def _served_ids(self, t, ids: torch.Tensor) -> torch.Tensor:
+        """The router's ids as this call serves them: the routing trace's where one is replayed, and
+        under piecewise graphs the padding rows on row 0's experts."""
+        if self.trace is not None:
+            ids = self._trace_ids(t, ids)
+        return self._unpadded(ids) if self._unpad else ids
 
     def _unpadded(self, ids: torch.Tensor) -> torch.Tensor:
         """Under piecewise CUDA graphs vLLM pads a batch to its next capture size (a batch of 5 runs as 8);
